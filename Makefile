@@ -1,0 +1,33 @@
+# Two commands do all the set-up on a fresh machine (CPython 3.11, Java 17 and Maven needed):
+#   make demo   - the whole pipeline on the embedded Kafka broker and the Mooncake trace
+#   make test   - unit tests and integration tests against a real broker
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test broker-start broker-stop clean
+
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found (set PYTHON=...)"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test,rocksdb]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/kvstream demo $(DEMO_ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+broker-start: $(STAMP)
+	$(VENV)/bin/kvstream broker start
+
+broker-stop: $(STAMP)
+	$(VENV)/bin/kvstream broker stop
+
+clean:
+	rm -rf $(VENV) .kvstream *.egg-info

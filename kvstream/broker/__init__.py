@@ -1,0 +1,705 @@
+"""Embedded single-node Apache Kafka broker for development and tests.
+
+Kafka has no PyPI package, so the broker runs from its jars on Maven Central:
+``pom.xml`` (next to this file) lists them, and :func:`ensure_jars` lets Maven
+copy them into a per-version cache once. :func:`start` then runs a one-node
+combined KRaft broker (broker + controller in one JVM, 127.0.0.1 only) as a
+detached process that outlives the Python process that started it.
+
+Layout of a broker data directory (default ``.kvstream/broker``)::
+
+    server.properties   generated from server.properties.in on every start
+    broker.pid          pid of the running broker JVM
+    data/               Kafka log.dirs (topic data and KRaft metadata)
+    logs/broker.out     the broker's stdout and stderr
+
+Requires ``java`` (17+) on PATH or in ``$JAVA_HOME``, and ``mvn`` for the
+one-time jar download. Every failure is raised as :class:`BrokerError`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import fcntl
+import hashlib
+import itertools
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import string
+import subprocess
+import sys
+import time
+import uuid
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, overload
+
+__all__ = [
+    "KAFKA_VERSION",
+    "TOOLS",
+    "BrokerError",
+    "BrokerStatus",
+    "ensure_jars",
+    "start",
+    "stop",
+    "status",
+    "run_tool",
+    "register_cli",
+]
+
+_HERE = Path(__file__).resolve().parent
+_POM = _HERE / "pom.xml"
+_SERVER_TEMPLATE = _HERE / "server.properties.in"
+_BROKER_LOG4J = _HERE / "log4j2.properties"
+_TOOLS_LOG4J = _HERE / "tools-log4j2.properties"
+
+DEFAULT_DATA_DIR = Path(".kvstream/broker")
+_MARKER = ".complete"  # written into the jar directory after a successful download
+
+
+def _pom_kafka_version() -> str:
+    ns = {"m": "http://maven.apache.org/POM/4.0.0"}
+    node = ET.parse(_POM).getroot().find("m:properties/m:kafka.version", ns)
+    if node is None or not (node.text or "").strip():
+        raise RuntimeError(f"{_POM} has no <properties><kafka.version>")
+    return node.text.strip()
+
+
+#: The Kafka version; its only definition is ``<kafka.version>`` in pom.xml.
+KAFKA_VERSION = _pom_kafka_version()
+
+#: Short tool name -> main class in the Kafka jars (all verified for 4.1.2).
+TOOLS = {
+    "topics": "org.apache.kafka.tools.TopicCommand",
+    "console-consumer": "org.apache.kafka.tools.consumer.ConsoleConsumer",
+    "console-producer": "org.apache.kafka.tools.ConsoleProducer",
+    "consumer-groups": "org.apache.kafka.tools.consumer.group.ConsumerGroupCommand",
+    "configs": "kafka.admin.ConfigCommand",  # still Scala, in kafka_2.13, in 4.1
+    "get-offsets": "org.apache.kafka.tools.GetOffsetShell",
+    "metadata-quorum": "org.apache.kafka.tools.MetadataQuorumCommand",
+    "features": "org.apache.kafka.tools.FeatureCommand",
+    "producer-perf-test": "org.apache.kafka.tools.ProducerPerformance",
+    "consumer-perf-test": "org.apache.kafka.tools.ConsumerPerformance",
+    "storage": "kafka.tools.StorageTool",
+}
+
+# Kafka's own G1 settings (kafka-run-class.sh) plus fail-fast on OOM.
+_JVM_FLAGS = [
+    "-server",
+    "-XX:+UseG1GC",
+    "-XX:MaxGCPauseMillis=20",
+    "-XX:InitiatingHeapOccupancyPercent=35",
+    "-XX:+ExplicitGCInvokesConcurrent",
+    "-XX:MaxInlineLevel=15",
+    "-XX:+ExitOnOutOfMemoryError",
+    "-Djava.awt.headless=true",
+]
+# Kafka's defaults for CLI tools (kafka-run-class.sh).
+_TOOL_JVM_FLAGS = ["-Xmx256m", "-Djava.awt.headless=true"]
+
+
+class BrokerError(RuntimeError):
+    """The broker or its jars could not be set up, started, stopped or queried.
+
+    The message is meant for humans and includes the relevant log tail.
+    """
+
+
+@dataclass(frozen=True)
+class BrokerStatus:
+    """State of the broker belonging to one data directory.
+
+    Attributes:
+        running: True if the broker JVM of this data dir is alive (it may still
+            be booting; :func:`start` only returns once it answers requests).
+        pid: Process id of the broker JVM, or None if not running.
+        port: PLAINTEXT listener port (TCP, on 127.0.0.1) from the last
+            generated server.properties, or None if never started.
+        bootstrap_servers: ``"127.0.0.1:<port>"`` for Kafka clients, or None.
+        data_dir: Absolute path of the broker data directory.
+        log_file: Absolute path of the broker's stdout/stderr log
+            (``<data_dir>/logs/broker.out``; may not exist yet).
+        kafka_version: Kafka version of the jars, e.g. ``"4.1.2"``.
+    """
+
+    running: bool
+    pid: int | None
+    port: int | None
+    bootstrap_servers: str | None
+    data_dir: Path
+    log_file: Path
+    kafka_version: str
+
+
+# --------------------------------------------------------------------------- jars
+
+
+def _default_cache_root() -> Path:
+    env = os.environ.get("KVSTREAM_KAFKA_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvstream"
+
+
+def _jar_dir(cache_dir: Path | None) -> Path:
+    root = Path(cache_dir).expanduser() if cache_dir else _default_cache_root()
+    return root.resolve() / f"kafka-{KAFKA_VERSION}" / "libs"
+
+
+def _pom_digest() -> str:
+    return hashlib.sha256(_POM.read_bytes()).hexdigest()
+
+
+def _jars_complete(libs: Path) -> bool:
+    marker = libs / _MARKER
+    return marker.is_file() and marker.read_text().strip() == _pom_digest()
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive flock on ``path`` (created if needed) for the block."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _tail(text: str, lines: int = 40) -> str:
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)  # strip ANSI colours
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def ensure_jars(cache_dir: Path | None = None, progress: Callable[[str], object] = print) -> Path:
+    """Make sure the Kafka jars are in the local cache and return their directory.
+
+    Args:
+        cache_dir: Cache root; the jars go to ``<cache_dir>/kafka-<version>/libs``.
+            Default: ``$KVSTREAM_KAFKA_CACHE`` if set, else ``~/.cache/kvstream``.
+        progress: Called with one human-readable line before and after a
+            download (nothing is reported when the cache is already complete).
+
+    Returns:
+        Absolute path of the directory holding all jars (use it as ``<dir>/*``
+        on a Java classpath).
+
+    Raises:
+        BrokerError: ``mvn`` is not installed, or Maven failed (the message
+            ends with the tail of Maven's output).
+
+    The cache is complete when its marker file holds the SHA-256 of pom.xml, so
+    a second call neither downloads anything nor starts Maven, and an edited
+    pom.xml triggers a fresh download. Downloads go to a temporary directory
+    that replaces the old one only on success; a file lock serialises
+    concurrent callers. About 55 MB, a few seconds to a minute on first use.
+    """
+    libs = _jar_dir(cache_dir)
+    if _jars_complete(libs):
+        return libs
+    with _file_lock(libs.parent / ".lock"):
+        if _jars_complete(libs):  # another process finished while we waited
+            return libs
+        _java()  # Maven needs Java too; fail with the clearer message first
+        mvn = shutil.which("mvn")
+        if mvn is None:
+            raise BrokerError(
+                "Apache Maven ('mvn') is needed once to download the Kafka jars, "
+                "but it is not on PATH. Install it (e.g. 'apt-get install maven')."
+            )
+        tmp = libs.parent / f"libs.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        progress(f"Downloading Kafka {KAFKA_VERSION} jars with Maven into {libs} (one-time, ~55 MB)...")
+        started = time.monotonic()
+        cmd = [mvn, "-B", "-q", "-Dstyle.color=never", "-f", str(_POM), "dependency:copy-dependencies"]
+        cmd += ["-DincludeScope=runtime", f"-DoutputDirectory={tmp}"]
+        proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+        if proc.returncode != 0 or not any(tmp.glob("kafka_2.13-*.jar")):
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise BrokerError(
+                f"Maven failed to download the Kafka {KAFKA_VERSION} jars "
+                f"(exit code {proc.returncode}; command: {shlex.join(cmd)}).\n"
+                f"Last lines of Maven's output:\n{_tail(proc.stdout + proc.stderr)}"
+            )
+        (tmp / _MARKER).write_text(_pom_digest() + "\n")
+        shutil.rmtree(libs, ignore_errors=True)
+        tmp.rename(libs)
+        size_mb = sum(p.stat().st_size for p in libs.iterdir()) / 1e6
+        progress(f"Kafka jars ready: {size_mb:.0f} MB in {time.monotonic() - started:.1f} s")
+    return libs
+
+
+def _java_cmd(main_class: str, jvm_opts: list[str], log4j_config: Path, libs: Path) -> list[str]:
+    """Command line running ``main_class`` with all jars of ``libs`` on the classpath."""
+    return [_java(), *jvm_opts, f"-Dlog4j2.configurationFile={log4j_config}", "-cp", f"{libs}/*", main_class]
+
+
+def _java() -> str:
+    home_java = Path(os.environ.get("JAVA_HOME", "/nonexistent")) / "bin" / "java"
+    java = str(home_java) if home_java.exists() else shutil.which("java")
+    if java is None:
+        raise BrokerError("Kafka needs Java 17 or newer, but there is no $JAVA_HOME/bin/java and no 'java' on PATH.")
+    return java
+
+
+# --------------------------------------------------------------------------- process helpers
+
+
+def _paths(data_dir: Path) -> tuple[Path, Path, Path, Path]:
+    """Return (data_dir, server.properties, pid file, log file), all absolute."""
+    d = Path(data_dir).expanduser().resolve()
+    return d, d / "server.properties", d / "broker.pid", d / "logs" / "broker.out"
+
+
+def _alive(pid: int) -> bool:
+    """True if process ``pid`` exists and is not a zombie (reaps our own children)."""
+    try:
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False  # was our child and has just been reaped
+    except ChildProcessError:
+        pass  # not our child
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _running_pid(data_dir: Path) -> int | None:
+    """Pid of the live broker JVM of ``data_dir`` (per its pid file), else None."""
+    _, props, pid_file, _ = _paths(data_dir)
+    try:
+        pid = int(pid_file.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    if not _alive(pid):
+        return None
+    try:  # guard against pid reuse: the process must be *this* broker
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if b"kafka.Kafka" not in cmdline or str(props).encode() not in cmdline:
+            return None
+    except OSError:
+        pass  # no /proc: trust the pid file
+    return pid
+
+
+def _configured_port(props: Path) -> int | None:
+    try:
+        m = re.search(r"^advertised\.listeners=PLAINTEXT://[^:]+:(\d+)", props.read_text(), re.M)
+    except OSError:
+        return None
+    return int(m.group(1)) if m else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_in_use(port: int) -> bool:
+    """True if something listens on 127.0.0.1:port (SO_REUSEADDR ignores TIME_WAIT, like Java)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def _answers(bootstrap: str) -> bool:
+    """True if a Kafka broker at ``bootstrap`` returns metadata within ~1 s."""
+    host, port = bootstrap.rsplit(":", 1)
+    try:  # cheap TCP probe first: keeps librdkafka from logging "connection refused"
+        socket.create_connection((host, int(port)), timeout=1).close()
+    except OSError:
+        return False
+    from confluent_kafka.admin import AdminClient
+
+    try:
+        AdminClient({"bootstrap.servers": bootstrap}).list_topics(timeout=1)
+        return True
+    except Exception:  # KafkaException while the broker is still starting
+        return False
+
+
+def _log_tail(log_file: Path, lines: int = 40) -> str:
+    try:
+        return _tail(log_file.read_text(errors="replace"), lines)
+    except OSError:
+        return "(no log output)"
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def status(data_dir: Path = DEFAULT_DATA_DIR) -> BrokerStatus:
+    """Report the state of the broker of ``data_dir`` (no network access).
+
+    Args:
+        data_dir: The broker data directory (relative paths are resolved
+            against the current directory).
+
+    Returns:
+        A :class:`BrokerStatus`; ``running`` means the broker JVM is alive.
+    """
+    d, props, _, log_file = _paths(data_dir)
+    pid = _running_pid(d)
+    port = _configured_port(props)
+    return BrokerStatus(
+        running=pid is not None,
+        pid=pid,
+        port=port,
+        bootstrap_servers=f"127.0.0.1:{port}" if port else None,
+        data_dir=d,
+        log_file=log_file,
+        kafka_version=KAFKA_VERSION,
+    )
+
+
+def start(
+    port: int = 9092,
+    data_dir: Path = DEFAULT_DATA_DIR,
+    timeout_s: float = 90,
+    heap: str = "-Xms512m -Xmx1g",
+) -> BrokerStatus:
+    """Start the broker of ``data_dir`` on 127.0.0.1:``port`` and wait until it answers.
+
+    Args:
+        port: TCP port of the PLAINTEXT listener clients connect to. The KRaft
+            controller gets another free port, picked on each start.
+        data_dir: Broker data directory (created if missing); topic data
+            survives restarts. See the module docstring for its layout.
+        timeout_s: Seconds to wait for the broker to answer a metadata request
+            (excluding the one-time jar download).
+        heap: JVM heap options, split like a shell command line.
+
+    Returns:
+        The broker's :class:`BrokerStatus`. If the broker of this data dir is
+        already running on ``port``, it is not restarted (waiting for it to
+        answer if it is still booting).
+
+    Raises:
+        BrokerError: Java/Maven missing or jar download failed; ``port`` is
+            taken by another process; this data dir's broker already runs on a
+            different port; storage formatting failed; the broker died during
+            start-up or did not answer within ``timeout_s`` (it is then stopped).
+            Messages include the tail of the relevant log.
+
+    The broker runs in its own session (it survives the caller) with
+    stdout/stderr in ``<data_dir>/logs/broker.out``; stop it with :func:`stop`.
+    """
+    d, props, pid_file, log_file = _paths(data_dir)
+    libs = ensure_jars()
+    _java()  # fail early and clearly if Java is missing
+    bootstrap = f"127.0.0.1:{port}"
+    with _file_lock(d / ".lock"):
+        current = status(d)
+        if current.running:
+            if current.port != port:
+                raise BrokerError(
+                    f"The broker of {d} is already running on port {current.port} (pid {current.pid}), "
+                    f"not on {port}. Stop it first: kvstream broker stop --data-dir {d}"
+                )
+            _wait_until_ready(current.pid, bootstrap, log_file, timeout_s, proc=None)
+            return status(d)
+        pid_file.unlink(missing_ok=True)
+
+        for attempt in itertools.count(1):  # retried only if the controller port was raced away
+            if _port_in_use(port):
+                raise BrokerError(
+                    f"Port {port} on 127.0.0.1 is already in use by another process "
+                    f"(not by the broker of {d}). Pick another port or stop that process."
+                )
+            controller_port = _free_port()
+            while controller_port == port:
+                controller_port = _free_port()
+            _write_server_properties(props, port, controller_port, d / "data")
+            _format_storage(libs, props, d)
+            log_file.parent.mkdir(parents=True, exist_ok=True)
+            with open(log_file, "ab") as out:
+                banner = f"\n===== kvstream: starting Kafka {KAFKA_VERSION} on {bootstrap} at {time.ctime()} =====\n"
+                out.write(banner.encode())
+                out.flush()
+                jvm_opts = [*shlex.split(heap), *_JVM_FLAGS, f"-Dkafka.logs.dir={log_file.parent}"]
+                proc = subprocess.Popen(
+                    [*_java_cmd("kafka.Kafka", jvm_opts, _BROKER_LOG4J, libs), str(props)],
+                    cwd=d,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # own session: survives the caller and its Ctrl-C
+                )
+            pid_file.write_text(f"{proc.pid}\n")
+            try:
+                _wait_until_ready(proc.pid, bootstrap, log_file, timeout_s, proc=proc)
+                return status(d)
+            except BrokerError as exc:
+                pid_file.unlink(missing_ok=True)
+                bind_race = proc.poll() is not None and "Address already in use" in str(exc)
+                if not bind_race or attempt == 3:
+                    raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _write_server_properties(props: Path, port: int, controller_port: int, log_dirs: Path) -> None:
+    template = string.Template(_SERVER_TEMPLATE.read_text())
+    props.parent.mkdir(parents=True, exist_ok=True)
+    props.write_text(template.substitute(port=port, controller_port=controller_port, log_dirs=log_dirs))
+
+
+def _format_storage(libs: Path, props: Path, d: Path) -> None:
+    """Format the KRaft storage of ``d`` once (a new cluster id); no-op if already formatted."""
+    if (d / "data" / "meta.properties").exists():
+        return
+    cluster_id = "-"
+    while cluster_id.startswith("-"):  # same format as StorageTool random-uuid, no leading '-'
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+    cmd = _java_cmd("kafka.tools.StorageTool", _TOOL_JVM_FLAGS, _TOOLS_LOG4J, libs)
+    cmd += ["format", "--ignore-formatted", "-t", cluster_id, "-c", str(props)]
+    proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BrokerError(f"Formatting the Kafka storage in {d / 'data'} failed:\n{_tail(proc.stdout + proc.stderr)}")
+
+
+def _wait_until_ready(
+    pid: int, bootstrap: str, log_file: Path, timeout_s: float, proc: subprocess.Popen | None
+) -> None:
+    """Poll until ``bootstrap`` answers; BrokerError if ``pid`` dies or ``timeout_s`` passes (then stop it)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        dead = proc.poll() is not None if proc is not None else not _alive(pid)
+        if dead:
+            code = f" with exit code {proc.returncode}" if proc is not None else ""
+            raise BrokerError(
+                f"The Kafka broker (pid {pid}) exited{code} during start-up. "
+                f"Last lines of {log_file}:\n{_log_tail(log_file)}"
+            )
+        if _answers(bootstrap):
+            return
+        time.sleep(0.25)
+    _terminate(pid, grace_s=10)
+    raise BrokerError(
+        f"The Kafka broker (pid {pid}) did not answer on {bootstrap} within {timeout_s:g} s and was stopped. "
+        f"Last lines of {log_file}:\n{_log_tail(log_file)}"
+    )
+
+
+def _terminate(pid: int, grace_s: float) -> None:
+    """SIGTERM ``pid``, wait up to ``grace_s`` seconds, then SIGKILL it."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if not _alive(pid):
+                return
+            time.sleep(0.1)
+
+
+def stop(data_dir: Path = DEFAULT_DATA_DIR) -> bool:
+    """Stop the broker of ``data_dir``.
+
+    Sends SIGTERM (Kafka then shuts down cleanly), waits up to 30 s, then
+    sends SIGKILL. Removes the pid file in any case.
+
+    Args:
+        data_dir: The broker data directory.
+
+    Returns:
+        True if a running broker was stopped, False if none was running.
+    """
+    d, _, pid_file, _ = _paths(data_dir)
+    if not d.is_dir():
+        return False
+    with _file_lock(d / ".lock"):
+        pid = _running_pid(d)
+        if pid is not None:
+            _terminate(pid, grace_s=30)
+        pid_file.unlink(missing_ok=True)
+    return pid is not None
+
+
+@overload
+def run_tool(
+    tool: str, args: list[str], *, capture: Literal[False] = False, timeout_s: float | None = None
+) -> int: ...
+@overload
+def run_tool(
+    tool: str, args: list[str], *, capture: Literal[True], timeout_s: float | None = None
+) -> subprocess.CompletedProcess[str]: ...
+def run_tool(
+    tool: str, args: list[str], *, capture: bool = False, timeout_s: float | None = None
+) -> int | subprocess.CompletedProcess[str]:
+    """Run one of Kafka's own CLI tools from the cached jars (a fresh JVM, ~1-3 s).
+
+    Args:
+        tool: A short name from :data:`TOOLS` (``topics``, ``console-consumer``,
+            ``console-producer``, ``consumer-groups``, ``configs``,
+            ``get-offsets``, ``metadata-quorum``, ``features``,
+            ``producer-perf-test``, ``consumer-perf-test``, ``storage``) or a
+            fully qualified main class name.
+        args: The tool's own arguments, e.g.
+            ``["--bootstrap-server", "127.0.0.1:9092", "--list"]``.
+        capture: If False, the tool shares this process's stdin/stdout/stderr
+            and the exit code is returned. If True, stdout and stderr are
+            captured as text and the :class:`subprocess.CompletedProcess` is returned.
+        timeout_s: Kill the tool after this many seconds
+            (raises :class:`subprocess.TimeoutExpired`); None waits forever.
+
+    Returns:
+        The exit code, or the CompletedProcess when ``capture`` is True.
+
+    Raises:
+        BrokerError: Unknown tool name, Java missing or jar download failed.
+
+    The JVM gets ``-Xmx256m`` and a log4j config that prints only warnings and
+    errors, on stderr.
+    """
+    main_class = TOOLS.get(tool, tool if "." in tool else None)
+    if main_class is None:
+        raise BrokerError(f"Unknown Kafka tool {tool!r}. Known tools: {', '.join(TOOLS)}.")
+    cmd = [*_java_cmd(main_class, _TOOL_JVM_FLAGS, _TOOLS_LOG4J, ensure_jars()), *args]
+    if capture:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    proc = subprocess.Popen(cmd)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except KeyboardInterrupt:  # the tool got the SIGINT too: give it time for its clean shutdown
+        return proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:  # timeout or a second Ctrl-C
+            proc.kill()
+            proc.wait()
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _print_status(st: BrokerStatus) -> None:
+    state = f"running (pid {st.pid})" if st.running else "not running"
+    print(f"Kafka {st.kafka_version} broker: {state}")
+    print(f"  bootstrap servers: {st.bootstrap_servers or '-'}")
+    print(f"  data dir:          {st.data_dir}")
+    print(f"  log file:          {st.log_file}")
+
+
+def _cli_start(args: argparse.Namespace) -> int:
+    try:
+        st = start(port=args.port, data_dir=args.data_dir, timeout_s=args.timeout, heap=args.heap)
+    except BrokerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    _print_status(st)
+    return 0
+
+
+def _cli_stop(args: argparse.Namespace) -> int:
+    stopped = stop(args.data_dir)
+    print(f"Stopped the broker of {Path(args.data_dir).resolve()}." if stopped else "No broker was running.")
+    return 0
+
+
+def _cli_status(args: argparse.Namespace) -> int:
+    st = status(args.data_dir)
+    _print_status(st)
+    return 0 if st.running else 1
+
+
+def _cli_tool(args: argparse.Namespace) -> int:
+    try:
+        return run_tool(args.name, args.args)
+    except BrokerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``broker`` command (``start|stop|status|tool``) to an argparse subparsers object.
+
+    Every leaf parser sets ``func``: the main CLI should call ``args.func(args)``
+    and exit with its return value (0 = success).
+
+    Args:
+        subparsers: The object returned by ``parser.add_subparsers()``.
+
+    Returns:
+        The ``broker`` parser.
+    """
+    broker = subparsers.add_parser(
+        "broker",
+        help=f"run a local single-node Kafka {KAFKA_VERSION} broker (no Docker needed)",
+        description=(
+            f"Run a local single-node Apache Kafka {KAFKA_VERSION} broker (KRaft, 127.0.0.1 only) "
+            "from jars downloaded once with Maven, and Kafka's own CLI tools. "
+            "Needs java 17+; mvn for the first download."
+        ),
+    )
+    sub = broker.add_subparsers(dest="broker_command", metavar="{start,stop,status,tool}", required=True)
+
+    def add_data_dir(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--data-dir",
+            type=Path,
+            default=DEFAULT_DATA_DIR,
+            metavar="DIR",
+            help="broker data directory: config, pid file, topic data, logs/broker.out (default: %(default)s)",
+        )
+
+    p = sub.add_parser(
+        "start",
+        help="start the broker in the background and wait until it answers",
+        description="Start the broker detached (it keeps running after this command exits) and wait until it "
+        "answers metadata requests; the first start downloads the jars. Does nothing if it already runs.",
+    )
+    p.add_argument("--port", type=int, default=9092, help="client port on 127.0.0.1 (default: %(default)s)")
+    add_data_dir(p)
+    p.add_argument("--timeout", type=float, default=90, metavar="SECONDS", help="start-up timeout (default: 90)")
+    p.add_argument("--heap", default="-Xms512m -Xmx1g", metavar="JVM_OPTS", help="JVM heap (default: %(default)s)")
+    p.set_defaults(func=_cli_start)
+
+    p = sub.add_parser(
+        "stop",
+        help="stop the broker (SIGTERM, SIGKILL after 30 s)",
+        description="Stop the broker cleanly with SIGTERM; kill it if it is still running after 30 s.",
+    )
+    add_data_dir(p)
+    p.set_defaults(func=_cli_stop)
+
+    p = sub.add_parser(
+        "status",
+        help="show whether the broker runs (exit code 0 if running, else 1)",
+        description="Print running state, pid, bootstrap servers and log file. Exit code 0 if running, 1 if not.",
+    )
+    add_data_dir(p)
+    p.set_defaults(func=_cli_status)
+
+    p = sub.add_parser(
+        "tool",
+        help="run a Kafka CLI tool, e.g. 'tool topics --bootstrap-server 127.0.0.1:9092 --list'",
+        description="Run one of Kafka's own command-line tools from the same jars. All arguments after NAME "
+        "go to the tool; 'tool NAME --help' shows the tool's own help. Exits with the tool's exit code.",
+        epilog="NAME is one of: " + ", ".join(TOOLS) + "; or a fully qualified Java main class.",
+    )
+    p.add_argument("name", metavar="NAME", help="tool name (see below)")
+    p.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments passed to the tool")
+    p.set_defaults(func=_cli_tool)
+    return broker

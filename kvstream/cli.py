@@ -1,0 +1,184 @@
+"""``kvstream``: one command line for the whole pipeline.
+
+Subcommands: ``demo`` (everything, on the embedded broker), ``broker`` (the
+embedded Kafka broker and Kafka's CLI tools), ``simulate`` (replay the trace
+into kv-events), ``worker`` (the Faust stream app), ``query`` (ask a worker's
+HTTP views). Every subcommand that talks to Kafka takes ``--bootstrap-servers``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+from kvstream import broker
+from kvstream.kafka_config import DEFAULT_BOOTSTRAP_SERVERS, DEFAULT_PARTITIONS
+
+
+def _add_bootstrap(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bootstrap-servers", default=DEFAULT_BOOTSTRAP_SERVERS, metavar="HOST:PORT[,...]",
+                        help="Kafka bootstrap servers (default: %(default)s; env KVSTREAM_BOOTSTRAP_SERVERS)")
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from kvstream.demo import DemoOptions, run_demo
+
+    return run_demo(DemoOptions(port=args.port, web_port=args.web_port, work_dir=args.work_dir, trace=args.trace,
+                                requests=args.requests, partitions=args.partitions, instances=args.instances,
+                                keep_running=args.keep_running, timeout_s=args.timeout))
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from kvstream.kafka_config import ensure_topics
+    from producers.kafka_sink import KvEventProducer
+    from producers.simulator import FleetConfig, load_trace, replay_to_kafka
+
+    requests = load_trace(args.trace, args.requests)
+    ensure_topics(args.bootstrap_servers, {args.topic: args.partitions})
+    producer = KvEventProducer(args.bootstrap_servers, args.topic)
+    config = FleetConfig(instances=args.instances, gpu_blocks=args.gpu_blocks, cpu_blocks=args.cpu_blocks,
+                         kvcr_blocks=args.kvcr_blocks)
+    with tqdm(total=len(requests), unit="req") as bar:
+        result = replay_to_kafka(requests, producer, config, progress=bar.update)
+    print(f"{result.records:,} block events ({result.messages:,} Kafka messages) in {result.seconds:.1f}s: "
+          f"{result.messages / result.seconds:,.0f} events/s")
+    if args.ground_truth:
+        rows = [{"instance_id": i, "data_parallel_rank": dp, "tier": tier, "ownership": own, "locality": loc,
+                 "group_idx": group, "block_hash": h.hex(), "copies": copies}
+                for (i, dp, tier, own, loc, group, h), copies in sorted(result.ground_truth.items())]
+        args.ground_truth.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        print(f"ground truth: {len(rows):,} resident rows written to {args.ground_truth}")
+    return 0
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from kvstream.worker import WorkerOptions, run_worker
+
+    return run_worker(WorkerOptions(args.bootstrap_servers, web_port=args.web_port, web_bind=args.web_bind,
+                                    data_dir=args.data_dir, store=args.store, partitions=args.partitions,
+                                    clear_scope=args.clear_scope, app_id=args.app_id, log_level=args.loglevel))
+
+
+def _cmd_query(args: argparse.Namespace) -> int:
+    if args.what == "residency":
+        if not args.block_hash:
+            print("error: query residency needs a block hash (hex)", file=sys.stderr)
+            return 2
+        path = f"/residency/{urllib.parse.quote(args.block_hash)}/"
+    else:
+        path = f"/{args.what}/"
+    try:
+        with urllib.request.urlopen(args.url.rstrip("/") + path, timeout=args.timeout) as response:
+            print(json.dumps(json.loads(response.read()), indent=2))
+            return 0
+    except urllib.error.HTTPError as exc:
+        print(f"error: {exc.code} {exc.read().decode(errors='replace')}", file=sys.stderr)
+    except OSError as exc:
+        print(f"error: no stream-app worker answered at {args.url}: {exc}", file=sys.stderr)
+    return 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvstream`` argument parser (every subcommand sets ``func``)."""
+    from producers.simulator import DEFAULT_TRACE, FleetConfig
+
+    parser = argparse.ArgumentParser(
+        prog="kvstream",
+        description="KV cache events of LLM serving engines -> Kafka (Avro, keyed by block hash) -> Faust "
+                    "stream app -> tier residency tables: which instance holds which block on which tier.",
+        epilog="Start with 'kvstream demo'. Each subcommand has its own --help.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    fleet = FleetConfig()
+
+    p = sub.add_parser("demo", help="run the whole pipeline on the embedded broker and the Mooncake trace",
+                       description="Start a fresh local Kafka broker, replay the Mooncake trace through a simulated "
+                                   "fleet into kv-events, run a stream-app worker until it has consumed everything, "
+                                   "print the tier occupancy and each stage's speed, and compare the residency table "
+                                   "with the simulator's ground truth row for row (exit code 1 on any difference).")
+    p.add_argument("--port", type=int, default=9092, help="broker port on 127.0.0.1 (default: %(default)s)")
+    p.add_argument("--web-port", type=int, default=6066, help="worker HTTP port (default: %(default)s)")
+    p.add_argument("--work-dir", type=Path, default=Path(".kvstream/demo"),
+                   help="broker and worker files; emptied at start (default: %(default)s)")
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format trace (default: vendored)")
+    p.add_argument("--requests", type=int, default=None, help="replay only the first N requests (default: all)")
+    p.add_argument("--partitions", type=int, default=DEFAULT_PARTITIONS, help="partitions (default: %(default)s)")
+    p.add_argument("--instances", type=int, default=fleet.instances, help="simulated instances (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=1800, metavar="SECONDS",
+                   help="give up if the worker has not consumed everything by then (default: %(default)s)")
+    p.add_argument("--keep-running", action="store_true",
+                   help="leave the broker and the worker running and print where the HTTP views answer")
+    p.set_defaults(func=_cmd_demo)
+
+    broker.register_cli(sub)
+
+    p = sub.add_parser("simulate", help="replay a trace through the simulated fleet into kv-events",
+                       description="Route each request of a Mooncake-format trace to a simulated instance by prefix "
+                                   "affinity, simulate its GPU pool, CPU offload tier and KVCR secondary tier, and "
+                                   "produce the resulting vLLM-shaped events, one Kafka message per block.")
+    _add_bootstrap(p)
+    p.add_argument("--topic", default="kv-events", help="target topic (default: %(default)s)")
+    p.add_argument("--partitions", type=int, default=DEFAULT_PARTITIONS,
+                   help="partitions if the topic is created (default: %(default)s)")
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format trace (default: vendored)")
+    p.add_argument("--requests", type=int, default=None, help="replay only the first N requests (default: all)")
+    p.add_argument("--instances", type=int, default=fleet.instances, help="instances (default: %(default)s)")
+    p.add_argument("--gpu-blocks", type=int, default=fleet.gpu_blocks, help="GPU pool blocks (default: %(default)s)")
+    p.add_argument("--cpu-blocks", type=int, default=fleet.cpu_blocks, help="CPU tier blocks (default: %(default)s)")
+    p.add_argument("--kvcr-blocks", type=int, default=fleet.kvcr_blocks,
+                   help="KVCR tier blocks (default: %(default)s)")
+    p.add_argument("--ground-truth", type=Path, default=None, metavar="FILE",
+                   help="write the final residency (JSON lines, one resident row each) to FILE")
+    p.set_defaults(func=_cmd_simulate)
+
+    p = sub.add_parser("worker", help="run a stream-app worker (Faust); start several to share the partitions",
+                       description="Run one worker of the Faust stream app: re-key kv-events by ownership, "
+                                   "materialize the residency and tier-occupancy tables, serve the HTTP views. "
+                                   "Workers with the same --app-id share the partitions.")
+    _add_bootstrap(p)
+    p.add_argument("--web-port", type=int, default=6066, help="HTTP port (default: %(default)s)")
+    p.add_argument("--web-bind", default="127.0.0.1", help="HTTP bind address (default: %(default)s)")
+    p.add_argument("--data-dir", type=Path, default=Path(".kvstream/worker"),
+                   help="local state directory (default: %(default)s)")
+    p.add_argument("--store", default="memory://", choices=["memory://", "rocksdb://"],
+                   help="table store (default: %(default)s; memory rebuilds tables from the changelog at start)")
+    p.add_argument("--partitions", type=int, default=DEFAULT_PARTITIONS,
+                   help="partitions of kv-events and the app's topics (default: %(default)s)")
+    p.add_argument("--clear-scope", choices=["gpu", "all"], default="gpu",
+                   help="tiers an AllBlocksCleared removes (default: %(default)s, as vLLM means it)")
+    p.add_argument("--app-id", default="kvstream", help="Faust app id = consumer group (default: %(default)s)")
+    p.add_argument("--loglevel", default="info", choices=["debug", "info", "warning", "error"],
+                   help="log level (default: %(default)s)")
+    p.set_defaults(func=_cmd_worker)
+
+    p = sub.add_parser("query", help="ask a running worker: residency of a block, occupancy, stats",
+                       description="Query a stream-app worker's HTTP views and print the JSON answer. Any worker "
+                                   "answers: lookups of keys held by another worker are forwarded to it.")
+    p.add_argument("what", choices=["residency", "occupancy", "stats"], help="which view")
+    p.add_argument("block_hash", nargs="?", help="block hash in hex (for residency)")
+    p.add_argument("--url", default="http://127.0.0.1:6066", help="worker URL (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=10, help="seconds (default: %(default)s)")
+    p.set_defaults(func=_cmd_query)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``kvstream`` command."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except (RuntimeError, TimeoutError, ValueError) as exc:
+        print(f"kvstream {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

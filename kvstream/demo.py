@@ -1,0 +1,201 @@
+"""``kvstream demo``: the whole pipeline on the embedded broker and the Mooncake trace.
+
+Steps: start a fresh one-node Kafka broker; replay the trace through the
+simulated fleet into ``kv-events``; run a stream-app worker until it has
+consumed everything; print the occupancy table and each stage's speed; compare
+the materialized residency (read back from its changelog topic) with the
+simulator's ground truth row for row, and check a sample of blocks through the
+HTTP view. Exits non-zero on any difference.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import signal
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from kvstream import broker
+from kvstream.kafka_config import DEFAULT_PARTITIONS, ensure_topics
+from kvstream.worker import WorkerOptions, spawn_worker, wait_until_consumed
+from producers.kafka_sink import KvEventProducer
+from producers.simulator import DEFAULT_TRACE, FleetConfig, load_trace, replay_to_kafka
+from schemas.topics import KV_EVENTS
+from stream_apps.snapshot import changelog_topic, compare_rows, read_table, resident_rows
+
+
+@dataclass
+class DemoOptions:
+    """Options of ``kvstream demo`` (see its ``--help``)."""
+
+    port: int = 9092
+    web_port: int = 6066
+    work_dir: Path = Path(".kvstream/demo")
+    trace: Path = DEFAULT_TRACE
+    requests: int | None = None
+    partitions: int = DEFAULT_PARTITIONS
+    instances: int = 4
+    keep_running: bool = False
+    timeout_s: float = 1800.0
+    http_sample: int = 200
+
+
+def _print_occupancy(rows: list[dict]) -> None:
+    print("\nTier occupancy (resident blocks)")
+    print(f"  {'ownership':<10} {'tier':<8} {'instance':<10} {'blocks':>9}")
+    for row in rows:
+        print(f"  {row['ownership'] or 'primary':<10} {row['tier']:<8} {row['instance_id']:<10} "
+              f"{row['resident_blocks']:>9,}")
+
+
+def _http_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def _wait_for_web(url: str, process, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the stream-app worker exited with code {process.returncode}")
+        try:
+            _http_json(url)
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"the worker's web server did not answer at {url}")
+
+
+def _stop(process) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(30)
+        except Exception:
+            process.kill()
+            process.wait()
+
+
+def run_demo(options: DemoOptions) -> int:
+    """Run the demo; returns the exit code (0 when the residency matches the ground truth)."""
+    work = options.work_dir.resolve()
+    broker_dir, worker_dir, log_file = work / "broker", work / "worker", work / "worker.log"
+    if broker.status(broker_dir).running:
+        broker.stop(broker_dir)
+    shutil.rmtree(work, ignore_errors=True)  # every demo starts from empty topics and tables
+    work.mkdir(parents=True)
+
+    print(f"[1/5] Starting Kafka {broker.KAFKA_VERSION} on 127.0.0.1:{options.port} (data in {broker_dir})")
+    t0 = time.perf_counter()
+    status = broker.start(port=options.port, data_dir=broker_dir)
+    bootstrap = status.bootstrap_servers
+    print(f"      broker ready in {time.perf_counter() - t0:.1f}s; log: {status.log_file}")
+    worker_options = WorkerOptions(bootstrap, web_port=options.web_port, data_dir=worker_dir,
+                                   partitions=options.partitions)
+    ensure_topics(bootstrap, {KV_EVENTS: options.partitions})
+    process = None
+    try:
+        requests = load_trace(options.trace, options.requests)
+        print(f"[2/5] Replaying {len(requests):,} requests of {options.trace.name} through "
+              f"{options.instances} simulated instances into '{KV_EVENTS}'")
+        result = _replay(bootstrap, requests, FleetConfig(instances=options.instances))
+        sim = result.simulation
+        print(f"      {result.records:,} block events ({result.messages:,} Kafka messages, clears on every "
+              f"partition) from {sim.engine_events:,} engine events in {sim.batches:,} batches")
+        print(f"      produced in {result.seconds:.1f}s: {result.messages / result.seconds:,.0f} events/s "
+              f"(simulation + Avro + Kafka acks)")
+        print(f"      lookups: {sim.block_lookups:,} blocks; hits GPU {sim.gpu_hits:,}, CPU {sim.cpu_hits:,}, "
+              f"KVCR {sim.kvcr_hits:,}")
+
+        print(f"[3/5] Running a stream-app worker until it has consumed everything (log: {log_file})")
+        t0 = time.perf_counter()
+        process = spawn_worker(worker_options, log_file)
+        with tqdm(total=result.messages, unit="ev", leave=False) as bar:
+            def show(progress):
+                bar.n = progress[KV_EVENTS].committed
+                bar.set_postfix(repartitioned_lag=progress["kv-events-by-ownership"].lag)
+                bar.refresh()
+
+            try:
+                wait_until_consumed(bootstrap, worker_options.app_id, process, timeout_s=options.timeout_s,
+                                    on_progress=show)
+            except (RuntimeError, TimeoutError) as exc:
+                tail = log_file.read_text(errors="replace").splitlines()[-15:]
+                raise RuntimeError(f"{exc}; last lines of {log_file}:\n  " + "\n  ".join(tail)) from None
+        stream_s = time.perf_counter() - t0
+        print(f"      consumed in {stream_s:.1f}s (worker start-up included): "
+              f"{result.messages / stream_s:,.0f} events/s end to end")
+
+        print("[4/5] Reading the residency table back from its changelog")
+        t0 = time.perf_counter()
+        table = read_table(bootstrap, changelog_topic(worker_options.app_id, "residency"), "residency")
+        actual = resident_rows(table)
+        print(f"      {len(table):,} keys, {len(actual):,} resident rows in {time.perf_counter() - t0:.1f}s")
+        base_url = f"http://127.0.0.1:{options.web_port}"
+        _wait_for_web(f"{base_url}/occupancy/", process)
+        occupancy = _http_json(f"{base_url}/occupancy/")["occupancy"]
+        _print_occupancy(occupancy)
+
+        print("\n[5/5] Comparing with the simulator's ground truth")
+        comparison = compare_rows(result.ground_truth, actual)
+        failures = 0
+        if comparison.ok:
+            print(f"residency matches ground truth: {comparison.matching:,} rows")
+        else:
+            failures += 1
+            print(f"residency DIFFERS from ground truth: {comparison.differing:,} rows differ, "
+                  f"{comparison.matching:,} match; first differences (row, expected copies, actual):")
+            for identity, want, got in comparison.differences:
+                print(f"  {identity[:6]} {identity[6].hex()}: expected {want}, got {got}")
+        occupancy_total = sum(row["resident_blocks"] for row in occupancy)
+        if occupancy_total != len(actual):
+            failures += 1
+            print(f"occupancy view counts {occupancy_total:,} resident blocks, the table {len(actual):,}")
+        failures += _check_http_sample(base_url, result.ground_truth, options.http_sample)
+        if options.keep_running:
+            print(f"\nStill running (--keep-running). Try:\n  curl {base_url}/occupancy/\n"
+                  f"  curl {base_url}/residency/<block hash hex>/\n  curl {base_url}/stats/\n"
+                  f"Stop with: kill {process.pid}; kvstream broker stop --data-dir {broker_dir}")
+        return 1 if failures else 0
+    finally:
+        if not options.keep_running:
+            if process is not None:
+                _stop(process)
+            broker.stop(broker_dir)
+
+
+def _replay(bootstrap: str, requests: list, fleet: FleetConfig):
+    """Produce the simulation; the producer is released on return (it holds librdkafka threads)."""
+    producer = KvEventProducer(bootstrap, KV_EVENTS)
+    with tqdm(total=len(requests), unit="req", leave=False) as bar:
+        return replay_to_kafka(requests, producer, fleet, progress=bar.update)
+
+
+def _check_http_sample(base_url: str, truth: dict, sample: int) -> int:
+    """Ask ``GET /residency/{hash}/`` for a sample of blocks and compare with the ground truth; returns failures."""
+    by_block: dict[bytes, dict] = {}
+    for identity, copies in truth.items():
+        by_block.setdefault(identity[6], {})[identity[:6]] = copies
+    blocks = random.Random(7).sample(sorted(by_block), min(sample, len(by_block)))
+    wrong = 0
+    for block in blocks:
+        answer = _http_json(f"{base_url}/residency/{block.hex()}/")
+        got = {(r["instance_id"], r["data_parallel_rank"], r["tier"], r["ownership"], r["locality"],
+                r["group_idx"]): r["copies"] for r in answer["rows"]}
+        if got != by_block[block]:
+            wrong += 1
+            if wrong <= 3:
+                print(f"GET /residency/{block.hex()}/ answered {got}, expected {by_block[block]}")
+    print(f"HTTP view agrees with ground truth on {len(blocks) - wrong} of {len(blocks)} sampled blocks")
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_demo(DemoOptions()))

@@ -1,0 +1,174 @@
+"""Run the Faust stream app (``kvstream worker``), in this process or as a child process.
+
+The app (:mod:`stream_apps.app`) is configured through environment variables
+because Faust apps are declared at import time; :func:`worker_environment`
+builds them from the options, and :func:`run_worker` runs Faust's own worker
+command with them. Every topic the app uses is created first, with the app's partition
+count: Faust would create its internal topics itself, but a topic created
+while the consumer group forms is left out of the first assignment (seen: stage
+2 then stays idle until the next rebalance).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from confluent_kafka import ConsumerGroupTopicPartitions, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient, OffsetSpec
+
+from kvstream.kafka_config import DEFAULT_PARTITIONS, client_config, ensure_topics
+from schemas.topics import KV_EVENTS, KV_EVENTS_BY_OWNERSHIP
+
+#: Default Faust app id: the consumer group and the prefix of changelog topics.
+DEFAULT_APP_ID = "kvstream"
+
+
+@dataclass
+class WorkerOptions:
+    """Options of one stream-app worker (see ``kvstream worker --help``)."""
+
+    bootstrap_servers: str
+    #: HTTP port of the worker's web server (views and routing between workers).
+    web_port: int = 6066
+    #: Address the web server binds to; localhost unless told otherwise.
+    web_bind: str = "127.0.0.1"
+    #: Local state directory (RocksDB stores, Faust's own files).
+    data_dir: Path = Path(".kvstream/worker")
+    #: Table store: ``memory://`` (rebuilt from the changelog at start) or ``rocksdb://``.
+    store: str = "memory://"
+    #: Partitions of kv-events and of the app's topics and tables.
+    partitions: int = DEFAULT_PARTITIONS
+    #: Tiers an AllBlocksCleared removes: ``gpu`` (default, vLLM semantics) or ``all``.
+    clear_scope: str = "gpu"
+    app_id: str = DEFAULT_APP_ID
+    log_level: str = "info"
+
+
+def worker_environment(options: WorkerOptions) -> dict[str, str]:
+    """The environment variables :mod:`stream_apps.app` reads, for these options."""
+    return {
+        "KVSTREAM_BOOTSTRAP_SERVERS": options.bootstrap_servers,
+        "KVSTREAM_WEB_PORT": str(options.web_port),
+        "KVSTREAM_WEB_BIND": options.web_bind,
+        "KVSTREAM_DATA_DIR": str(options.data_dir),
+        "KVSTREAM_STORE": options.store,
+        "KVSTREAM_PARTITIONS": str(options.partitions),
+        "KVSTREAM_CLEAR_SCOPE": options.clear_scope,
+        "KVSTREAM_APP_ID": options.app_id,
+    }
+
+
+def run_worker(options: WorkerOptions) -> int:
+    """Run one worker in this process until it is stopped (SIGTERM/SIGINT); returns the exit code.
+
+    Creates every topic the app uses first (see :func:`stream_apps.app.declared_topics`).
+    """
+    os.environ.update(worker_environment(options))
+    Path(options.data_dir).mkdir(parents=True, exist_ok=True)
+    from stream_apps.app import app, declared_topics  # configured from the environment at import
+
+    topics = declared_topics()
+    ensure_topics(options.bootstrap_servers, {name: p for name, (p, _) in topics.items()},
+                  configs={name: config for name, (_, config) in topics.items()})
+
+    sys.argv = ["kvstream worker", "worker", "--loglevel", options.log_level, "--web-port", str(options.web_port),
+                "--web-bind", options.web_bind]
+    app.main()
+    return 0
+
+
+def spawn_worker(options: WorkerOptions, log_file: Path) -> subprocess.Popen:
+    """Start ``kvstream worker`` as a child process with its output in ``log_file``."""
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "kvstream.cli", "worker", "--bootstrap-servers", options.bootstrap_servers,
+               "--web-port", str(options.web_port), "--web-bind", options.web_bind, "--data-dir",
+               str(options.data_dir), "--store", options.store, "--partitions", str(options.partitions),
+               "--clear-scope", options.clear_scope, "--app-id", options.app_id, "--loglevel", options.log_level]
+    with open(log_file, "ab") as out:
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@dataclass
+class GroupProgress:
+    """Committed offsets of a consumer group against the end offsets of its topics, in messages."""
+
+    committed: int
+    end: int
+
+    @property
+    def lag(self) -> int:
+        """Messages not yet committed."""
+        return self.end - self.committed
+
+
+def group_progress(admin: AdminClient, group: str, topics: list[str]) -> dict[str, GroupProgress]:
+    """Per topic: how far ``group`` has committed, against the topic's start and end offsets.
+
+    Uses only the admin API (a short-lived group consumer crashed librdkafka
+    2.16 in ``rd_kafka_cgrp_op`` when closed while its coordinator was loading).
+
+    Raises:
+        RuntimeError: the broker did not answer, or the group coordinator is not ready yet.
+    """
+    try:
+        metadata = admin.list_topics(timeout=10)
+        partitions = [TopicPartition(t, p) for t in topics if t in metadata.topics
+                      for p in metadata.topics[t].partitions]
+        if not partitions:
+            return {t: GroupProgress(0, 0) for t in topics}
+        future = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(group, partitions)])[group]
+        committed = {(tp.topic, tp.partition): tp.offset for tp in future.result().topic_partitions}
+        earliest = admin.list_offsets({tp: OffsetSpec.earliest() for tp in partitions})
+        latest = admin.list_offsets({tp: OffsetSpec.latest() for tp in partitions})
+        progress = {t: GroupProgress(0, 0) for t in topics}
+        for tp in partitions:
+            low, high = earliest[tp].result().offset, latest[tp].result().offset
+            progress[tp.topic].end += high - low
+            progress[tp.topic].committed += max(committed.get((tp.topic, tp.partition), 0) - low, 0)
+        return progress
+    except KafkaException as exc:
+        raise RuntimeError(f"could not read consumer group {group}: {exc}") from None
+
+
+def wait_until_consumed(bootstrap_servers: str, group: str, process: subprocess.Popen | None, *,
+                        timeout_s: float, on_progress=None, poll_s: float = 1.0) -> float:
+    """Wait until ``group`` has committed everything in kv-events and kv-events-by-ownership.
+
+    Args:
+        process: the worker; if it exits meanwhile, this raises.
+        on_progress: called with ``{topic: GroupProgress}`` after each poll.
+
+    Returns:
+        Seconds waited.
+
+    Raises:
+        RuntimeError: the worker exited.
+        TimeoutError: not consumed within ``timeout_s``.
+    """
+    started = time.monotonic()
+    topics = [KV_EVENTS, KV_EVENTS_BY_OWNERSHIP]
+    admin = AdminClient(client_config(bootstrap_servers))
+    while True:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"the stream-app worker exited with code {process.returncode}")
+        try:
+            progress = group_progress(admin, group, topics)
+        except RuntimeError as exc:  # e.g. the group coordinator is still loading: ask again
+            if time.monotonic() - started > timeout_s:
+                raise TimeoutError(f"consumer group {group} unreadable after {timeout_s:.0f}s: {exc}") from None
+            time.sleep(poll_s)
+            continue
+        if on_progress:
+            on_progress(progress)
+        upstream = progress[KV_EVENTS]
+        if upstream.end and all(p.lag == 0 for p in progress.values()):
+            return time.monotonic() - started
+        if time.monotonic() - started > timeout_s:
+            raise TimeoutError(f"consumer group {group} still has {sum(p.lag for p in progress.values())} "
+                               f"messages to commit after {timeout_s:.0f}s")
+        time.sleep(poll_s)

@@ -1,0 +1,105 @@
+"""Produce block-level ``kv_event`` records to Kafka (confluent-kafka).
+
+Every producer of the project (cluster simulator, engine bridge, capture
+replay) ends here, so the contract is applied once: key = canonical block hash,
+murmur2 partitioner, idempotent, ``acks=all``, compressed; an
+``AllBlocksCleared`` record (no key) goes to every partition, so each partition
+sees it in order with that source's other events (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from confluent_kafka import KafkaError, Producer
+
+from kvstream.kafka_config import DEFAULT_BOOTSTRAP_SERVERS, producer_config, topic_partitions
+from schemas import AvroCodec
+from schemas.topics import KV_EVENTS
+
+
+class ProduceError(RuntimeError):
+    """Kafka did not acknowledge some records; the message gives how many and the first error."""
+
+
+@dataclass
+class ProduceStats:
+    """Counters of one :class:`KvEventProducer`, in Kafka messages."""
+
+    #: Messages handed to the client (a clear counts once per partition).
+    sent: int = 0
+    #: Messages the broker acknowledged.
+    acked: int = 0
+    #: Messages that failed for good.
+    failed: int = 0
+    #: First delivery error seen, for the error message.
+    first_error: str | None = None
+
+
+class KvEventProducer:
+    """Publish ``kv_event`` records to a topic.
+
+    Args:
+        bootstrap_servers: Kafka bootstrap servers.
+        topic: target topic; it must exist (its partition count is read once,
+            to broadcast clears).
+        config_overrides: librdkafka settings layered over
+            :func:`kvstream.kafka_config.producer_config`.
+        codec: the Avro codec (default: newest ``kv_event`` schema, single-object framing).
+
+    Use :meth:`send` per record, then :meth:`flush`, which raises
+    :class:`ProduceError` if any message was not acknowledged.
+    """
+
+    def __init__(self, bootstrap_servers: str = DEFAULT_BOOTSTRAP_SERVERS, topic: str = KV_EVENTS, *,
+                 config_overrides: dict | None = None, codec: AvroCodec | None = None) -> None:
+        self.topic = topic
+        self.codec = codec or AvroCodec("kv_event")
+        self.partitions = topic_partitions(bootstrap_servers, topic)
+        self.stats = ProduceStats()
+        self._producer = Producer(producer_config(bootstrap_servers, **(config_overrides or {})))
+
+    def _on_delivery(self, err: KafkaError | None, _msg) -> None:
+        if err is None:
+            self.stats.acked += 1
+        else:
+            self.stats.failed += 1
+            if self.stats.first_error is None:
+                self.stats.first_error = str(err)
+
+    def _produce(self, value: bytes, key: bytes | None, partition: int | None) -> None:
+        kwargs = {"value": value, "key": key, "on_delivery": self._on_delivery}
+        if partition is not None:
+            kwargs["partition"] = partition
+        while True:
+            try:
+                self._producer.produce(self.topic, **kwargs)
+                break
+            except BufferError:  # local queue full: let librdkafka drain, then retry
+                self._producer.poll(0.05)
+        self.stats.sent += 1
+
+    def send(self, record: dict) -> None:
+        """Encode and enqueue one record: keyed by its block hash, or to every partition when it has none."""
+        value = self.codec.encode(record)
+        key = record["block_hash"]
+        if key is None:
+            for partition in range(self.partitions):
+                self._produce(value, None, partition)
+        else:
+            self._produce(value, key, None)
+        if self.stats.sent & 0x3FF == 0:
+            self._producer.poll(0)
+
+    def flush(self, timeout_s: float = 120.0) -> ProduceStats:
+        """Wait until every message is acknowledged.
+
+        Raises:
+            ProduceError: messages failed, or were still unacknowledged after ``timeout_s``.
+        """
+        remaining = self._producer.flush(timeout_s)
+        if remaining or self.stats.failed:
+            raise ProduceError(
+                f"{self.stats.failed} messages failed and {remaining} were unacknowledged after {timeout_s}s "
+                f"(first error: {self.stats.first_error})")
+        return self.stats

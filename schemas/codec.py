@@ -1,0 +1,197 @@
+"""Avro codec for the project's records: fastavro with single-object framing.
+
+Framing (DESIGN.md, "Framing"):
+
+* Avro single-object encoding, the default: ``C3 01`` + the writer schema's
+  8-byte CRC-64-AVRO fingerprint (little-endian, as fastavro's ``fingerprint``
+  hex gives it) + the Avro body. Needs no registry: every schema version lives in
+  ``schemas/`` and is found by its fingerprint.
+* Confluent wire format, when a schema registry is configured: ``00`` + 4-byte
+  big-endian schema id + body.
+
+Readers accept both and resolve the writer's schema to the newest version of
+the family (Avro schema resolution), so old data reads with the new schema.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import struct
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import fastavro
+from fastavro.schema import fingerprint, to_parsing_canonical_form
+
+SCHEMA_DIR = Path(__file__).resolve().parent
+SINGLE_OBJECT_MAGIC = b"\xc3\x01"
+CONFLUENT_MAGIC = b"\x00"
+_HEADER_LEN = 10
+_SCHEMA_FILE = re.compile(r"^(?P<family>[a-z_]+)_v(?P<version>\d+)\.avsc$")
+
+
+class DecodeError(ValueError):
+    """Bytes that are not a readable record: the message says why (goes to the dead-letter topic as the reason)."""
+
+
+@dataclass(frozen=True)
+class SchemaVersion:
+    """One ``schemas/<family>_v<version>.avsc`` file, parsed."""
+
+    #: Schema family, e.g. ``kv_event`` (file-name prefix).
+    family: str
+    #: Version number from the file name, from 1.
+    version: int
+    #: fastavro-parsed schema.
+    parsed: Any
+    #: 8-byte CRC-64-AVRO fingerprint of the parsing canonical form, in single-object order.
+    fingerprint: bytes
+
+
+#: Files that define the named types other schemas refer to, in dependency order. Each named type is
+#: defined once: Tier, AggregationMode and HashEncoding in kv_event_v1, ResidencyRow and ClearMark in
+#: residency_v1 (DESIGN.md "Avro discipline").
+NAMED_TYPE_SOURCES = ("kv_event_v1.avsc", "residency_v1.avsc")
+
+
+def _named_types(for_file: str) -> dict:
+    """Named types defined by the :data:`NAMED_TYPE_SOURCES` before ``for_file``, for fastavro's named_schemas."""
+    named: dict = {}
+    for source in NAMED_TYPE_SOURCES:
+        if source == for_file:
+            break
+        fastavro.parse_schema(json.loads((SCHEMA_DIR / source).read_text()), named_schemas=named)
+    return named
+
+
+@lru_cache(maxsize=None)
+def schema_versions(family: str) -> tuple[SchemaVersion, ...]:
+    """All versions of a schema family found in ``schemas/``, oldest first.
+
+    Raises:
+        KeyError: no ``<family>_v*.avsc`` file exists.
+    """
+    found = []
+    for path in SCHEMA_DIR.glob(f"{family}_v*.avsc"):
+        m = _SCHEMA_FILE.match(path.name)
+        if not m or m["family"] != family:
+            continue
+        parsed = fastavro.parse_schema(json.loads(path.read_text()), named_schemas=_named_types(path.name))
+        fp = bytes.fromhex(fingerprint(to_parsing_canonical_form(parsed), "CRC-64-AVRO"))
+        found.append(SchemaVersion(family, int(m["version"]), parsed, fp))
+    if not found:
+        raise KeyError(f"no schema files {family}_v*.avsc in {SCHEMA_DIR}")
+    return tuple(sorted(found, key=lambda v: v.version))
+
+
+class AvroCodec:
+    """Encode and decode one schema family's records.
+
+    Args:
+        family: schema family (file-name prefix in ``schemas/``), e.g. ``kv_event``.
+        version: the version to write and to read into; default the newest.
+        registry_url: a schema registry URL (``mock://...`` for tests). When set,
+            :meth:`encode` writes the Confluent wire format under ``subject``;
+            :meth:`decode` always accepts both framings.
+        subject: registry subject for encoding (e.g. ``kv-events-value``).
+
+    Records are dicts as fastavro reads them. A union of several records (the
+    event union) comes back as a ``(full name, dict)`` tuple, and writers pass the
+    same tuple to pick the branch explicitly; ``["null", record]`` comes back as
+    the dict or None.
+    """
+
+    def __init__(self, family: str, version: int | None = None, *, registry_url: str | None = None,
+                 subject: str | None = None) -> None:
+        versions = schema_versions(family)
+        chosen = versions[-1] if version is None else next((v for v in versions if v.version == version), None)
+        if chosen is None:
+            raise KeyError(f"schema {family}_v{version}.avsc not found in {SCHEMA_DIR}")
+        self.family = family
+        self.schema = chosen
+        self._by_fingerprint = {v.fingerprint: v.parsed for v in versions}
+        self._header = SINGLE_OBJECT_MAGIC + chosen.fingerprint
+        self._registry_url = registry_url
+        self._subject = subject
+        self._registry = None
+        self._registry_ids: dict[int, Any] = {}
+        if registry_url:
+            if not subject:
+                raise ValueError("a schema registry needs a subject to register the writer schema under")
+            registry = self._registry_client()
+            from confluent_kafka.schema_registry import Schema
+
+            schema_id = registry.register_schema(subject, Schema(json.dumps(self.schema.parsed), "AVRO"))
+            self._header = CONFLUENT_MAGIC + struct.pack(">I", schema_id)
+            self._registry_ids[schema_id] = self.schema.parsed
+
+    def _registry_client(self):
+        if self._registry is None:
+            from confluent_kafka.schema_registry import SchemaRegistryClient
+
+            if not self._registry_url:
+                raise DecodeError("Confluent wire-format record but no schema registry is configured")
+            self._registry = SchemaRegistryClient.new_client({"url": self._registry_url})
+        return self._registry
+
+    def encode(self, record: dict) -> bytes:
+        """Serialize one record with this codec's framing.
+
+        Raises:
+            ValueError: the record does not match the schema (fastavro's message).
+        """
+        out = io.BytesIO()
+        out.write(self._header)
+        fastavro.schemaless_writer(out, self.schema.parsed, record)
+        return out.getvalue()
+
+    def decode(self, data: bytes) -> dict:
+        """Deserialize one record written with any known version of the family.
+
+        Raises:
+            DecodeError: unknown framing, unknown schema fingerprint or id, or a
+                truncated/corrupt body. The message is the reason.
+        """
+        if data is None or len(data) < 5:
+            raise DecodeError(f"record of {0 if data is None else len(data)} bytes is too short for an Avro header")
+        if data[:2] == SINGLE_OBJECT_MAGIC:
+            if len(data) < _HEADER_LEN:
+                raise DecodeError("single-object record shorter than its 10-byte header")
+            writer = self._by_fingerprint.get(data[2:_HEADER_LEN])
+            if writer is None:
+                raise DecodeError(f"unknown {self.family} schema fingerprint {data[2:_HEADER_LEN].hex()}")
+            body = data[_HEADER_LEN:]
+        elif data[:1] == CONFLUENT_MAGIC:
+            schema_id = struct.unpack(">I", data[1:5])[0]
+            writer = self._writer_for_registry_id(schema_id)
+            body = data[5:]
+        else:
+            raise DecodeError(f"unknown framing {data[:2].hex()} (expected c301 single-object or 00 Confluent)")
+        reader = None if writer is self.schema.parsed else self.schema.parsed
+        try:
+            stream = io.BytesIO(body)
+            record = fastavro.schemaless_reader(stream, writer, reader, return_record_name=True,
+                                                return_record_name_override=True)
+        except Exception as exc:  # fastavro raises EOFError, ValueError, IndexError, ... on corrupt bodies
+            raise DecodeError(f"corrupt {self.family} Avro body: {type(exc).__name__}: {exc}") from None
+        if stream.tell() != len(body):
+            raise DecodeError(f"{len(body) - stream.tell()} trailing bytes after the {self.family} record")
+        return record
+
+    def _writer_for_registry_id(self, schema_id: int):
+        writer = self._registry_ids.get(schema_id)
+        if writer is None:
+            try:
+                registered = self._registry_client().get_schema(schema_id)
+            except DecodeError:
+                raise
+            except Exception as exc:
+                raise DecodeError(f"schema id {schema_id} not found in the registry: {exc}") from None
+            writer = fastavro.parse_schema(json.loads(registered.schema_str),
+                                           named_schemas=_named_types(f"{self.family}_v{self.schema.version}.avsc"))
+            self._registry_ids[schema_id] = writer
+        return writer

@@ -1,0 +1,424 @@
+"""The Faust stream app: kv-events -> residency tables, with HTTP lookups.
+
+Topology (DESIGN.md "Data flow"), one module so ``faust -A stream_apps.app
+worker`` finds everything:
+
+1. ``repartition_by_ownership`` (agent on ``kv-events``, keyed by block hash):
+   re-keys every event by ``<ownership or primary>/<block hash hex>`` into
+   ``kv-events-by-ownership``, so each ownership has its own key space while the
+   load stays spread over every partition. It stamps each event with its
+   source's latest ``AllBlocksCleared`` seen on the upstream partition (header
+   ``kvstream-clear-mark``), because after re-keying a clear's copy and a
+   block's events can arrive in either order. Clears (one copy per upstream
+   partition) go to the same partition number downstream.
+2. ``materialize_residency`` (agent on ``kv-events-by-ownership``): applies each
+   event to the ``residency`` table (changelog-backed) with
+   :mod:`stream_apps.residency`, aggregating the reports of a source's workers
+   inside each row, and keeps ``tier-occupancy`` (a global table of resident
+   blocks per partition, ownership, tier and instance) in step.
+3. HTTP views on the Faust web server: ``GET /residency/{block_hash_hex}/``,
+   ``GET /occupancy/``, ``GET /stats/``. A lookup of a key held by another
+   worker is forwarded to that worker.
+
+Records that cannot be decoded go to ``kv-events-dead-letter`` with the reason
+in the ``kvstream-error`` header and the original bytes as the value.
+
+Configuration comes from the environment (``kvstream worker`` sets it from its
+options): ``KVSTREAM_BOOTSTRAP_SERVERS``, ``KVSTREAM_PARTITIONS``,
+``KVSTREAM_DATA_DIR``, ``KVSTREAM_STORE`` (``memory://`` or ``rocksdb://``),
+``KVSTREAM_WEB_PORT``, ``KVSTREAM_WEB_BIND``, ``KVSTREAM_CLEAR_SCOPE`` (``gpu``
+or ``all``), ``KVSTREAM_APP_ID``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import types
+import weakref
+from collections import defaultdict
+
+import faust
+from aiokafka.partitioner import murmur2
+from faust.serializers import codecs
+from faust.streams import _current_event
+
+from schemas import ALL_BLOCKS_CLEARED, AvroCodec, DecodeError, InvalidBlockHash, parse_hex_block_hash
+from schemas.topics import KV_EVENTS, KV_EVENTS_BY_OWNERSHIP, KV_EVENTS_DEAD_LETTER
+from stream_apps.residency import (ALL_TIERS, DEFAULT_CLEAR_TIERS, NO_CLEAR, PRIMARY, ApplyStats, apply_block_event,
+                                   apply_clear, mark_record, residency_key)
+
+log = logging.getLogger(__name__)
+
+BOOTSTRAP_SERVERS = os.environ.get("KVSTREAM_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
+PARTITIONS = int(os.environ.get("KVSTREAM_PARTITIONS", "8"))
+CLEAR_TIERS = ALL_TIERS if os.environ.get("KVSTREAM_CLEAR_SCOPE", "gpu").lower() == "all" else DEFAULT_CLEAR_TIERS
+ERROR_HEADER = "kvstream-error"
+#: Stage 1 reads up to this many events, or what arrived within REPARTITION_WITHIN_S, per batch.
+REPARTITION_BATCH = int(os.environ.get("KVSTREAM_REPARTITION_BATCH", "4000"))
+REPARTITION_WITHIN_S = float(os.environ.get("KVSTREAM_REPARTITION_WITHIN_S", "0.2"))
+
+
+class _AvroFaustCodec(codecs.Codec):
+    """Faust codec over :class:`schemas.codec.AvroCodec` (single-object framing)."""
+
+    def __init__(self, family: str) -> None:
+        super().__init__(family=family)
+        self._avro = AvroCodec(family)
+
+    def _dumps(self, obj) -> bytes:
+        return self._avro.encode(obj)
+
+    def _loads(self, data: bytes):
+        return self._avro.decode(data)
+
+
+codecs.register("kv_residency", _AvroFaustCodec("residency"))
+codecs.register("kv_clear_watermark", _AvroFaustCodec("clear_watermark"))
+codecs.register("kv_tier_occupancy", _AvroFaustCodec("tier_occupancy"))
+
+app = faust.App(
+    os.environ.get("KVSTREAM_APP_ID", "kvstream"),
+    broker=[f"kafka://{server}" for server in BOOTSTRAP_SERVERS.split(",")],
+    store=os.environ.get("KVSTREAM_STORE", "memory://"),
+    datadir=os.environ.get("KVSTREAM_DATA_DIR", ".kvstream/worker"),
+    topic_partitions=PARTITIONS,
+    topic_replication_factor=int(os.environ.get("KVSTREAM_REPLICATION_FACTOR", "1")),
+    processing_guarantee="at_least_once",
+    consumer_auto_offset_reset="earliest",
+    web_port=int(os.environ.get("KVSTREAM_WEB_PORT", "6066")),
+    web_bind=os.environ.get("KVSTREAM_WEB_BIND", "127.0.0.1"),
+    web_host=os.environ.get("KVSTREAM_WEB_HOST", "127.0.0.1"),
+    key_serializer="raw",
+    value_serializer="raw",
+)
+
+kv_events = app.topic(KV_EVENTS, key_type=bytes, value_type=bytes, partitions=PARTITIONS)
+kv_events_by_ownership = app.topic(KV_EVENTS_BY_OWNERSHIP, key_type=bytes, value_type=bytes, partitions=PARTITIONS,
+                                   internal=True)
+dead_letter = app.topic(KV_EVENTS_DEAD_LETTER, key_type=bytes, value_type=bytes, partitions=1, internal=True)
+
+
+
+class _TableType:
+    """Key or value type of a table, as Faust 0.15 wants it.
+
+    Faust takes a table's key and value serializers from its key and value
+    types' ``_options.serializer`` (defaulting to json) and rebuilds values read
+    from the changelog with ``type.from_data``. These types name our codecs and
+    hand plain values through: string keys as raw UTF-8 (so Faust's router hashes
+    the same bytes as :func:`partition_of`), values as Avro records (dicts).
+    """
+
+    def __init__(self, serializer: str, decode=lambda data: data) -> None:
+        self._options = types.SimpleNamespace(serializer=serializer)
+        self._decode = decode
+
+    def from_data(self, data, preferred_type=None):
+        return self._decode(data)
+
+
+_STR_KEY = _TableType("raw", decode=lambda data: data.decode() if isinstance(data, bytes) else data)
+
+
+def _avro_table(name: str, codec_name: str, help: str, table=None):
+    """A table with UTF-8 string keys and Avro values (DESIGN.md: the codec on every table, read path included)."""
+    factory = table or app.Table
+    return factory(name, key_type=_STR_KEY, value_type=_TableType(codec_name), partitions=PARTITIONS, help=help)
+
+
+#: '<ownership or primary>/<block hash hex>' -> ResidencyEntry (schemas/residency_v1.avsc).
+residency = _avro_table("residency", "kv_residency",
+                        "Where each block of each ownership is resident, one row per residency identity.")
+#: '<kv-events partition>/<instance>/<dp rank>' -> latest clear of that source seen on that upstream partition.
+source_clears = _avro_table("source-clears", "kv_clear_watermark",
+                            "Latest AllBlocksCleared per source and kv-events partition.")
+#: '<by-ownership partition>/<instance>/<dp rank>' -> latest clear applied on that partition.
+clear_watermarks = _avro_table("clear-watermarks", "kv_clear_watermark",
+                               "Latest AllBlocksCleared applied per source and partition.")
+#: '<partition>/<ownership or primary>/<tier>/<instance>' -> resident blocks (global: every worker sees all).
+tier_occupancy = _avro_table("tier-occupancy", "kv_tier_occupancy",
+                             "Resident blocks per partition, ownership, tier, instance.", table=app.GlobalTable)
+
+event_codec = AvroCodec("kv_event")
+batch_codec = AvroCodec("ownership_batch")
+stats = ApplyStats()
+counters: dict[str, int] = defaultdict(int)
+
+
+def _source_key(partition: int, record: dict) -> str:
+    return f"{partition}/{record['instance_id']}/{record['data_parallel_rank']}"
+
+
+def _mark_of(watermark: dict | None) -> tuple[int, int, int]:
+    """Position (epoch, seq, batch_index) of a ClearWatermark or ClearMark record; NO_CLEAR for None."""
+    if watermark is None:
+        return NO_CLEAR
+    return watermark["publisher_epoch"], watermark["seq"], watermark["batch_index"]
+
+
+def _watermark(record: dict) -> dict:
+    return {"instance_id": record["instance_id"], "data_parallel_rank": record["data_parallel_rank"],
+            "publisher_epoch": record["publisher_epoch"], "seq": record["seq"], "batch_index": record["batch_index"]}
+
+
+async def _dead_letter(event: faust.EventT, reason: str, key: bytes | None = None, value: bytes | None = None) -> None:
+    """Send the event's original bytes (or the given part of it) to the dead-letter topic with the reason."""
+    counters["dead_lettered"] += 1
+    log.warning("dead-lettering %s[%s]@%s: %s", event.message.topic, event.message.partition,
+                event.message.offset, reason)
+    await dead_letter.send(key=event.message.key if key is None else key,
+                           value=event.message.value if value is None else value, force=True,
+                           headers={ERROR_HEADER: reason.encode()[:1000],
+                                    "kvstream-source": f"{event.message.topic}/{event.message.partition}/"
+                                                       f"{event.message.offset}".encode()})
+
+
+def _set_current_event(event: faust.EventT) -> None:
+    """Make ``event`` the current event, so table writes go to its partition's changelog.
+
+    Inside ``stream.take_events()`` Faust has no current event and a table write
+    raises (faust-streaming issue #497); the stage-1 agent writes its tiny
+    ``source-clears`` table only for AllBlocksCleared events, naming the event.
+    """
+    _current_event.set(weakref.ref(event))
+
+
+@app.agent(kv_events, name="repartition-by-ownership")
+async def repartition_by_ownership(stream):
+    """Stage 1: re-key kv-events by ownership and block hash, stamping each event with its source's latest clear.
+
+    Events are read in batches and forwarded as one OwnershipBatch message per
+    destination partition (the partition Kafka's murmur2 gives each key), in
+    read order. Offsets are committed only after the producer has flushed
+    (Faust's commit), so delivery is at least once.
+    """
+    async for events in stream.take_events(REPARTITION_BATCH, within=REPARTITION_WITHIN_S):
+        outgoing: dict[int, list[dict]] = defaultdict(list)
+        for event in events:
+            try:
+                record = event_codec.decode(event.value)
+            except DecodeError as exc:
+                await _dead_letter(event, str(exc))
+                continue
+            partition = event.message.partition
+            source = _source_key(partition, record)
+            kind, body = record["event"]
+            if kind == ALL_BLOCKS_CLEARED:
+                mark = (record["publisher_epoch"], record["seq"], record["batch_index"])
+                if mark > _mark_of(source_clears.get(source)):
+                    _set_current_event(event)
+                    source_clears[source] = _watermark(record)
+                outgoing[partition].append({"key": f"clear/{record['instance_id']}/{record['data_parallel_rank']}",
+                                            "clear_mark": mark_record(mark), "event": event.value})
+                continue
+            key = residency_key(body["ownership"], record["block_hash"])
+            outgoing[partition_of(key)].append(
+                {"key": key, "clear_mark": mark_record(_mark_of(source_clears.get(source))), "event": event.value})
+        counters["repartitioned"] += len(events)
+        for partition, items in outgoing.items():
+            await kv_events_by_ownership.send(value=batch_codec.encode({"events": items}), partition=partition,
+                                              force=True)
+
+
+def _occupancy_key(partition: int, ownership: str | None, tier: str, instance_id: str) -> str:
+    return f"{partition}/{ownership or PRIMARY}/{tier}/{instance_id}"
+
+
+def _add_occupancy(partition: int, deltas: dict[tuple, int]) -> None:
+    for (ownership, tier, instance_id), delta in deltas.items():
+        if not delta:
+            continue
+        key = _occupancy_key(partition, ownership, tier, instance_id)
+        current = tier_occupancy.get(key)
+        blocks = (current["resident_blocks"] if current else 0) + delta
+        tier_occupancy[key] = {"ownership": ownership, "tier": tier, "instance_id": instance_id,
+                               "resident_blocks": blocks}
+
+
+def partition_of(key: str) -> int:
+    """Partition of a residency key: Kafka's murmur2 of its UTF-8 bytes, as Faust's router and Java clients compute."""
+    return (murmur2(key.encode()) & 0x7FFFFFFF) % PARTITIONS
+
+
+@app.agent(kv_events_by_ownership, name="materialize-residency")
+async def materialize_residency(stream):
+    """Stage 2: apply each batch's events to the residency table; write each key once per batch."""
+    async for event in stream.events():
+        try:
+            batch = batch_codec.decode(event.value)
+        except DecodeError as exc:
+            await _dead_letter(event, str(exc))
+            continue
+        partition = event.message.partition
+        touched: dict[str, dict | None] = {}
+        occupancy: dict[tuple, int] = defaultdict(int)
+        for item in batch["events"]:
+            try:
+                record = event_codec.decode(item["event"])
+                _materialize_one(partition, item, record, touched, occupancy)
+            except DecodeError as exc:
+                await _dead_letter(event, str(exc), key=item["key"].encode(), value=item["event"])
+            except Exception as exc:  # a record this code cannot apply: keep it, say why, go on
+                log.exception("could not apply %s", item["key"])
+                await _dead_letter(event, f"could not apply: {type(exc).__name__}: {exc}",
+                                   key=item["key"].encode(), value=item["event"])
+        _write_back(touched)
+        _add_occupancy(partition, occupancy)
+
+
+def _materialize_one(partition: int, item: dict, record: dict, touched: dict[str, dict | None],
+                     occupancy: dict[tuple, int]) -> None:
+    """Apply one re-keyed event; block entries are collected in ``touched`` and written back once per batch."""
+    counters["materialized"] += 1
+    source = _source_key(partition, record)
+    watermark = _mark_of(clear_watermarks.get(source))
+    mark = _mark_of(item["clear_mark"])
+    kind, body = record["event"]
+    if kind == ALL_BLOCKS_CLEARED:
+        if mark <= watermark:
+            stats.duplicates += 1
+            return
+        clear_watermarks[source] = _watermark(record)
+        _write_back(touched)
+        touched.clear()
+        _apply_clear_on_partition(partition, record, mark, occupancy)
+        return
+    key = item["key"]
+    entry = touched[key] if key in touched else residency.get(key)
+    entry, delta = apply_block_event(entry, record, mark, watermark, CLEAR_TIERS, stats)
+    touched[key] = entry
+    if delta:
+        occupancy[(body["ownership"], record["tier"], record["instance_id"])] += delta
+
+
+def _write_back(touched: dict[str, dict | None]) -> None:
+    for key, entry in touched.items():
+        if entry is not None:
+            residency[key] = entry
+        elif key in residency:
+            del residency[key]
+
+
+def _apply_clear_on_partition(partition: int, record: dict, mark: tuple[int, int, int],
+                              occupancy: dict[tuple, int]) -> None:
+    """Remove the source's rows in scope on this partition (a clear is rare: a scan is fine)."""
+    instance, dp_rank = record["instance_id"], record["data_parallel_rank"]
+    cleared = 0
+    for key in [k for k in residency.keys() if partition_of(k) == partition]:
+        entry = residency[key]
+        new_entry, removed = apply_clear(entry, instance, dp_rank, mark, CLEAR_TIERS, stats)
+        if new_entry is None:
+            del residency[key]
+        elif removed:
+            residency[key] = new_entry
+        for row in removed:
+            cleared += 1
+            occupancy[(entry["ownership"], row["tier"], instance)] -= 1
+    log.info("AllBlocksCleared from %s/%s applied on partition %d: %d resident rows removed", instance, dp_rank,
+             partition, cleared)
+
+
+@app.task
+async def _allow_batched_table_writes() -> None:
+    """Let a batch's table writes queue up: Faust's producer buffer warns past 100 pending changelog records."""
+    app.producer.buffer.max_messages = 4 * REPARTITION_BATCH
+
+
+def occupancy_rows() -> list[dict]:
+    """Resident blocks per (ownership, tier, instance), summed over partitions, sorted."""
+    totals: dict[tuple, int] = defaultdict(int)
+    for value in tier_occupancy.values():
+        totals[(value["ownership"] or "", value["tier"], value["instance_id"])] += value["resident_blocks"]
+    return [{"ownership": own or None, "tier": tier, "instance_id": inst, "resident_blocks": n}
+            for (own, tier, inst), n in sorted(totals.items()) if n]
+
+
+def known_ownerships() -> set[str | None]:
+    """Ownerships with resident blocks anywhere (None = primary), from the global occupancy table."""
+    return {None} | {value["ownership"] for value in tier_occupancy.values()}
+
+
+def _row_json(ownership: str | None, row: dict) -> dict:
+    return {"ownership": ownership, "instance_id": row["instance_id"],
+            "data_parallel_rank": row["data_parallel_rank"], "tier": row["tier"], "medium": row["medium"],
+            "locality": row["locality"], "group_idx": row["group_idx"], "copies": row["copies"],
+            "since": row["since"], "last_ts": row["last_ts"],
+            "last_seq": max((w["seq"] for w in row["workers"]), default=None)}
+
+
+def entry_json(key: str) -> list[dict]:
+    """Resident rows of one local residency key, as JSON-ready dicts."""
+    entry = residency.get(key)
+    if entry is None:
+        return []
+    return [_row_json(entry["ownership"], row) for row in entry["rows"] if row["copies"] > 0]
+
+
+@app.page("/residency-key/{key}/")
+@app.table_route(table=residency, match_info="key")
+async def residency_key_view(web, request, key: str):
+    """Internal: resident rows of one table key, answered by the worker that holds it."""
+    return web.json({"rows": entry_json(key)})
+
+
+@app.page("/residency/{block_hash_hex}/")
+async def residency_view(web, request, block_hash_hex: str):
+    """Every resident row of a block, over all ownerships: ``{"block_hash": hex, "rows": [...]}``."""
+    try:
+        block_hash = parse_hex_block_hash(block_hash_hex)
+    except InvalidBlockHash as exc:
+        return web.json({"error": str(exc)}, status=400)
+    keys = [residency_key(own, block_hash) for own in sorted(known_ownerships(), key=lambda o: o or "")]
+    parts = await asyncio.gather(*(_lookup(key) for key in keys))
+    return web.json({"block_hash": block_hash.hex(), "rows": [row for part in parts for row in part]})
+
+
+async def _lookup(key: str) -> list[dict]:
+    url = app.router.key_store(residency.name, key)
+    if (url.host, url.port) == (app.conf.canonical_url.host, app.conf.canonical_url.port):
+        return entry_json(key)
+    async with app.http_client.get(url.with_path(f"/residency-key/{key}/")) as response:
+        response.raise_for_status()
+        return (await response.json())["rows"]
+
+
+@app.page("/occupancy/")
+async def occupancy_view(web, request):
+    """Resident blocks per (ownership, tier, instance): ``{"occupancy": [...]}``."""
+    return web.json({"occupancy": occupancy_rows()})
+
+
+@app.page("/stats/")
+async def stats_view(web, request):
+    """This worker's counters: events re-keyed and materialized, duplicates, unknown removals, dead letters."""
+    return web.json({**counters, "applied": stats.applied, "duplicates": stats.duplicates,
+                     "cleared_late": stats.cleared_late, "unknown_removals": stats.unknown_removals,
+                     "became_resident": stats.became_resident, "stopped_resident": stats.stopped_resident,
+                     "unknown_media": stats.unknown_media})
+
+
+def declared_topics() -> dict[str, tuple[int, dict[str, str]]]:
+    """Every topic this app reads or writes: name -> (partitions, topic configs).
+
+    ``kvstream worker`` creates them before Faust starts: a topic that Faust
+    creates while the consumer group forms is left out of the first assignment
+    (seen with kv-events-by-ownership and the global table's changelog: their
+    agents stayed idle until the next rebalance).
+    """
+    topics = {KV_EVENTS: (PARTITIONS, {}), KV_EVENTS_BY_OWNERSHIP: (PARTITIONS, {}), KV_EVENTS_DEAD_LETTER: (1, {}),
+              f"{app.conf.id}-__assignor-__leader": (1, {})}
+    for table in app.tables.values():
+        topics[table.changelog_topic.get_topic_name()] = (table.partitions or PARTITIONS,
+                                                          {"cleanup.policy": "compact"})
+    return topics
+
+
+def main() -> None:
+    """Run Faust's command line on this app (``python -m stream_apps.app worker``)."""
+    app.main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""Residency semantics as plain functions: what one event does to a block's residency.
+
+No Kafka and no Faust here, so tests can call these directly; the Faust agents
+in :mod:`stream_apps.app` decode, call these and write tables.
+
+The residency table is keyed by ``<ownership>/<block hash hex>`` (``primary``
+for the framework's own tiers, i.e. ownership null). Its value, an *entry*, holds
+one *row* per residency identity (DESIGN.md): (instance, data-parallel rank,
+tier, locality, group) -- ownership and block hash are in the key. A row keeps
+
+* per-worker reference counts (stores minus applied removals) and the position
+  ``(publisher_epoch, seq, batch_index, block_index)`` of the last event applied
+  from that worker, so a redelivered event changes nothing (idempotency is per
+  row, because events of one source reach a row through one upstream partition
+  in order, but interleave freely across rows after re-keying);
+* ``copies``: the workers' counts aggregated by the source's mode --
+  ``world_size`` 1: the count; ``REPLICATED``: the minimum over all
+  ``world_size`` workers (a worker that reported nothing counts 0, so one
+  worker's duplicate is not agreement); ``SHARDED``: the sum;
+* ``clear_mark``: the position of the source's last ``AllBlocksCleared`` that
+  preceded the row's last event upstream. The stream app stamps every event with
+  its source's latest clear as seen on its upstream partition, so a row can tell
+  whether a clear happened between two of its events even when the clear's copy
+  reaches this partition late (see :func:`apply_block_event`).
+
+A row is resident while ``copies > 0``; it is dropped once every worker's count
+is 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from schemas import BLOCK_STORED
+
+#: Table-key prefix for ownership null: the serving framework's own tiers.
+PRIMARY = "primary"
+
+#: Tiers an AllBlocksCleared removes by default: vLLM emits it on a GPU prefix-cache reset, and offloaded
+#: copies survive it (DESIGN.md "AllBlocksCleared").
+DEFAULT_CLEAR_TIERS = frozenset({"GPU"})
+#: Tiers removed with clear scope ``all``.
+ALL_TIERS = frozenset({"GPU", "CPU", "STORAGE", "EXTERNAL", "UNKNOWN"})
+
+#: The position of "no clear yet": lower than any real (epoch, seq, batch_index).
+NO_CLEAR = (-1, -1, -1)
+
+
+def residency_key(ownership: str | None, block_hash: bytes) -> str:
+    """Table and repartition key: ``<ownership or 'primary'>/<block hash hex>``."""
+    return f"{ownership or PRIMARY}/{block_hash.hex()}"
+
+
+def split_residency_key(key: str) -> tuple[str | None, bytes]:
+    """Inverse of :func:`residency_key`: (ownership or None, block hash bytes)."""
+    prefix, _, hex_hash = key.rpartition("/")
+    return (None if prefix == PRIMARY else prefix), bytes.fromhex(hex_hash)
+
+
+@dataclass
+class ApplyStats:
+    """Counters of what :func:`apply_block_event` did, cumulative per stream app worker."""
+
+    #: Events that changed a row.
+    applied: int = 0
+    #: Events ignored because that worker's row had already applied a later-or-equal position (redelivery).
+    duplicates: int = 0
+    #: Events ignored because a later clear of their source had already been applied on this partition.
+    cleared_late: int = 0
+    #: Removals of a block the worker had no count for: counted, not applied below zero.
+    unknown_removals: int = 0
+    #: Rows that became resident / stopped being resident.
+    became_resident: int = 0
+    stopped_resident: int = 0
+    #: Media that mapped to the UNKNOWN tier, by raw string.
+    unknown_media: dict = field(default_factory=dict)
+
+
+def aggregate_copies(workers: list[dict], world_size: int, aggregation: str) -> int:
+    """Copies of a row from its per-worker counts.
+
+    Args:
+        workers: ``[{"worker_rank": r, "count": c, ...}]``; rank -1 stands for a
+            publisher without worker rank.
+        world_size: workers that report this source (1: pass through).
+        aggregation: ``REPLICATED`` (min over ranks 0..world_size-1, absent = 0) or
+            ``SHARDED`` (sum).
+    """
+    if world_size <= 1:
+        return sum(w["count"] for w in workers)
+    if aggregation == "SHARDED":
+        return sum(w["count"] for w in workers)
+    counts = {w["worker_rank"]: w["count"] for w in workers}
+    return min(counts.get(rank, 0) for rank in range(world_size))
+
+
+def _position(record: dict) -> tuple[int, int, int, int]:
+    return record["publisher_epoch"], record["seq"], record["batch_index"], record["block_index"]
+
+
+def _worker_position(worker: dict) -> tuple[int, int, int, int]:
+    return worker["publisher_epoch"], worker["seq"], worker["batch_index"], worker["block_index"]
+
+
+def _clear_mark(row: dict) -> tuple[int, int, int]:
+    mark = row["clear_mark"]
+    return NO_CLEAR if mark is None else (mark["publisher_epoch"], mark["seq"], mark["batch_index"])
+
+
+def mark_record(mark: tuple[int, int, int]) -> dict | None:
+    """The Avro ``ClearMark`` of a clear position (None for :data:`NO_CLEAR`)."""
+    if mark == NO_CLEAR:
+        return None
+    return {"publisher_epoch": mark[0], "seq": mark[1], "batch_index": mark[2]}
+
+
+def apply_block_event(entry: dict | None, record: dict, clear_mark: tuple[int, int, int],
+                      clear_watermark: tuple[int, int, int], clear_tiers: frozenset, stats: ApplyStats) -> tuple[dict | None, int]:
+    """Apply one BlockStored/BlockRemoved record to a block's residency entry.
+
+    Args:
+        entry: the table value for the record's key, or None when absent.
+        record: a decoded ``kv_event`` record whose event is BlockStored or BlockRemoved.
+        clear_mark: position (epoch, seq, batch_index) of the source's latest
+            AllBlocksCleared that preceded this record on its upstream partition
+            (:data:`NO_CLEAR` if none).
+        clear_watermark: the latest clear of the source already applied on this
+            partition (:data:`NO_CLEAR` if none).
+        clear_tiers: tiers a clear of this source removes.
+        stats: counters to update.
+
+    Returns:
+        ``(new entry or None when no row is left, change in resident rows: -1, 0 or +1)``.
+    """
+    kind, body = record["event"]
+    tier = record["tier"]
+    in_clear_scope = tier in clear_tiers
+    if in_clear_scope and clear_mark < clear_watermark:
+        stats.cleared_late += 1
+        return entry, 0
+    if tier == "UNKNOWN":
+        medium = body["medium"]
+        stats.unknown_media[medium] = stats.unknown_media.get(medium, 0) + 1
+
+    instance, dp_rank = record["instance_id"], record["data_parallel_rank"]
+    locality, group = body["locality"], body["group_idx"]
+    rows = entry["rows"] if entry is not None else []
+    row = None
+    for candidate in rows:
+        if (candidate["instance_id"] == instance and candidate["data_parallel_rank"] == dp_rank
+                and candidate["tier"] == tier and candidate["locality"] == locality
+                and candidate["group_idx"] == group):
+            row = candidate
+            break
+    if row is None:
+        if kind != BLOCK_STORED:
+            stats.unknown_removals += 1
+            return entry, 0
+        row = {"instance_id": instance, "data_parallel_rank": dp_rank, "tier": tier, "medium": body["medium"],
+               "locality": locality, "group_idx": group, "world_size": 1, "aggregation": "REPLICATED",
+               "workers": [], "copies": 0, "since": None, "last_ts": record["ts"], "clear_mark": None}
+        if entry is None:
+            entry = {"block_hash": record["block_hash"], "ownership": body["ownership"], "rows": rows}
+        rows.append(row)
+    elif in_clear_scope and clear_mark > _clear_mark(row):
+        # A clear of the source came between the row's last event and this one: it emptied the row.
+        for worker in row["workers"]:
+            worker["count"] = 0
+        row["copies"] = 0
+        row["since"] = None
+
+    worker_rank = record["worker_rank"]
+    worker_rank = -1 if worker_rank is None else worker_rank
+    worker = next((w for w in row["workers"] if w["worker_rank"] == worker_rank), None)
+    position = _position(record)
+    if worker is None:
+        worker = {"worker_rank": worker_rank, "count": 0, "publisher_epoch": -1, "seq": -1, "batch_index": -1,
+                  "block_index": -1}
+        row["workers"].append(worker)
+    elif position <= _worker_position(worker):
+        stats.duplicates += 1
+        return entry, 0
+
+    if kind == BLOCK_STORED:
+        worker["count"] += 1
+    elif worker["count"] > 0:
+        worker["count"] -= 1
+    else:
+        stats.unknown_removals += 1
+    worker["publisher_epoch"], worker["seq"], worker["batch_index"], worker["block_index"] = position
+    stats.applied += 1
+
+    row["world_size"] = record["world_size"] or 1
+    row["aggregation"] = record["aggregation"] or "REPLICATED"
+    row["medium"] = body["medium"]
+    row["last_ts"] = record["ts"]
+    row["clear_mark"] = mark_record(clear_mark)
+    before = row["copies"]
+    after = aggregate_copies(row["workers"], row["world_size"], row["aggregation"])
+    row["copies"] = after
+    delta = 0
+    if before == 0 and after > 0:
+        row["since"] = record["ts"]
+        stats.became_resident += 1
+        delta = 1
+    elif before > 0 and after == 0:
+        row["since"] = None
+        stats.stopped_resident += 1
+        delta = -1
+    if not any(w["count"] for w in row["workers"]):
+        rows.remove(row)
+    return (entry if rows else None), delta
+
+
+def apply_clear(entry: dict, instance_id: str, data_parallel_rank: int, mark: tuple[int, int, int],
+                clear_tiers: frozenset, stats: ApplyStats) -> tuple[dict | None, list[dict]]:
+    """Apply a source's AllBlocksCleared (at position ``mark``) to one entry.
+
+    Removes the source's rows in ``clear_tiers`` whose last event preceded the
+    clear (their ``clear_mark`` is older than ``mark``); rows whose last event
+    came after the clear upstream have already accounted for it.
+
+    Returns:
+        ``(new entry or None when no row is left, the rows removed that were resident)``.
+    """
+    kept, removed = [], []
+    for row in entry["rows"]:
+        if (row["instance_id"] == instance_id and row["data_parallel_rank"] == data_parallel_rank
+                and row["tier"] in clear_tiers and _clear_mark(row) < mark):
+            if row["copies"] > 0:
+                removed.append(row)
+                stats.stopped_resident += 1
+        else:
+            kept.append(row)
+    if len(kept) == len(entry["rows"]):
+        return entry, []
+    entry["rows"] = kept
+    return (entry if kept else None), removed
