@@ -14,6 +14,7 @@ import json
 import random
 import shutil
 import signal
+import socket
 import sys
 import time
 import urllib.request
@@ -73,6 +74,11 @@ def _wait_for_web(url: str, process, timeout_s: float = 120.0) -> None:
     raise TimeoutError(f"the worker's web server did not answer at {url}")
 
 
+def _port_in_use(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
 def _stop(process) -> None:
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
@@ -85,6 +91,8 @@ def _stop(process) -> None:
 
 def run_demo(options: DemoOptions) -> int:
     """Run the demo; returns the exit code (0 when the residency matches the ground truth)."""
+    if _port_in_use(options.web_port):
+        raise RuntimeError(f"port {options.web_port} is in use (a worker left running?); choose --web-port")
     work = options.work_dir.resolve()
     broker_dir, worker_dir, log_file = work / "broker", work / "worker", work / "worker.log"
     if broker.status(broker_dir).running:

@@ -11,6 +11,7 @@ while the consumer group forms is left out of the first assignment (seen: stage
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -18,7 +19,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from confluent_kafka import ConsumerGroupTopicPartitions, KafkaException, TopicPartition
+from aiokafka import TopicPartition as AioTopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError
+from confluent_kafka import KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
 from kvstream.kafka_config import DEFAULT_PARTITIONS, client_config, ensure_topics
@@ -106,23 +110,26 @@ class GroupProgress:
         return self.end - self.committed
 
 
-def group_progress(admin: AdminClient, group: str, topics: list[str]) -> dict[str, GroupProgress]:
+def group_progress(bootstrap_servers: str, group: str, topics: list[str],
+                   admin: AdminClient | None = None) -> dict[str, GroupProgress]:
     """Per topic: how far ``group`` has committed, against the topic's start and end offsets.
 
-    Uses only the admin API (a short-lived group consumer crashed librdkafka
-    2.16 in ``rd_kafka_cgrp_op`` when closed while its coordinator was loading).
+    Committed offsets come from aiokafka's admin client: librdkafka 2.16's
+    ListConsumerGroupOffsets crashes the process (NULL ``rd_kafka_cgrp_op`` in
+    ``rd_kafka_handle_OffsetFetch``, seen in a core dump) when the group
+    coordinator answers with an error, e.g. while it is still loading.
 
     Raises:
         RuntimeError: the broker did not answer, or the group coordinator is not ready yet.
     """
+    admin = admin or AdminClient(client_config(bootstrap_servers))
     try:
         metadata = admin.list_topics(timeout=10)
         partitions = [TopicPartition(t, p) for t in topics if t in metadata.topics
                       for p in metadata.topics[t].partitions]
         if not partitions:
             return {t: GroupProgress(0, 0) for t in topics}
-        future = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(group, partitions)])[group]
-        committed = {(tp.topic, tp.partition): tp.offset for tp in future.result().topic_partitions}
+        committed = asyncio.run(_committed_offsets(bootstrap_servers, group, partitions))
         earliest = admin.list_offsets({tp: OffsetSpec.earliest() for tp in partitions})
         latest = admin.list_offsets({tp: OffsetSpec.latest() for tp in partitions})
         progress = {t: GroupProgress(0, 0) for t in topics}
@@ -131,8 +138,20 @@ def group_progress(admin: AdminClient, group: str, topics: list[str]) -> dict[st
             progress[tp.topic].end += high - low
             progress[tp.topic].committed += max(committed.get((tp.topic, tp.partition), 0) - low, 0)
         return progress
-    except KafkaException as exc:
+    except (KafkaException, KafkaError) as exc:
         raise RuntimeError(f"could not read consumer group {group}: {exc}") from None
+
+
+async def _committed_offsets(bootstrap_servers: str, group: str,
+                             partitions: list[TopicPartition]) -> dict[tuple[str, int], int]:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers)
+    await admin.start()
+    try:
+        offsets = await admin.list_consumer_group_offsets(
+            group, partitions=[AioTopicPartition(tp.topic, tp.partition) for tp in partitions])
+    finally:
+        await admin.close()
+    return {(tp.topic, tp.partition): meta.offset for tp, meta in offsets.items()}
 
 
 def wait_until_consumed(bootstrap_servers: str, group: str, process: subprocess.Popen | None, *,
@@ -157,7 +176,7 @@ def wait_until_consumed(bootstrap_servers: str, group: str, process: subprocess.
         if process is not None and process.poll() is not None:
             raise RuntimeError(f"the stream-app worker exited with code {process.returncode}")
         try:
-            progress = group_progress(admin, group, topics)
+            progress = group_progress(bootstrap_servers, group, topics, admin)
         except RuntimeError as exc:  # e.g. the group coordinator is still loading: ask again
             if time.monotonic() - started > timeout_s:
                 raise TimeoutError(f"consumer group {group} unreadable after {timeout_s:.0f}s: {exc}") from None

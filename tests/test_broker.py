@@ -11,7 +11,7 @@ from confluent_kafka import Consumer, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from kvstream.broker import KAFKA_VERSION, TOOLS, ensure_jars, run_tool, status
-from tests.broker_fixture import kafka_backend, kafka_bootstrap  # noqa: F401  (registers the fixture)
+from tests.broker_fixture import kafka_backend
 
 
 def _create_topic(bootstrap: str, partitions: int = 1) -> str:

@@ -1,0 +1,116 @@
+"""Residency semantics as plain functions (stream_apps.residency), without Kafka."""
+
+from __future__ import annotations
+
+import itertools
+
+from producers.split import Publisher, split_event
+from stream_apps.residency import (DEFAULT_CLEAR_TIERS, NO_CLEAR, ApplyStats, aggregate_copies, apply_block_event,
+                                   apply_clear, residency_key)
+
+_seq = itertools.count()
+
+
+def _store(block: int, publisher: Publisher, medium="GPU", ownership=None, seq=None):
+    event = {"type": "BlockStored", "block_hashes": [block], "parent_block_hash": None, "token_ids": [],
+             "block_size": 16, "lora_id": None, "medium": medium, "lora_name": None, "group_idx": 0}
+    if ownership:
+        event["ownership"] = ownership
+    return split_event(publisher, next(_seq) if seq is None else seq, 1.0, 0, event)[0]
+
+
+def _remove(block: int, publisher: Publisher, medium="GPU", seq=None):
+    event = {"type": "BlockRemoved", "block_hashes": [block], "medium": medium, "group_idx": 0}
+    return split_event(publisher, next(_seq) if seq is None else seq, 2.0, 0, event)[0]
+
+
+def _apply(entry, records, stats=None, mark=NO_CLEAR, watermark=NO_CLEAR):
+    stats = stats or ApplyStats()
+    for record in records:
+        entry, _ = apply_block_event(entry, record, mark, watermark, DEFAULT_CLEAR_TIERS, stats)
+    return entry
+
+
+def _copies(entry):
+    return sorted((r["instance_id"], r["tier"], r["copies"]) for r in entry["rows"]) if entry else []
+
+
+ENGINE = Publisher("e1")
+W0 = Publisher("tp", worker_rank=0, world_size=2, aggregation="REPLICATED")
+W1 = Publisher("tp", worker_rank=1, world_size=2, aggregation="REPLICATED")
+
+
+def test_replicated_block_needs_every_worker_and_one_workers_duplicate_is_not_agreement():
+    assert _copies(_apply(None, [_store(0x11, W0), _store(0x11, W0)])) == [("tp", "GPU", 0)]
+    entry = _apply(None, [_store(0x22, W0), _store(0x22, W0), _store(0x22, W1)])
+    assert _copies(entry) == [("tp", "GPU", 1)]
+
+
+def test_sharded_block_counts_any_workers_report():
+    s0 = Publisher("sh", worker_rank=0, world_size=2, aggregation="SHARDED")
+    assert _copies(_apply(None, [_store(0x33, s0)])) == [("sh", "GPU", 1)]
+    assert aggregate_copies([{"worker_rank": 0, "count": 2}, {"worker_rank": 1, "count": 1}], 2, "SHARDED") == 3
+
+
+def test_reference_counting_keeps_a_block_until_its_last_copy_is_removed():
+    stats = ApplyStats()
+    entry = _apply(None, [_store(0xA3, ENGINE), _store(0xA3, ENGINE), _remove(0xA3, ENGINE)], stats)
+    assert _copies(entry) == [("e1", "GPU", 1)]
+    assert _apply(entry, [_remove(0xA3, ENGINE)], stats) is None
+    assert stats.stopped_resident == 1 and stats.became_resident == 1
+
+
+def test_removal_of_an_unknown_block_is_counted_not_applied_below_zero():
+    stats = ApplyStats()
+    assert _apply(None, [_remove(0xB1, ENGINE)], stats) is None
+    entry = _apply(None, [_store(0xB1, ENGINE), _remove(0xB1, ENGINE), _remove(0xB1, ENGINE)], stats)
+    assert entry is None and stats.unknown_removals == 2
+
+
+def test_redelivered_events_change_nothing():
+    stored = _store(0xC1, ENGINE)
+    stats = ApplyStats()
+    entry = _apply(None, [stored, stored, stored], stats)
+    assert _copies(entry) == [("e1", "GPU", 1)] and stats.duplicates == 2
+    stored_again, removed = _store(0xC1, ENGINE), _remove(0xC1, ENGINE)
+    entry = _apply(entry, [stored_again, removed, removed, stored], stats)
+    assert _copies(entry) == [("e1", "GPU", 1)] and stats.duplicates == 4
+
+
+def test_tiers_and_instances_are_separate_rows():
+    e2 = Publisher("e2")
+    entry = _apply(None, [_store(0xD1, ENGINE), _store(0xD1, e2), _store(0xD1, ENGINE, medium="cpu")])
+    assert _copies(entry) == [("e1", "CPU", 1), ("e1", "GPU", 1), ("e2", "GPU", 1)]
+
+
+def test_clear_removes_the_sources_gpu_rows_older_than_the_clear_and_keeps_offloaded_copies():
+    e2 = Publisher("e2")
+    entry = _apply(None, [_store(0xE1, ENGINE), _store(0xE1, e2), _store(0xE1, ENGINE, medium="CPU")])
+    clear = (0, 100, 0)
+    entry, removed = apply_clear(entry, "e1", 0, clear, DEFAULT_CLEAR_TIERS, ApplyStats())
+    assert _copies(entry) == [("e1", "CPU", 1), ("e2", "GPU", 1)] and len(removed) == 1
+
+
+def test_clear_that_arrives_after_newer_events_only_wipes_what_came_before_it():
+    """Two stores before the clear, one after; the clear's copy reaches this partition last."""
+    clear = (0, 50, 0)
+    entry = _apply(None, [_store(0xF1, ENGINE, seq=10), _store(0xF1, ENGINE, seq=11)])
+    entry = _apply(entry, [_store(0xF1, ENGINE, seq=60)], mark=clear)  # stamped: a clear came before it
+    assert _copies(entry) == [("e1", "GPU", 1)]
+    entry, removed = apply_clear(entry, "e1", 0, clear, DEFAULT_CLEAR_TIERS, ApplyStats())
+    assert _copies(entry) == [("e1", "GPU", 1)] and removed == []
+    assert _apply(entry, [_remove(0xF1, ENGINE, seq=61)], mark=clear) is None
+
+
+def test_events_older_than_an_applied_clear_are_ignored_in_its_scope():
+    clear = (0, 50, 0)
+    stats = ApplyStats()
+    entry = _apply(None, [_store(0xF2, ENGINE, seq=10)], stats, watermark=clear)
+    assert entry is None and stats.cleared_late == 1
+    entry = _apply(None, [_store(0xF2, ENGINE, medium="CPU", seq=11)], stats, watermark=clear)
+    assert _copies(entry) == [("e1", "CPU", 1)]
+
+
+def test_residency_key_separates_ownerships():
+    assert residency_key(None, b"\x01\x02") == "primary/0102"
+    assert residency_key("kvcr", b"\x01\x02") == "kvcr/0102"

@@ -1,0 +1,82 @@
+"""Per-block split of engine events, and its lossless inverse."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from producers.split import InvalidEvent, Publisher, rebuild_event, split_event
+from schemas import ALL_BLOCKS_CLEARED, BLOCK_STORED, AvroCodec
+
+#: A real vLLM 0.33.0 KVEventBatch as published by its ZmqEventPublisher (research/vllm-kv-events.md, section 8):
+#: [ts, [BlockStored(2 hashes, STORAGE, kvcr), BlockRemoved(GPU), AllBlocksCleared], dp rank 0].
+VLLM_PAYLOAD = bytes.fromhex(
+    "93cb41da556e4000000093de000ba474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657392cf1a1eb4e3edd9361acf"
+    "d41bc1f76b956ddeb1706172656e745f626c6f636b5f68617368c0a9746f6b656e5f696473980102030405060708aa626c6f636b5f7369"
+    "7a6504a76c6f72615f6964c0a66d656469756da753544f52414745a96c6f72615f6e616d65c0a967726f75705f69647800b26b765f6361"
+    "6368655f737065635f6b696e64ae66756c6c5f617474656e74696f6ea96f776e657273686970a46b76637284a474797065ac426c6f636b"
+    "52656d6f766564ac626c6f636b5f68617368657391cf1a1eb4e3edd9361aa66d656469756da3475055a967726f75705f6964780081a474"
+    "797065b0416c6c426c6f636b73436c656172656400")
+PUBLISHER = Publisher("vllm-0", 0, publisher_epoch=1767225600000)
+
+
+def _split_batch(payload: bytes) -> list[list[dict]]:
+    ts, events, dp_rank = msgspec.msgpack.decode(payload)
+    assert dp_rank == 0
+    return [split_event(PUBLISHER, 0, ts, i, event) for i, event in enumerate(events)]
+
+
+def test_real_vllm_payload_splits_into_one_record_per_block():
+    stored, removed, cleared = _split_batch(VLLM_PAYLOAD)
+    assert [r["block_hash"].hex() for r in stored] == ["1a1eb4e3edd9361a", "d41bc1f76b956dde"]
+    assert [(r["block_index"], r["block_count"]) for r in stored] == [(0, 2), (1, 2)]
+    assert [r["event"][1]["token_ids"] for r in stored] == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert stored[1]["event"][1]["parent_block_hash"] == stored[0]["block_hash"]
+    assert {r["tier"] for r in stored} == {"STORAGE"} and stored[0]["event"][1]["ownership"] == "kvcr"
+    assert removed[0]["tier"] == "GPU" and removed[0]["event"][1]["group_idx"] == 0
+    assert cleared[0]["block_hash"] is None and cleared[0]["event"] == (ALL_BLOCKS_CLEARED, {})
+    assert all(r["seq"] == 0 and r["ts"] == 1767225600.0 for part in (stored, removed, cleared) for r in part)
+
+
+def test_rebuild_after_avro_round_trip_gives_back_the_original_events():
+    codec = AvroCodec("kv_event")
+    _, events, _ = msgspec.msgpack.decode(VLLM_PAYLOAD)
+    for original, records in zip(events, _split_batch(VLLM_PAYLOAD)):
+        decoded = [codec.decode(codec.encode(r)) for r in reversed(records)]
+        assert rebuild_event(decoded) == original
+
+
+def test_rebuild_keeps_signed_hashes_extra_keys_lookahead_and_trailing_tokens():
+    event = {"type": "BlockStored", "block_hashes": [-5, 7], "parent_block_hash": -9, "token_ids": list(range(10)),
+             "block_size": 4, "lora_id": 3, "medium": "CPU_PINNED", "lora_name": "adapter",
+             "extra_keys": [["adapter", ["mm", 0]], None], "group_idx": 1, "kv_cache_spec_kind": "sliding_window",
+             "kv_cache_spec_sliding_window": 128, "locality": "LOCAL", "session_id": "s",
+             "lookahead_token_ids": [[9], [10]]}
+    records = split_event(PUBLISHER, 3, 1.0, 0, event)
+    assert [r["event"][1]["token_ids"] for r in records] == [[0, 1, 2, 3], [4, 5, 6, 7, 8, 9]]
+    assert {r["hash_encoding"] for r in records} == {"INT64"} and records[0]["tier"] == "CPU"
+    assert rebuild_event(records) == event
+
+
+@pytest.mark.parametrize("event, reason", [
+    ({"type": "TierBlocksCleared"}, "unknown event type"),
+    ({"type": "BlockStored", "block_hashes": []}, "non-empty list"),
+    ({"type": "BlockRemoved", "block_hashes": [2**64]}, "outside the 64-bit range"),
+    ({"type": "BlockRemoved", "block_hashes": [1], "medium": 5}, "medium must be a string"),
+    ({"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "block_size": 4}, "token_ids"),
+    ({"type": "BlockStored", "block_hashes": [1], "token_ids": ["a"], "block_size": 4}, "not a 32-bit integer"),
+    ({"type": "BlockStored", "block_hashes": [1, 2], "token_ids": [], "block_size": 0, "extra_keys": [None]},
+     "one entry per block"),
+    ([1, 2, 3], "not a map"),
+])
+def test_malformed_events_are_rejected_with_a_reason(event, reason):
+    with pytest.raises(InvalidEvent, match=reason):
+        split_event(PUBLISHER, 0, 0.0, 0, event)
+
+
+def test_store_records_pick_the_union_branch_explicitly_and_encode():
+    records = split_event(PUBLISHER, 0, 0.0, 0, {"type": "BlockStored", "block_hashes": [1], "token_ids": [],
+                                                 "block_size": 0, "parent_block_hash": None, "lora_id": None,
+                                                 "medium": None, "lora_name": None})
+    assert records[0]["event"][0] == BLOCK_STORED and records[0]["tier"] == "GPU"
+    assert AvroCodec("kv_event").encode(records[0])[:2] == b"\xc3\x01"
