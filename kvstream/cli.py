@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import urllib.error
 import urllib.parse
@@ -62,6 +63,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     from kvstream.worker import WorkerOptions, run_worker
 
     return run_worker(WorkerOptions(args.bootstrap_servers, web_port=args.web_port, web_bind=args.web_bind,
+                                    web_host=args.web_host,
                                     data_dir=args.data_dir, store=args.store, partitions=args.partitions,
                                     clear_scope=args.clear_scope, app_id=args.app_id, log_level=args.loglevel))
 
@@ -144,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bootstrap(p)
     p.add_argument("--web-port", type=int, default=6066, help="HTTP port (default: %(default)s)")
     p.add_argument("--web-bind", default="127.0.0.1", help="HTTP bind address (default: %(default)s)")
+    p.add_argument("--web-host", default=os.environ.get("KVSTREAM_WEB_HOST", "127.0.0.1"),
+                   help="host name other workers reach this worker at, for forwarded lookups "
+                        "(default: %(default)s; env KVSTREAM_WEB_HOST)")
     p.add_argument("--data-dir", type=Path, default=Path(".kvstream/worker"),
                    help="local state directory (default: %(default)s)")
     p.add_argument("--store", default="memory://", choices=["memory://", "rocksdb://"],

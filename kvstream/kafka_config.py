@@ -55,7 +55,7 @@ def producer_config(bootstrap_servers: str = DEFAULT_BOOTSTRAP_SERVERS, **overri
 
 def ensure_topics(bootstrap_servers: str, topics: dict[str, int], *, timeout_s: float = 30.0,
                   configs: dict[str, dict[str, str]] | None = None) -> None:
-    """Create the topics that do not exist yet (replication factor 1 on a one-node broker, else the broker default).
+    """Create the topics that do not exist yet, replicated min(3, brokers) times.
 
     Args:
         topics: topic name -> partition count.

@@ -41,6 +41,8 @@ class WorkerOptions:
     web_port: int = 6066
     #: Address the web server binds to; localhost unless told otherwise.
     web_bind: str = "127.0.0.1"
+    #: Host name or address other workers reach this one at (requests for keys it holds are forwarded there).
+    web_host: str = "127.0.0.1"
     #: Local state directory (RocksDB stores, Faust's own files).
     data_dir: Path = Path(".kvstream/worker")
     #: Table store: ``memory://`` (rebuilt from the changelog at start) or ``rocksdb://``.
@@ -59,6 +61,7 @@ def worker_environment(options: WorkerOptions) -> dict[str, str]:
         "KVSTREAM_BOOTSTRAP_SERVERS": options.bootstrap_servers,
         "KVSTREAM_WEB_PORT": str(options.web_port),
         "KVSTREAM_WEB_BIND": options.web_bind,
+        "KVSTREAM_WEB_HOST": options.web_host,
         "KVSTREAM_DATA_DIR": str(options.data_dir),
         "KVSTREAM_STORE": options.store,
         "KVSTREAM_PARTITIONS": str(options.partitions),
@@ -81,7 +84,7 @@ def run_worker(options: WorkerOptions) -> int:
                   configs={name: config for name, (_, config) in topics.items()})
 
     sys.argv = ["kvstream worker", "worker", "--loglevel", options.log_level, "--web-port", str(options.web_port),
-                "--web-bind", options.web_bind]
+                "--web-bind", options.web_bind, "--web-host", options.web_host]
     app.main()
     return 0
 
@@ -90,7 +93,8 @@ def spawn_worker(options: WorkerOptions, log_file: Path) -> subprocess.Popen:
     """Start ``kvstream worker`` as a child process with its output in ``log_file``."""
     log_file.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "kvstream.cli", "worker", "--bootstrap-servers", options.bootstrap_servers,
-               "--web-port", str(options.web_port), "--web-bind", options.web_bind, "--data-dir",
+               "--web-port", str(options.web_port), "--web-bind", options.web_bind, "--web-host", options.web_host,
+               "--data-dir",
                str(options.data_dir), "--store", options.store, "--partitions", str(options.partitions),
                "--clear-scope", options.clear_scope, "--app-id", options.app_id, "--loglevel", options.log_level]
     with open(log_file, "ab") as out:

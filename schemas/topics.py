@@ -2,7 +2,8 @@
 
 #: Block-level KV events from every producer, Avro ``kv_event``, key = canonical block hash.
 KV_EVENTS = "kv-events"
-#: The same events re-keyed by ``<ownership>/<block hash hex>`` (stream app repartition topic).
+#: Stream-app repartition topic: the same events re-keyed by ``<ownership or primary>/<block hash hex>``, carried in
+#: ``ownership_batch`` messages, one per destination partition (the key's murmur2 partition) and read batch.
 KV_EVENTS_BY_OWNERSHIP = "kv-events-by-ownership"
 #: Records that could not be decoded or applied, with the reason in the ``kvstream-error`` header.
 KV_EVENTS_DEAD_LETTER = "kv-events-dead-letter"

@@ -6,11 +6,14 @@ worker`` finds everything:
 1. ``repartition_by_ownership`` (agent on ``kv-events``, keyed by block hash):
    re-keys every event by ``<ownership or primary>/<block hash hex>`` into
    ``kv-events-by-ownership``, so each ownership has its own key space while the
-   load stays spread over every partition. It stamps each event with its
-   source's latest ``AllBlocksCleared`` seen on the upstream partition (header
-   ``kvstream-clear-mark``), because after re-keying a clear's copy and a
-   block's events can arrive in either order. Clears (one copy per upstream
-   partition) go to the same partition number downstream.
+   load stays spread over every partition. Events are forwarded in batches,
+   one ``ownership_batch`` message per destination partition (the partition
+   Kafka's murmur2 gives each key), because a Faust send per event costs more
+   than processing it. Each event is stamped with its source's latest
+   ``AllBlocksCleared`` seen on its upstream partition (``clear_mark``),
+   because after re-keying a clear's copy and a block's events can arrive in
+   either order. Clears (one copy per upstream partition) go to the same
+   partition number downstream.
 2. ``materialize_residency`` (agent on ``kv-events-by-ownership``): applies each
    event to the ``residency`` table (changelog-backed) with
    :mod:`stream_apps.residency`, aggregating the reports of a source's workers
@@ -26,8 +29,9 @@ in the ``kvstream-error`` header and the original bytes as the value.
 Configuration comes from the environment (``kvstream worker`` sets it from its
 options): ``KVSTREAM_BOOTSTRAP_SERVERS``, ``KVSTREAM_PARTITIONS``,
 ``KVSTREAM_DATA_DIR``, ``KVSTREAM_STORE`` (``memory://`` or ``rocksdb://``),
-``KVSTREAM_WEB_PORT``, ``KVSTREAM_WEB_BIND``, ``KVSTREAM_CLEAR_SCOPE`` (``gpu``
-or ``all``), ``KVSTREAM_APP_ID``.
+``KVSTREAM_WEB_PORT``, ``KVSTREAM_WEB_BIND``, ``KVSTREAM_WEB_HOST`` (the host
+other workers reach this one at), ``KVSTREAM_CLEAR_SCOPE`` (``gpu`` or
+``all``), ``KVSTREAM_APP_ID``.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import os
 import types
 import weakref
 from collections import defaultdict
+from urllib.parse import quote
 
 import faust
 from aiokafka.partitioner import murmur2
@@ -84,7 +89,6 @@ app = faust.App(
     store=os.environ.get("KVSTREAM_STORE", "memory://"),
     datadir=os.environ.get("KVSTREAM_DATA_DIR", ".kvstream/worker"),
     topic_partitions=PARTITIONS,
-    topic_replication_factor=int(os.environ.get("KVSTREAM_REPLICATION_FACTOR", "1")),
     processing_guarantee="at_least_once",
     consumer_auto_offset_reset="earliest",
     web_port=int(os.environ.get("KVSTREAM_WEB_PORT", "6066")),
@@ -345,7 +349,8 @@ def _row_json(ownership: str | None, row: dict) -> dict:
             "data_parallel_rank": row["data_parallel_rank"], "tier": row["tier"], "medium": row["medium"],
             "locality": row["locality"], "group_idx": row["group_idx"], "copies": row["copies"],
             "since": row["since"], "last_ts": row["last_ts"],
-            "last_seq": max((w["seq"] for w in row["workers"]), default=None)}
+            "workers": [{"worker_rank": None if w["worker_rank"] < 0 else w["worker_rank"], "count": w["count"],
+                         "publisher_epoch": w["publisher_epoch"], "last_seq": w["seq"]} for w in row["workers"]]}
 
 
 def entry_json(key: str) -> list[dict]:
@@ -356,7 +361,7 @@ def entry_json(key: str) -> list[dict]:
     return [_row_json(entry["ownership"], row) for row in entry["rows"] if row["copies"] > 0]
 
 
-@app.page("/residency-key/{key}/")
+@app.page("/residency-key/{key:.+/[0-9a-f]+}/")
 @app.table_route(table=residency, match_info="key")
 async def residency_key_view(web, request, key: str):
     """Internal: resident rows of one table key, answered by the worker that holds it."""
@@ -379,7 +384,7 @@ async def _lookup(key: str) -> list[dict]:
     url = app.router.key_store(residency.name, key)
     if (url.host, url.port) == (app.conf.canonical_url.host, app.conf.canonical_url.port):
         return entry_json(key)
-    async with app.http_client.get(url.with_path(f"/residency-key/{key}/")) as response:
+    async with app.http_client.get(url.with_path(f"/residency-key/{quote(key, safe='/')}/")) as response:
         response.raise_for_status()
         return (await response.json())["rows"]
 

@@ -12,7 +12,10 @@ tier, locality, group) -- ownership and block hash are in the key. A row keeps
   ``(publisher_epoch, seq, batch_index, block_index)`` of the last event applied
   from that worker, so a redelivered event changes nothing (idempotency is per
   row, because events of one source reach a row through one upstream partition
-  in order, but interleave freely across rows after re-keying);
+  in order, but interleave freely across rows after re-keying). A row dropped at
+  count 0 forgets its positions; that is safe because Kafka redelivers the whole
+  rest of a partition in order, so a replayed store is followed by its replayed
+  removal;
 * ``copies``: the workers' counts aggregated by the source's mode --
   ``world_size`` 1: the count; ``REPLICATED``: the minimum over all
   ``world_size`` workers (a worker that reported nothing counts 0, so one

@@ -13,6 +13,8 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from kvstream.broker import KAFKA_VERSION, TOOLS, ensure_jars, run_tool, status
 from tests.broker_fixture import kafka_backend
 
+pytestmark = pytest.mark.integration
+
 
 def _create_topic(bootstrap: str, partitions: int = 1) -> str:
     topic = f"test-broker-{uuid.uuid4().hex[:12]}"

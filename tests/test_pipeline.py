@@ -1,0 +1,188 @@
+"""End to end on the real broker: trace slice -> producer -> kv-events -> Faust worker -> residency tables.
+
+One worker runs for the module. It consumes a slice of the Mooncake trace replayed through a fleet with small
+pools (so blocks cascade GPU -> CPU -> KVCR and get evicted), a GPU reset, and one undecodable record.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import socket
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from aiokafka.partitioner import murmur2
+from confluent_kafka import Consumer, Producer
+
+from kvstream.kafka_config import client_config, ensure_topics
+from kvstream.worker import WorkerOptions, spawn_worker, wait_until_consumed
+from producers.kafka_sink import KvEventProducer
+from producers.simulator import FleetConfig, load_trace, replay_to_kafka
+from schemas import AvroCodec
+from schemas.topics import KV_EVENTS, KV_EVENTS_DEAD_LETTER
+from stream_apps.snapshot import changelog_topic, compare_rows, read_table, resident_rows
+
+pytestmark = pytest.mark.integration
+
+PARTITIONS = 4
+GARBAGE = b"\xc3\x01not-an-avro-record"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return json.loads(response.read())
+
+
+@pytest.fixture(scope="module")
+def pipeline(kafka_bootstrap, tmp_path_factory):
+    ensure_topics(kafka_bootstrap, {KV_EVENTS: PARTITIONS})
+    fleet = FleetConfig(gpu_blocks=600, cpu_blocks=900, kvcr_blocks=1200, clear_instance=1, clear_at=0.6)
+    result = replay_to_kafka(load_trace(limit=600), KvEventProducer(kafka_bootstrap, KV_EVENTS), fleet)
+    garbage = Producer(client_config(kafka_bootstrap))
+    garbage.produce(KV_EVENTS, key=b"bad-key", value=GARBAGE)
+    garbage.flush(30)
+    work = tmp_path_factory.mktemp("worker")
+    options = WorkerOptions(kafka_bootstrap, web_port=_free_port(), data_dir=work / "data", partitions=PARTITIONS,
+                            app_id="kvstream-test")
+    process = spawn_worker(options, work / "worker.log")
+    try:
+        wait_until_consumed(kafka_bootstrap, options.app_id, process, timeout_s=300)
+        yield {"result": result, "options": options, "url": f"http://127.0.0.1:{options.web_port}", "work": work}
+    except Exception:
+        print((work / "worker.log").read_text()[-5000:])
+        raise
+    finally:
+        _stop(process)
+
+
+def _stop(process) -> None:
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(30)
+    except Exception:
+        process.kill()
+        process.wait()
+
+
+def _rows_by_block(truth: dict) -> dict[bytes, dict]:
+    by_block: dict[bytes, dict] = {}
+    for identity, copies in truth.items():
+        by_block.setdefault(identity[6], {})[identity[:6]] = copies
+    return by_block
+
+
+def _answer(url: str, block: bytes) -> dict:
+    rows = _get(f"{url}/residency/{block.hex()}/")["rows"]
+    return {(r["instance_id"], r["data_parallel_rank"], r["tier"], r["ownership"], r["locality"], r["group_idx"]):
+            r["copies"] for r in rows}
+
+
+def test_residency_table_equals_the_simulators_ground_truth(pipeline, kafka_bootstrap):
+    truth = pipeline["result"].ground_truth
+    table = read_table(kafka_bootstrap, changelog_topic(pipeline["options"].app_id, "residency"), "residency")
+    comparison = compare_rows(truth, resident_rows(table))
+    assert comparison.differences == [] and comparison.matching == len(truth)
+    assert {identity[2] for identity in truth} == {"GPU", "CPU", "STORAGE"}
+
+
+def test_http_residency_view_agrees_with_the_ground_truth(pipeline):
+    by_block = _rows_by_block(pipeline["result"].ground_truth)
+    for block in random.Random(3).sample(sorted(by_block), 40):
+        assert _answer(pipeline["url"], block) == by_block[block]
+
+
+def test_unknown_block_and_bad_hex_get_empty_rows_and_400(pipeline):
+    assert _get(f"{pipeline['url']}/residency/{'ab' * 8}/")["rows"] == []
+    with pytest.raises(urllib.error.HTTPError) as excinfo:
+        _get(f"{pipeline['url']}/residency/not-hex/")
+    assert excinfo.value.code == 400
+
+
+def test_occupancy_view_counts_every_resident_row(pipeline):
+    occupancy = _get(f"{pipeline['url']}/occupancy/")["occupancy"]
+    truth = pipeline["result"].ground_truth
+    expected = {}
+    for instance, _, tier, ownership, *_ in truth:
+        expected[(ownership, tier, instance)] = expected.get((ownership, tier, instance), 0) + 1
+    assert {(r["ownership"], r["tier"], r["instance_id"]): r["resident_blocks"] for r in occupancy} == expected
+
+
+def test_keys_sit_on_the_murmur2_partition_and_clears_on_every_partition(pipeline, kafka_bootstrap):
+    codec = AvroCodec("kv_event")
+    consumer = Consumer(client_config(kafka_bootstrap, **{"group.id": "test-partitioning",
+                                                          "auto.offset.reset": "earliest"}))
+    consumer.subscribe([KV_EVENTS])
+    clears, checked = set(), 0
+    try:
+        for _ in range(200):
+            for message in consumer.consume(5000, timeout=1.0):
+                if message.error() or message.value() == GARBAGE:
+                    continue
+                record = codec.decode(message.value())
+                if record["block_hash"] is None:
+                    clears.add(message.partition())
+                else:
+                    assert message.key() == record["block_hash"]
+                    assert message.partition() == (murmur2(message.key()) & 0x7FFFFFFF) % PARTITIONS
+                    checked += 1
+            if checked >= pipeline["result"].records - 1:
+                break
+    finally:
+        consumer.close()
+    assert clears == set(range(PARTITIONS)) and checked > 10000
+
+
+def test_undecodable_record_goes_to_the_dead_letter_topic_with_its_reason(pipeline, kafka_bootstrap):
+    consumer = Consumer(client_config(kafka_bootstrap, **{"group.id": "test-dead-letter",
+                                                          "auto.offset.reset": "earliest"}))
+    consumer.subscribe([KV_EVENTS_DEAD_LETTER])
+    try:
+        messages = []
+        for _ in range(30):
+            messages += [m for m in consumer.consume(100, timeout=1.0) if not m.error()]
+            if messages:
+                break
+    finally:
+        consumer.close()
+    assert [m.value() for m in messages] == [GARBAGE]
+    headers = dict(messages[0].headers())
+    assert b"unknown kv_event schema fingerprint" in headers["kvstream-error"]
+    assert _get(f"{pipeline['url']}/stats/")["dead_lettered"] == 1
+
+
+def test_two_workers_share_the_partitions_and_forward_lookups(pipeline, kafka_bootstrap):
+    """A second worker joins; each then holds some partitions, and both answer every block correctly."""
+    first = pipeline["options"]
+    second = WorkerOptions(kafka_bootstrap, web_port=_free_port(), data_dir=pipeline["work"] / "data-2",
+                           partitions=PARTITIONS, app_id=first.app_id)
+    process = spawn_worker(second, pipeline["work"] / "worker-2.log")
+    urls = [pipeline["url"], f"http://127.0.0.1:{second.web_port}"]
+    by_block = _rows_by_block(pipeline["result"].ground_truth)
+    sample = random.Random(5).sample(sorted(by_block), 30)
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # until the rebalance and the second worker's table recovery are done
+            try:
+                assignment = _get(f"{urls[1]}/router/")
+                answers = [[_answer(url, block) for block in sample] for url in urls]
+                if all(answer == [by_block[b] for b in sample] for answer in answers) and assignment:
+                    break
+            except (OSError, urllib.error.HTTPError, KeyError):
+                pass
+            assert time.monotonic() < deadline, (pipeline["work"] / "worker-2.log").read_text()[-3000:]
+            time.sleep(2)
+        hosts = {host for host, tables in assignment.items()
+                 if tables.get(f"{first.app_id}-residency-changelog")}
+        assert len(hosts) == 2, assignment  # both workers hold residency partitions: lookups were forwarded
+    finally:
+        _stop(process)
