@@ -148,7 +148,8 @@ tier_occupancy = _avro_table("tier-occupancy", "kv_tier_occupancy",
 event_codec = AvroCodec("kv_event")
 batch_codec = AvroCodec("ownership_batch")
 stats = ApplyStats()
-counters: dict[str, int] = defaultdict(int)
+#: This worker's event counters, served by /stats/.
+counters: dict[str, int] = {"repartitioned": 0, "materialized": 0, "dead_lettered": 0}
 
 
 def _source_key(partition: int, record: dict) -> str:
