@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import signal
 import socket
 import sys
 import time
@@ -25,7 +24,7 @@ from tqdm import tqdm
 
 from kvstream import broker
 from kvstream.kafka_config import DEFAULT_PARTITIONS, ensure_topics
-from kvstream.worker import WorkerOptions, spawn_worker, wait_until_consumed
+from kvstream.worker import WorkerOptions, spawn_worker, stop_worker, wait_until_consumed
 from producers.kafka_sink import KvEventProducer
 from producers.simulator import DEFAULT_TRACE, FleetConfig, load_trace, replay_to_kafka
 from schemas.topics import KV_EVENTS
@@ -77,16 +76,6 @@ def _wait_for_web(url: str, process, timeout_s: float = 120.0) -> None:
 def _port_in_use(port: int) -> bool:
     with socket.socket() as probe:
         return probe.connect_ex(("127.0.0.1", port)) == 0
-
-
-def _stop(process) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(30)
-        except Exception:
-            process.kill()
-            process.wait()
 
 
 def run_demo(options: DemoOptions) -> int:
@@ -175,7 +164,7 @@ def run_demo(options: DemoOptions) -> int:
     finally:
         if not options.keep_running:
             if process is not None:
-                _stop(process)
+                stop_worker(process)
             broker.stop(broker_dir)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -99,6 +100,18 @@ def spawn_worker(options: WorkerOptions, log_file: Path) -> subprocess.Popen:
                "--clear-scope", options.clear_scope, "--app-id", options.app_id, "--loglevel", options.log_level]
     with open(log_file, "ab") as out:
         return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop_worker(process: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """Stop a worker started by :func:`spawn_worker`: SIGTERM (Faust shuts down cleanly), SIGKILL after ``grace_s``."""
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 @dataclass

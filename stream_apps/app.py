@@ -203,28 +203,37 @@ async def repartition_by_ownership(stream):
         outgoing: dict[int, list[dict]] = defaultdict(list)
         for event in events:
             try:
-                record = event_codec.decode(event.value)
-            except DecodeError as exc:
+                _repartition_one(event, event_codec.decode(event.value), outgoing)
+            except (DecodeError, InvalidRecord) as exc:
                 await _dead_letter(event, str(exc))
-                continue
-            partition = event.message.partition
-            source = _source_key(partition, record)
-            kind, body = record["event"]
-            if kind == ALL_BLOCKS_CLEARED:
-                mark = (record["publisher_epoch"], record["seq"], record["batch_index"])
-                if mark > _mark_of(source_clears.get(source)):
-                    _set_current_event(event)
-                    source_clears[source] = _watermark(record)
-                outgoing[partition].append({"key": f"clear/{record['instance_id']}/{record['data_parallel_rank']}",
-                                            "clear_mark": mark_record(mark), "event": event.value})
-                continue
-            key = residency_key(body["ownership"], record["block_hash"])
-            outgoing[partition_of(key)].append(
-                {"key": key, "clear_mark": mark_record(_mark_of(source_clears.get(source))), "event": event.value})
         counters["repartitioned"] += len(events)
         for partition, items in outgoing.items():
             await kv_events_by_ownership.send(value=batch_codec.encode({"events": items}), partition=partition,
                                               force=True)
+
+
+class InvalidRecord(ValueError):
+    """A decodable kv_event that breaks the contract (e.g. a block event without a block hash)."""
+
+
+def _repartition_one(event: faust.EventT, record: dict, outgoing: dict[int, list[dict]]) -> None:
+    """Add one kv_event to the batch of its destination partition, with its key and its source's clear mark."""
+    partition = event.message.partition
+    source = _source_key(partition, record)
+    kind, body = record["event"]
+    if kind == ALL_BLOCKS_CLEARED:
+        mark = (record["publisher_epoch"], record["seq"], record["batch_index"])
+        if mark > _mark_of(source_clears.get(source)):
+            _set_current_event(event)
+            source_clears[source] = _watermark(record)
+        outgoing[partition].append({"key": f"clear/{record['instance_id']}/{record['data_parallel_rank']}",
+                                    "clear_mark": mark_record(mark), "event": event.value})
+        return
+    if record["block_hash"] is None or record["tier"] is None:
+        raise InvalidRecord(f"{kind.rsplit('.', 1)[-1]} without block_hash or tier")
+    key = residency_key(body["ownership"], record["block_hash"])
+    outgoing[partition_of(key)].append(
+        {"key": key, "clear_mark": mark_record(_mark_of(source_clears.get(source))), "event": event.value})
 
 
 def _occupancy_key(partition: int, ownership: str | None, tier: str, instance_id: str) -> str:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import random
-import signal
 import socket
 import time
 import urllib.error
@@ -19,9 +18,10 @@ from aiokafka.partitioner import murmur2
 from confluent_kafka import Consumer, Producer
 
 from kvstream.kafka_config import client_config, ensure_topics
-from kvstream.worker import WorkerOptions, spawn_worker, wait_until_consumed
+from kvstream.worker import WorkerOptions, spawn_worker, stop_worker, wait_until_consumed
 from producers.kafka_sink import KvEventProducer
 from producers.simulator import FleetConfig, load_trace, replay_to_kafka
+from producers.split import Publisher, split_event
 from schemas import AvroCodec
 from schemas.topics import KV_EVENTS, KV_EVENTS_DEAD_LETTER
 from stream_apps.snapshot import changelog_topic, compare_rows, read_table, resident_rows
@@ -30,6 +30,12 @@ pytestmark = pytest.mark.integration
 
 PARTITIONS = 4
 GARBAGE = b"\xc3\x01not-an-avro-record"
+
+
+def _removal_without_hash() -> bytes:
+    """Valid Avro, but a BlockRemoved without a block hash breaks the contract."""
+    record = split_event(Publisher("bad"), 0, 0.0, 0, {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU"})[0]
+    return AvroCodec("kv_event").encode({**record, "block_hash": None})
 
 
 def _free_port() -> int:
@@ -49,7 +55,8 @@ def pipeline(kafka_bootstrap, tmp_path_factory):
     fleet = FleetConfig(gpu_blocks=600, cpu_blocks=900, kvcr_blocks=1200, clear_instance=1, clear_at=0.6)
     result = replay_to_kafka(load_trace(limit=600), KvEventProducer(kafka_bootstrap, KV_EVENTS), fleet)
     garbage = Producer(client_config(kafka_bootstrap))
-    garbage.produce(KV_EVENTS, key=b"bad-key", value=GARBAGE)
+    garbage.produce(KV_EVENTS, key=b"bad-key", value=GARBAGE, partition=0)
+    garbage.produce(KV_EVENTS, key=b"no-hash", value=_removal_without_hash(), partition=0)
     garbage.flush(30)
     work = tmp_path_factory.mktemp("worker")
     options = WorkerOptions(kafka_bootstrap, web_port=_free_port(), data_dir=work / "data", partitions=PARTITIONS,
@@ -62,16 +69,7 @@ def pipeline(kafka_bootstrap, tmp_path_factory):
         print((work / "worker.log").read_text()[-5000:])
         raise
     finally:
-        _stop(process)
-
-
-def _stop(process) -> None:
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(30)
-    except Exception:
-        process.kill()
-        process.wait()
+        stop_worker(process)
 
 
 def _rows_by_block(truth: dict) -> dict[bytes, dict]:
@@ -126,7 +124,7 @@ def test_keys_sit_on_the_murmur2_partition_and_clears_on_every_partition(pipelin
     try:
         for _ in range(200):
             for message in consumer.consume(5000, timeout=1.0):
-                if message.error() or message.value() == GARBAGE:
+                if message.error() or message.key() in (b"bad-key", b"no-hash"):
                     continue
                 record = codec.decode(message.value())
                 if record["block_hash"] is None:
@@ -142,7 +140,7 @@ def test_keys_sit_on_the_murmur2_partition_and_clears_on_every_partition(pipelin
     assert clears == set(range(PARTITIONS)) and checked > 10000
 
 
-def test_undecodable_record_goes_to_the_dead_letter_topic_with_its_reason(pipeline, kafka_bootstrap):
+def test_bad_records_go_to_the_dead_letter_topic_with_their_reasons(pipeline, kafka_bootstrap):
     consumer = Consumer(client_config(kafka_bootstrap, **{"group.id": "test-dead-letter",
                                                           "auto.offset.reset": "earliest"}))
     consumer.subscribe([KV_EVENTS_DEAD_LETTER])
@@ -150,14 +148,16 @@ def test_undecodable_record_goes_to_the_dead_letter_topic_with_its_reason(pipeli
         messages = []
         for _ in range(30):
             messages += [m for m in consumer.consume(100, timeout=1.0) if not m.error()]
-            if messages:
+            if len(messages) >= 2:
                 break
     finally:
         consumer.close()
-    assert [m.value() for m in messages] == [GARBAGE]
-    headers = dict(messages[0].headers())
-    assert b"unknown kv_event schema fingerprint" in headers["kvstream-error"]
-    assert _get(f"{pipeline['url']}/stats/")["dead_lettered"] == 1
+    assert [m.key() for m in messages] == [b"bad-key", b"no-hash"]
+    assert messages[0].value() == GARBAGE and messages[1].value() == _removal_without_hash()
+    reasons = [dict(m.headers())["kvstream-error"] for m in messages]
+    assert b"unknown kv_event schema fingerprint" in reasons[0]
+    assert reasons[1] == b"BlockRemoved without block_hash or tier"
+    assert _get(f"{pipeline['url']}/stats/")["dead_lettered"] == 2
 
 
 def test_two_workers_share_the_partitions_and_forward_lookups(pipeline, kafka_bootstrap):
@@ -185,4 +185,4 @@ def test_two_workers_share_the_partitions_and_forward_lookups(pipeline, kafka_bo
                  if tables.get(f"{first.app_id}-residency-changelog")}
         assert len(hosts) == 2, assignment  # both workers hold residency partitions: lookups were forwarded
     finally:
-        _stop(process)
+        stop_worker(process)
