@@ -2,8 +2,8 @@
 
 Subcommands: ``demo`` (everything, on the embedded broker), ``broker`` (the
 embedded Kafka broker and Kafka's CLI tools), ``simulate`` (replay the trace
-into kv-events), ``worker`` (the Faust stream app), ``query`` (ask a worker's
-HTTP views). Every subcommand that talks to Kafka takes ``--bootstrap-servers``.
+into kv-events), ``worker`` (the Faust stream app), ``tail`` (print a topic
+decoded), ``query`` (ask a worker's HTTP views). Every subcommand that talks to Kafka takes ``--bootstrap-servers``.
 """
 
 from __future__ import annotations
@@ -87,6 +87,14 @@ def _cmd_query(args: argparse.Namespace) -> int:
     return 1
 
 
+def _cmd_tail(args: argparse.Namespace) -> int:
+    from kvstream.tail import tail
+
+    tail(args.bootstrap_servers, args.topic, from_beginning=args.from_beginning, max_messages=args.max_messages,
+         idle_timeout_s=args.idle_timeout)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvstream`` argument parser (every subcommand sets ``func``)."""
     from producers.simulator import DEFAULT_TRACE, FleetConfig
@@ -161,6 +169,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loglevel", default="info", choices=["debug", "info", "warning", "error"],
                    help="log level (default: %(default)s)")
     p.set_defaults(func=_cmd_worker)
+
+    p = sub.add_parser("tail", help="print a pipeline topic's messages decoded, as JSON lines",
+                       description="Print the messages of kv-events, kv-events-by-ownership, a table changelog "
+                                   "(<app id>-<table>-changelog) or the dead-letter topic as JSON lines, values "
+                                   "decoded with the project's Avro schemas, bytes as hex.")
+    _add_bootstrap(p)
+    p.add_argument("topic", help="topic to read, e.g. kv-events or kvstream-residency-changelog")
+    p.add_argument("--from-beginning", action="store_true", help="start at the earliest offset (default: new only)")
+    p.add_argument("--max-messages", type=int, default=None, metavar="N", help="stop after N messages")
+    p.add_argument("--idle-timeout", type=float, default=None, metavar="SECONDS",
+                   help="stop after this long without a message (default: never)")
+    p.set_defaults(func=_cmd_tail)
 
     p = sub.add_parser("query", help="ask a running worker: residency of a block, occupancy, stats",
                        description="Query a stream-app worker's HTTP views and print the JSON answer. Any worker "

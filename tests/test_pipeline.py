@@ -186,3 +186,22 @@ def test_two_workers_share_the_partitions_and_forward_lookups(pipeline, kafka_bo
         assert len(hosts) == 2, assignment  # both workers hold residency partitions: lookups were forwarded
     finally:
         stop_worker(process)
+
+
+def test_tail_prints_decoded_json_lines_of_events_changelog_and_dead_letters(pipeline, kafka_bootstrap):
+    import io
+
+    from kvstream.tail import tail
+
+    def lines(topic, n):
+        out = io.StringIO()
+        assert tail(kafka_bootstrap, topic, from_beginning=True, max_messages=n, idle_timeout_s=20, out=out) == n
+        return [json.loads(line) for line in out.getvalue().splitlines()]
+
+    events = lines(KV_EVENTS, 3)
+    assert all(e["value"]["event"]["type"] in ("BlockStored", "BlockRemoved", "AllBlocksCleared") for e in events)
+    assert all(e["key"] == e["value"]["block_hash"] for e in events if e["key"])
+    entry = lines(changelog_topic(pipeline["options"].app_id, "residency"), 1)[0]
+    assert entry["key"] == f"{entry['value']['ownership'] or 'primary'}/{entry['value']['block_hash']}"
+    dead = lines(KV_EVENTS_DEAD_LETTER, 2)
+    assert dead[0]["value"] == GARBAGE.hex() and "fingerprint" in dead[0]["headers"]["kvstream-error"]
