@@ -87,6 +87,56 @@ def _cmd_query(args: argparse.Namespace) -> int:
     return 1
 
 
+def _bridge_endpoints(args: argparse.Namespace):
+    from producers.bridge import PublisherEndpoint, data_parallel_endpoints
+
+    endpoints, replays, instances = args.endpoint, args.replay_endpoint or [], args.instance_id or []
+    if replays and len(replays) != len(endpoints):
+        raise ValueError("give one --replay-endpoint per --endpoint, in the same order (or none)")
+    if len(instances) != len(endpoints):
+        raise ValueError("give one --instance-id per --endpoint, in the same order")
+    if args.data_parallel_size > 1:
+        if len(endpoints) != 1:
+            raise ValueError("--data-parallel-size follows the ranks of one engine: give a single --endpoint")
+        return data_parallel_endpoints(endpoints[0], replays[0] if replays else None, instances[0],
+                                       args.data_parallel_size)
+    return [PublisherEndpoint(e, replays[i] if replays else None, instances[i], args.dp_rank)
+            for i, e in enumerate(endpoints)]
+
+
+def _cmd_bridge(args: argparse.Namespace) -> int:
+    import signal
+
+    from prometheus_client import start_http_server
+
+    from kvstream.kafka_config import ensure_topics
+    from producers.bridge import Bridge, BridgeMetrics, KafkaBatchSink
+    from producers.kafka_sink import KvEventProducer
+    from schemas.topics import KV_EVENTS_DEAD_LETTER
+
+    endpoints = _bridge_endpoints(args)
+    ensure_topics(args.bootstrap_servers, {args.topic: args.partitions, KV_EVENTS_DEAD_LETTER: 1})
+    producer = KvEventProducer(args.bootstrap_servers, args.topic)
+    metrics = BridgeMetrics()
+    if args.metrics_port:
+        start_http_server(args.metrics_port, addr="127.0.0.1", registry=metrics.registry)
+    bridge = Bridge(endpoints, KafkaBatchSink(producer, metrics), zmq_topic=args.zmq_topic.encode(),
+                    metrics=metrics)
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    for e in endpoints:
+        print(f"subscribed to {e.endpoint} (replay: {e.replay_endpoint or 'none'}) as {e.label}")
+    try:
+        bridge.run(should_stop=lambda: bool(stopping))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        bridge.close()
+        stats = producer.flush()
+        print(f"produced {stats.acked:,} messages, {stats.dead_lettered:,} to the dead-letter topic")
+    return 0
+
+
 def _cmd_tail(args: argparse.Namespace) -> int:
     from kvstream.tail import tail
 
@@ -169,6 +219,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loglevel", default="info", choices=["debug", "info", "warning", "error"],
                    help="log level (default: %(default)s)")
     p.set_defaults(func=_cmd_worker)
+
+    p = sub.add_parser("bridge", help="subscribe to running vLLM/SGLang KV event publishers (ZMQ) and produce to "
+                                      "kv-events",
+                       description="Subscribe to engine KV event publishers (vLLM --kv-events-config, SGLang "
+                                   "--kv-events-config) and produce their events to Kafka, one message per block, "
+                                   "keyed by canonical block hash. Gaps are replayed from the publisher's replay "
+                                   "socket (a DEALER); a seq that goes backwards starts a new publisher epoch; "
+                                   "undecodable input goes to kv-events-dead-letter. Stop with Ctrl-C or SIGTERM.",
+                       epilog="Example, one vLLM engine with 2 data-parallel ranks started with "
+                              "--kv-events-config '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+                              "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5567\"}': "
+                              "kvstream bridge --endpoint tcp://ENGINE:5557 --replay-endpoint tcp://ENGINE:5567 "
+                              "--instance-id engine-0 --data-parallel-size 2")
+    _add_bootstrap(p)
+    p.add_argument("--endpoint", action="append", required=True, metavar="tcp://HOST:PORT",
+                   help="publisher PUB endpoint (repeatable, one per publisher)")
+    p.add_argument("--replay-endpoint", action="append", metavar="tcp://HOST:PORT",
+                   help="publisher ROUTER replay endpoint, one per --endpoint in the same order (optional)")
+    p.add_argument("--instance-id", action="append", metavar="NAME",
+                   help="instance name of each --endpoint, in the same order (vLLM sends no identity)")
+    p.add_argument("--dp-rank", type=int, default=0, help="data-parallel rank of the endpoints (default: 0)")
+    p.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="follow ranks 0..N-1 of one engine on its offset ports (vLLM: port + rank)")
+    p.add_argument("--zmq-topic", default="", help="publisher topic prefix to subscribe to (default: all)")
+    p.add_argument("--topic", default="kv-events", help="Kafka topic (default: %(default)s)")
+    p.add_argument("--partitions", type=int, default=DEFAULT_PARTITIONS,
+                   help="partitions if the topic is created (default: %(default)s)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus counters on 127.0.0.1:PORT/metrics (default: off)")
+    p.set_defaults(func=_cmd_bridge)
 
     p = sub.add_parser("tail", help="print a pipeline topic's messages decoded, as JSON lines",
                        description="Print the messages of kv-events, kv-events-by-ownership, a table changelog "

@@ -15,7 +15,7 @@ from confluent_kafka import KafkaError, Producer
 
 from kvstream.kafka_config import DEFAULT_BOOTSTRAP_SERVERS, producer_config, topic_partitions
 from schemas import AvroCodec
-from schemas.topics import KV_EVENTS
+from schemas.topics import KV_EVENTS, KV_EVENTS_DEAD_LETTER
 
 
 class ProduceError(RuntimeError):
@@ -32,6 +32,8 @@ class ProduceStats:
     acked: int = 0
     #: Messages that failed for good.
     failed: int = 0
+    #: Messages sent to the dead-letter topic.
+    dead_lettered: int = 0
     #: First delivery error seen, for the error message.
     first_error: str | None = None
 
@@ -90,6 +92,25 @@ class KvEventProducer:
             self._produce(value, key, None)
         if self.stats.sent & 0x3FF == 0:
             self._producer.poll(0)
+
+    def dead_letter(self, value: bytes, reason: str, source: str, key: bytes | None = None) -> None:
+        """Send bytes that could not become records to the dead-letter topic, with the reason in a header.
+
+        Args:
+            value: the original bytes (a whole payload, or one event's msgpack).
+            reason: why (header ``kvstream-error``).
+            source: where they came from, e.g. ``tcp://host:5557 seq 42 event 3`` (header ``kvstream-source``).
+        """
+        self.stats.dead_lettered += 1
+        while True:
+            try:
+                self._producer.produce(KV_EVENTS_DEAD_LETTER, value=value, key=key, on_delivery=self._on_delivery,
+                                       headers={"kvstream-error": reason[:1000].encode(),
+                                                "kvstream-source": source[:500].encode()})
+                break
+            except BufferError:
+                self._producer.poll(0.05)
+        self.stats.sent += 1
 
     def flush(self, timeout_s: float = 120.0) -> ProduceStats:
         """Wait until every message is acknowledged.

@@ -1,0 +1,250 @@
+"""The engine bridge against publishers that follow vLLM's ZMQ protocol (tests/vllm_publisher.py)."""
+
+from __future__ import annotations
+
+import socket
+import time
+import uuid
+
+import msgspec
+import pytest
+from confluent_kafka import Consumer
+
+from kvstream.kafka_config import client_config, ensure_topics
+from producers.bridge import (Bridge, BridgeMetrics, KafkaBatchSink, PublisherEndpoint, data_parallel_endpoints,
+                              offset_endpoint)
+from producers.kafka_sink import KvEventProducer
+from producers.split import rebuild_event
+from schemas import AvroCodec
+from schemas.topics import KV_EVENTS_DEAD_LETTER
+from tests.test_split import VLLM_PAYLOAD
+from tests.vllm_publisher import AllBlocksCleared, BlockRemoved, BlockStored, FakeVllmPublisher
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+class CollectingSink:
+    """Records every batch the bridge delivers, in order."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[str, int, int, bytes]] = []  # (instance/dp, epoch, seq, payload)
+
+    def batch(self, endpoint, publisher, seq, payload) -> None:
+        self.batches.append((f"{publisher.instance_id}/{publisher.data_parallel_rank}", publisher.publisher_epoch,
+                             seq, payload))
+
+    def seqs(self) -> list[int]:
+        return [b[2] for b in self.batches]
+
+
+def _pump(bridge: Bridge, done, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, "bridge did not receive the expected batches"
+        bridge.poll(50)
+
+
+def _stored(h: int, medium: str = "GPU") -> BlockStored:
+    return BlockStored([h], None, [1, 2, 3, 4], 4, None, medium, None, group_idx=0)
+
+
+@pytest.fixture
+def publisher_and_bridge():
+    made = []
+
+    def make(buffer_steps=10_000, replay=True, sink=None):
+        port, replay_port = _free_ports(2)
+        publisher = FakeVllmPublisher(port, replay_port if replay else None, buffer_steps=buffer_steps)
+        endpoint = PublisherEndpoint(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}" if replay else None,
+                                     "engine-a")
+        bridge = Bridge([endpoint], sink or CollectingSink(), replay_timeout_s=2)
+        made.append((publisher, bridge))
+        time.sleep(0.3)  # ZMQ slow joiner: let the SUB connection settle before publishing
+        return publisher, bridge, endpoint
+
+    yield make
+    for publisher, bridge in made:
+        bridge.close()
+        publisher.close()
+
+
+def test_live_batches_arrive_in_order(publisher_and_bridge):
+    publisher, bridge, _ = publisher_and_bridge()
+    for h in range(5):
+        publisher.publish([_stored(h)])
+    _pump(bridge, lambda: len(bridge.sink.batches) == 5)
+    assert bridge.sink.seqs() == [0, 1, 2, 3, 4]
+    assert not bridge.state[bridge.endpoints[0]].stale
+
+
+def test_a_gap_is_recovered_from_the_replay_socket_without_duplicates(publisher_and_bridge):
+    publisher, bridge, _ = publisher_and_bridge()
+    for h in range(3):
+        publisher.publish([_stored(h)])
+    _pump(bridge, lambda: len(bridge.sink.batches) == 3)
+    publisher.publish([_stored(3)], send_live=False)  # lost on the way (e.g. PUB high-water mark)
+    publisher.publish([_stored(4)], send_live=False)
+    publisher.publish([_stored(5)])
+    _pump(bridge, lambda: len(bridge.sink.batches) == 6)
+    time.sleep(0.2)
+    bridge.poll(50)
+    assert bridge.sink.seqs() == [0, 1, 2, 3, 4, 5]
+    metrics = bridge.metrics
+    assert metrics.gaps_found.labels("engine-a", "0")._value.get() == 1
+    assert metrics.batches_replayed.labels("engine-a", "0")._value.get() == 2
+    assert metrics.gaps_unrecovered.labels("engine-a", "0")._value.get() == 0
+
+
+def test_a_gap_older_than_the_replay_buffer_marks_the_source_stale(publisher_and_bridge):
+    publisher, bridge, endpoint = publisher_and_bridge(buffer_steps=3)
+    publisher.publish([_stored(0)])
+    _pump(bridge, lambda: len(bridge.sink.batches) == 1)
+    for h in range(1, 9):
+        publisher.publish([_stored(h)], send_live=False)
+    publisher.publish([_stored(9)])  # buffer now holds 7, 8, 9
+    _pump(bridge, lambda: bridge.sink.seqs()[-1:] == [9])
+    assert bridge.sink.seqs() == [0, 7, 8, 9]
+    assert bridge.state[endpoint].stale
+    assert bridge.metrics.gaps_unrecovered.labels("engine-a", "0")._value.get() == 1
+
+
+def test_first_contact_replays_what_the_publisher_still_holds(publisher_and_bridge):
+    port, replay_port = _free_ports(2)
+    publisher = FakeVllmPublisher(port, replay_port)
+    try:
+        for h in range(4):
+            publisher.publish([_stored(h)])  # published before the bridge exists: only the replay buffer has them
+        endpoint = PublisherEndpoint(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}", "engine-b")
+        bridge = Bridge([endpoint], CollectingSink(), replay_timeout_s=2)
+        time.sleep(0.3)
+        publisher.publish([_stored(4)])
+        _pump(bridge, lambda: len(bridge.sink.batches) == 5)
+        assert bridge.sink.seqs() == [0, 1, 2, 3, 4] and not bridge.state[endpoint].stale
+        bridge.close()
+    finally:
+        publisher.close()
+
+
+def test_a_publisher_restart_begins_a_new_epoch(publisher_and_bridge):
+    publisher, bridge, endpoint = publisher_and_bridge()
+    for h in range(3):
+        publisher.publish([_stored(h)])
+    _pump(bridge, lambda: len(bridge.sink.batches) == 3)
+    first_epoch = bridge.state[endpoint].epoch
+    publisher.seq = 0  # the engine restarted: a new process counts from 0 again
+    publisher.buffer.clear()
+    publisher.publish([_stored(10)])
+    _pump(bridge, lambda: len(bridge.sink.batches) == 4)
+    name, epoch, seq, _ = bridge.sink.batches[-1]
+    assert seq == 0 and epoch > first_epoch
+    assert bridge.metrics.restarts.labels("engine-a", "0")._value.get() == 1
+
+
+def test_data_parallel_ranks_follow_vllms_port_offset_rule():
+    assert offset_endpoint("tcp://*:5557", 3) == "tcp://*:5560"
+    assert offset_endpoint("tcp://10.0.0.1:0", 2) == "tcp://10.0.0.1:0"
+    assert offset_endpoint("inproc://kv", 1) == "inproc://kv_dp1"
+    with pytest.raises(ValueError, match="inproc' or 'tcp"):
+        offset_endpoint("ipc:///tmp/kv", 1)
+    base, replay_base = _free_ports(1)[0], None
+    publishers = []
+    try:
+        # ranks bind base+rank, as vLLM's publisher of each DP rank does
+        for rank in range(2):
+            publishers.append(FakeVllmPublisher(base + rank, None, data_parallel_rank=rank))
+        endpoints = data_parallel_endpoints(f"tcp://127.0.0.1:{base}", replay_base, "engine-dp", 2)
+        bridge = Bridge(endpoints, CollectingSink())
+        time.sleep(0.3)
+        publishers[0].publish([_stored(0x61)])
+        publishers[1].publish([_stored(0x62)])
+        _pump(bridge, lambda: len(bridge.sink.batches) == 2)
+        assert sorted(b[0] for b in bridge.sink.batches) == ["engine-dp/0", "engine-dp/1"]
+        bridge.close()
+    finally:
+        for p in publishers:
+            p.close()
+
+
+@pytest.fixture
+def kafka_topic(kafka_bootstrap):
+    topic = f"bridge-events-{uuid.uuid4().hex[:8]}"
+    ensure_topics(kafka_bootstrap, {topic: 2, KV_EVENTS_DEAD_LETTER: 1})
+    return topic
+
+
+def _consume(bootstrap: str, topic: str, count: int, timeout_s: float = 30) -> list:
+    consumer = Consumer(client_config(bootstrap, **{"group.id": f"t-{uuid.uuid4()}", "auto.offset.reset": "earliest"}))
+    consumer.subscribe([topic])
+    messages, deadline = [], time.monotonic() + timeout_s
+    try:
+        while len(messages) < count and time.monotonic() < deadline:
+            messages += [m for m in consumer.consume(1000, timeout=0.5) if not m.error()]
+    finally:
+        consumer.close()
+    return messages
+
+
+@pytest.mark.integration
+def test_events_arrive_in_kafka_losslessly_and_bad_input_is_dead_lettered(publisher_and_bridge, kafka_bootstrap,
+                                                                        kafka_topic):
+    producer = KvEventProducer(kafka_bootstrap, kafka_topic)
+    publisher, bridge, _ = publisher_and_bridge(sink=KafkaBatchSink(producer, BridgeMetrics()))
+    sglang_batch = msgspec.msgpack.encode([1767225601.0, [
+        {"type": "BlockStored", "block_hashes": [-7, 2**63 - 1], "parent_block_hash": -1, "token_ids": [1, 2],
+         "block_size": 1, "lora_id": None, "medium": "CPU_PINNED", "cache_salt": "x"},
+        {"type": "BlockRemoved", "block_hashes": [-7], "medium": "CPU_PINNED"}], 1])
+    old_vllm_batch = msgspec.msgpack.encode([1767225602.0, [
+        ["BlockStored", [5, 6], None, [1, 2, 3, 4], 2, None, "GPU"], ["BlockRemoved", [5], "GPU"]]])
+    with_unknown = msgspec.msgpack.encode([1767225603.0, [{"type": "TierBlocksCleared", "medium": "CPU"},
+                                                          {"type": "AllBlocksCleared"}], 0])
+    payloads = [VLLM_PAYLOAD, msgspec.msgpack.encode(
+        [1767225600.5, [BlockStored([bytes(31) + b"\x2a"], None, [], 0, None, "STORAGE", None, ownership="kvcr"),
+                        BlockRemoved([2**64 - 1], "GPU", group_idx=0)], 0]),
+                sglang_batch, old_vllm_batch, with_unknown, b"\x93not msgpack at all"]
+    for payload in payloads:
+        publisher.publish_payload(payload)
+    endpoint = bridge.endpoints[0]
+    _pump(bridge, lambda: endpoint in bridge.state and bridge.state[endpoint].last_seq == len(payloads) - 1)
+    producer.flush(30)
+
+    codec = AvroCodec("kv_event")
+    # blocks per event per payload; a clear is one message per partition (2)
+    expected_records = (2 + 1 + 2) + (1 + 1) + (2 + 1) + (2 + 1) + 2
+    records = [codec.decode(m.value()) for m in _consume(kafka_bootstrap, kafka_topic, expected_records)]
+    assert len(records) == expected_records
+    by_event: dict[tuple, list] = {}
+    for r in records:
+        by_event.setdefault((r["seq"], r["batch_index"], r["event"][0]), []).append(r)
+    originals = {}
+    for seq, payload in enumerate(payloads[:5]):
+        for index, event in enumerate(msgspec.msgpack.decode(payload)[1]):
+            originals[(seq, index)] = event
+    rebuilt = {}
+    for (seq, index, kind), group in by_event.items():
+        if kind.endswith("AllBlocksCleared"):
+            group = group[:1]  # one copy per partition
+        rebuilt[(seq, index)] = rebuild_event(group)
+    expected = {k: v for k, v in originals.items() if not (isinstance(v, dict) and v.get("type") == "TierBlocksCleared")}
+    # older vLLM's positional events come back in map form; SGLang's unknown cache_salt is not kept
+    expected[(3, 0)] = {"type": "BlockStored", "block_hashes": [5, 6], "parent_block_hash": None,
+                        "token_ids": [1, 2, 3, 4], "block_size": 2, "lora_id": None, "medium": "GPU",
+                        "lora_name": None}
+    expected[(3, 1)] = {"type": "BlockRemoved", "block_hashes": [5], "medium": "GPU"}
+    expected[(2, 0)] = {k: v for k, v in expected[(2, 0)].items() if k != "cache_salt"} | {"lora_name": None}
+    assert rebuilt == expected
+    assert {r["data_parallel_rank"] for r in records if r["seq"] == 2} == {1}  # SGLang's attn_dp_rank
+
+    dead = _consume(kafka_bootstrap, KV_EVENTS_DEAD_LETTER, 100, timeout_s=5)
+    reasons = {dict(m.headers())["kvstream-error"].decode() for m in dead
+               if dict(m.headers())["kvstream-source"].decode().startswith(bridge.endpoints[0].endpoint)}
+    assert "unknown event type 'TierBlocksCleared'" in reasons
+    assert any(r.startswith("not a msgpack KV event batch") for r in reasons)
