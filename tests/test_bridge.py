@@ -18,7 +18,7 @@ from producers.split import rebuild_event
 from schemas import AvroCodec
 from schemas.topics import KV_EVENTS_DEAD_LETTER
 from tests.test_split import VLLM_PAYLOAD
-from tests.vllm_publisher import AllBlocksCleared, BlockRemoved, BlockStored, FakeVllmPublisher
+from tests.vllm_publisher import BlockRemoved, BlockStored, FakeVllmPublisher
 
 
 def _free_ports(n: int) -> list[int]:
