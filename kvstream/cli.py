@@ -21,6 +21,13 @@ from kvstream import broker
 from kvstream.kafka_config import DEFAULT_BOOTSTRAP_SERVERS, DEFAULT_PARTITIONS
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _add_bootstrap(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bootstrap-servers", default=DEFAULT_BOOTSTRAP_SERVERS, metavar="HOST:PORT[,...]",
                         help="Kafka bootstrap servers (default: %(default)s; env KVSTREAM_BOOTSTRAP_SERVERS)")
@@ -167,9 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work-dir", type=Path, default=Path(".kvstream/demo"),
                    help="broker and worker files; emptied at start (default: %(default)s)")
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format trace (default: vendored)")
-    p.add_argument("--requests", type=int, default=None, help="replay only the first N requests (default: all)")
-    p.add_argument("--partitions", type=int, default=DEFAULT_PARTITIONS, help="partitions (default: %(default)s)")
-    p.add_argument("--instances", type=int, default=fleet.instances, help="simulated instances (default: %(default)s)")
+    p.add_argument("--requests", type=_positive_int, default=None,
+                   help="replay only the first N requests (default: all)")
+    p.add_argument("--partitions", type=_positive_int, default=DEFAULT_PARTITIONS, help="partitions (default: %(default)s)")
+    p.add_argument("--instances", type=_positive_int, default=fleet.instances, help="simulated instances (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=1800, metavar="SECONDS",
                    help="give up if the worker has not consumed everything by then (default: %(default)s)")
     p.add_argument("--keep-running", action="store_true",
@@ -184,14 +192,15 @@ def build_parser() -> argparse.ArgumentParser:
                                    "produce the resulting vLLM-shaped events, one Kafka message per block.")
     _add_bootstrap(p)
     p.add_argument("--topic", default="kv-events", help="target topic (default: %(default)s)")
-    p.add_argument("--partitions", type=int, default=DEFAULT_PARTITIONS,
+    p.add_argument("--partitions", type=_positive_int, default=DEFAULT_PARTITIONS,
                    help="partitions if the topic is created (default: %(default)s)")
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format trace (default: vendored)")
-    p.add_argument("--requests", type=int, default=None, help="replay only the first N requests (default: all)")
-    p.add_argument("--instances", type=int, default=fleet.instances, help="instances (default: %(default)s)")
-    p.add_argument("--gpu-blocks", type=int, default=fleet.gpu_blocks, help="GPU pool blocks (default: %(default)s)")
-    p.add_argument("--cpu-blocks", type=int, default=fleet.cpu_blocks, help="CPU tier blocks (default: %(default)s)")
-    p.add_argument("--kvcr-blocks", type=int, default=fleet.kvcr_blocks,
+    p.add_argument("--requests", type=_positive_int, default=None,
+                   help="replay only the first N requests (default: all)")
+    p.add_argument("--instances", type=_positive_int, default=fleet.instances, help="instances (default: %(default)s)")
+    p.add_argument("--gpu-blocks", type=_positive_int, default=fleet.gpu_blocks, help="GPU pool blocks (default: %(default)s)")
+    p.add_argument("--cpu-blocks", type=_positive_int, default=fleet.cpu_blocks, help="CPU tier blocks (default: %(default)s)")
+    p.add_argument("--kvcr-blocks", type=_positive_int, default=fleet.kvcr_blocks,
                    help="KVCR tier blocks (default: %(default)s)")
     p.add_argument("--ground-truth", type=Path, default=None, metavar="FILE",
                    help="write the final residency (JSON lines, one resident row each) to FILE")
@@ -211,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="local state directory (default: %(default)s)")
     p.add_argument("--store", default="memory://", choices=["memory://", "rocksdb://"],
                    help="table store (default: %(default)s; memory rebuilds tables from the changelog at start)")
-    p.add_argument("--partitions", type=int, default=DEFAULT_PARTITIONS,
+    p.add_argument("--partitions", type=_positive_int, default=DEFAULT_PARTITIONS,
                    help="partitions of kv-events and the app's topics (default: %(default)s)")
     p.add_argument("--clear-scope", choices=["gpu", "all"], default="gpu",
                    help="tiers an AllBlocksCleared removes (default: %(default)s, as vLLM means it)")
@@ -240,11 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--instance-id", action="append", metavar="NAME",
                    help="instance name of each --endpoint, in the same order (vLLM sends no identity)")
     p.add_argument("--dp-rank", type=int, default=0, help="data-parallel rank of the endpoints (default: 0)")
-    p.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+    p.add_argument("--data-parallel-size", type=_positive_int, default=1, metavar="N",
                    help="follow ranks 0..N-1 of one engine on its offset ports (vLLM: port + rank)")
     p.add_argument("--zmq-topic", default="", help="publisher topic prefix to subscribe to (default: all)")
     p.add_argument("--topic", default="kv-events", help="Kafka topic (default: %(default)s)")
-    p.add_argument("--partitions", type=int, default=DEFAULT_PARTITIONS,
+    p.add_argument("--partitions", type=_positive_int, default=DEFAULT_PARTITIONS,
                    help="partitions if the topic is created (default: %(default)s)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus counters on 127.0.0.1:PORT/metrics (default: off)")
