@@ -28,6 +28,19 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _add_endpoints(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--endpoint", action="append", required=True, metavar="tcp://HOST:PORT",
+                   help="publisher PUB endpoint (repeatable, one per publisher)")
+    p.add_argument("--replay-endpoint", action="append", metavar="tcp://HOST:PORT",
+                   help="publisher ROUTER replay endpoint, one per --endpoint in the same order (optional)")
+    p.add_argument("--instance-id", action="append", metavar="NAME",
+                   help="instance name of each --endpoint, in the same order (vLLM sends no identity)")
+    p.add_argument("--dp-rank", type=int, default=0, help="data-parallel rank of the endpoints (default: 0)")
+    p.add_argument("--data-parallel-size", type=_positive_int, default=1, metavar="N",
+                   help="follow ranks 0..N-1 of one engine on its offset ports (vLLM: port + rank)")
+    p.add_argument("--zmq-topic", default="", help="publisher topic prefix to subscribe to (default: all)")
+
+
 def _add_bootstrap(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bootstrap-servers", default=DEFAULT_BOOTSTRAP_SERVERS, metavar="HOST:PORT[,...]",
                         help="Kafka bootstrap servers (default: %(default)s; env KVSTREAM_BOOTSTRAP_SERVERS)")
@@ -144,6 +157,44 @@ def _cmd_bridge(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_capture(args: argparse.Namespace) -> int:
+    import time
+
+    from producers.bridge import Bridge
+    from producers.capture import CaptureSink
+
+    endpoints = _bridge_endpoints(args)
+    with open(args.output, "a") as out:
+        sink = CaptureSink(out)
+        bridge = Bridge(endpoints, sink, zmq_topic=args.zmq_topic.encode())
+        deadline = None if args.duration is None else time.monotonic() + args.duration
+        try:
+            bridge.run(should_stop=lambda: (args.max_batches is not None and sink.batches >= args.max_batches)
+                       or (deadline is not None and time.monotonic() > deadline))
+        except KeyboardInterrupt:
+            pass
+        finally:
+            bridge.close()
+    print(f"captured {sink.batches:,} batches to {args.output}")
+    return 0
+
+
+def _cmd_produce(args: argparse.Namespace) -> int:
+    from kvstream.kafka_config import ensure_topics
+    from producers.bridge import BridgeMetrics, KafkaBatchSink
+    from producers.capture import produce_capture
+    from producers.kafka_sink import KvEventProducer
+    from schemas.topics import KV_EVENTS_DEAD_LETTER
+
+    ensure_topics(args.bootstrap_servers, {args.topic: args.partitions, KV_EVENTS_DEAD_LETTER: 1})
+    producer = KvEventProducer(args.bootstrap_servers, args.topic)
+    metrics = BridgeMetrics()
+    produce_capture(args.jsonl, KafkaBatchSink(producer, metrics), metrics)
+    stats = producer.flush()
+    print(f"produced {stats.acked:,} messages from {args.jsonl}, {stats.dead_lettered:,} to the dead-letter topic")
+    return 0
+
+
 def _cmd_tail(args: argparse.Namespace) -> int:
     from kvstream.tail import tail
 
@@ -242,22 +293,34 @@ def build_parser() -> argparse.ArgumentParser:
                               "kvstream bridge --endpoint tcp://ENGINE:5557 --replay-endpoint tcp://ENGINE:5567 "
                               "--instance-id engine-0 --data-parallel-size 2")
     _add_bootstrap(p)
-    p.add_argument("--endpoint", action="append", required=True, metavar="tcp://HOST:PORT",
-                   help="publisher PUB endpoint (repeatable, one per publisher)")
-    p.add_argument("--replay-endpoint", action="append", metavar="tcp://HOST:PORT",
-                   help="publisher ROUTER replay endpoint, one per --endpoint in the same order (optional)")
-    p.add_argument("--instance-id", action="append", metavar="NAME",
-                   help="instance name of each --endpoint, in the same order (vLLM sends no identity)")
-    p.add_argument("--dp-rank", type=int, default=0, help="data-parallel rank of the endpoints (default: 0)")
-    p.add_argument("--data-parallel-size", type=_positive_int, default=1, metavar="N",
-                   help="follow ranks 0..N-1 of one engine on its offset ports (vLLM: port + rank)")
-    p.add_argument("--zmq-topic", default="", help="publisher topic prefix to subscribe to (default: all)")
+    _add_endpoints(p)
     p.add_argument("--topic", default="kv-events", help="Kafka topic (default: %(default)s)")
     p.add_argument("--partitions", type=_positive_int, default=DEFAULT_PARTITIONS,
                    help="partitions if the topic is created (default: %(default)s)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus counters on 127.0.0.1:PORT/metrics (default: off)")
     p.set_defaults(func=_cmd_bridge)
+
+    p = sub.add_parser("capture", help="record live engine KV event streams to a JSON-lines file",
+                       description="Subscribe like 'kvstream bridge' (same sequencing: replay of gaps, epochs) and "
+                                   "write one JSON line per batch to --output (format: README, 'Capture files'). "
+                                   "Stops on Ctrl-C, SIGTERM, --max-batches or --duration.")
+    _add_endpoints(p)
+    p.add_argument("--output", type=Path, required=True, metavar="FILE", help="JSONL file (appended to)")
+    p.add_argument("--max-batches", type=_positive_int, default=None, metavar="N", help="stop after N batches")
+    p.add_argument("--duration", type=float, default=None, metavar="SECONDS", help="stop after this long")
+    p.set_defaults(func=_cmd_capture)
+
+    p = sub.add_parser("produce", help="publish a capture file (JSON lines) to kv-events through the bridge's path",
+                       description="Publish a file written by 'kvstream capture' (or any file in its format) "
+                                   "exactly as the bridge publishes a live stream: sequence, restart and epoch "
+                                   "handling, per-block messages, dead letters.")
+    _add_bootstrap(p)
+    p.add_argument("--jsonl", type=Path, required=True, metavar="FILE", help="capture file")
+    p.add_argument("--topic", default="kv-events", help="Kafka topic (default: %(default)s)")
+    p.add_argument("--partitions", type=_positive_int, default=DEFAULT_PARTITIONS,
+                   help="partitions if the topic is created (default: %(default)s)")
+    p.set_defaults(func=_cmd_produce)
 
     p = sub.add_parser("tail", help="print a pipeline topic's messages decoded, as JSON lines",
                        description="Print the messages of kv-events, kv-events-by-ownership, a table changelog "

@@ -57,10 +57,17 @@ class PublisherEndpoint:
     instance_id: str
     #: Data-parallel rank of this publisher; a batch that names its own rank wins.
     data_parallel_rank: int = 0
+    #: Worker rank, where each worker of an engine publishes separately (see kv_event.worker_rank).
+    worker_rank: int | None = None
+    #: Workers reporting this engine's connector events; None means 1.
+    world_size: int | None = None
+    #: REPLICATED or SHARDED (see kv_event.aggregation); None means REPLICATED.
+    aggregation: str | None = None
 
     @property
     def label(self) -> str:
-        return f"{self.instance_id}/dp{self.data_parallel_rank}"
+        worker = "" if self.worker_rank is None else f"/w{self.worker_rank}"
+        return f"{self.instance_id}/dp{self.data_parallel_rank}{worker}"
 
 
 _TCP = re.compile(r"^(?P<head>tcp://.*:)(?P<port>\d+)$")
@@ -207,7 +214,8 @@ class Bridge:
         return self._last_epoch
 
     def _publisher(self, endpoint: PublisherEndpoint, state: _SourceState) -> Publisher:
-        return Publisher(endpoint.instance_id, endpoint.data_parallel_rank, publisher_epoch=state.epoch)
+        return Publisher(endpoint.instance_id, endpoint.data_parallel_rank, endpoint.worker_rank, endpoint.world_size,
+                         endpoint.aggregation, state.epoch)
 
     def poll(self, timeout_ms: int = 100) -> int:
         """Receive what has arrived (waiting up to ``timeout_ms``); returns the number of live messages handled."""

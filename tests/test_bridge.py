@@ -248,3 +248,62 @@ def test_events_arrive_in_kafka_losslessly_and_bad_input_is_dead_lettered(publis
                if dict(m.headers())["kvstream-source"].decode().startswith(bridge.endpoints[0].endpoint)}
     assert "unknown event type 'TierBlocksCleared'" in reasons
     assert any(r.startswith("not a msgpack KV event batch") for r in reasons)
+
+
+def test_capture_file_round_trips_every_batch_and_keeps_undecodable_events(publisher_and_bridge, tmp_path):
+    from producers.capture import CaptureSink, read_capture
+    from producers.engine_decode import decode_batch
+
+    path = tmp_path / "capture.jsonl"
+    with open(path, "w") as out:
+        publisher, bridge, _ = publisher_and_bridge(sink=CaptureSink(out))
+        payloads = [VLLM_PAYLOAD,
+                    msgspec.msgpack.encode([1.5, [{"type": "BlockStored", "block_hashes": [bytes(32), -3],
+                                                   "parent_block_hash": None, "token_ids": [], "block_size": 0,
+                                                   "lora_id": None, "medium": "DISK", "lora_name": None,
+                                                   "extra_keys": [[b"\x01\x02", "salt"], None]},
+                                                  {"type": "Bogus"}], 2]),
+                    b"\xc1 garbage"]
+        for payload in payloads:
+            publisher.publish_payload(payload)
+        _pump(bridge, lambda: bridge.sink.batches == 3)
+    lines = [__import__("json").loads(line) for line in path.read_text().splitlines()]
+    assert [line["seq"] for line in lines] == [0, 1, 2]
+    assert lines[1]["events"][0]["block_hashes"] == ["00" * 32, -3] and lines[1]["data_parallel_rank"] == 2
+    assert lines[1]["undecodable"][0]["reason"] == "unknown event type 'Bogus'"
+    replayed = list(read_capture(path))
+    original = decode_batch(payloads[0])
+    again = decode_batch(replayed[0][2])
+    assert [e for _, e, _ in again.events] == [e for _, e, _ in original.events] and again.ts == original.ts
+    second = decode_batch(replayed[1][2])
+    assert second.events[0][1]["block_hashes"] == [bytes(32), -3]
+    assert [f.raw for f in second.failures] == [msgspec.msgpack.encode({"type": "Bogus"})]
+    assert replayed[2][2] == payloads[2]  # not a batch at all: its bytes come back as they were
+
+
+@pytest.mark.integration
+def test_produce_jsonl_publishes_a_capture_through_the_bridge_path(kafka_bootstrap, kafka_topic, tmp_path):
+    from producers.bridge import BridgeMetrics, KafkaBatchSink
+    from producers.capture import produce_capture
+
+    path = tmp_path / "capture.jsonl"
+    lines = [{"instance_id": "cap", "data_parallel_rank": 0, "seq": 0, "ts": 1.0,
+              "events": [{"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None,
+                          "token_ids": [1, 2], "block_size": 1, "lora_id": None, "medium": "GPU",
+                          "lora_name": None}]},
+             {"instance_id": "cap", "data_parallel_rank": 0, "seq": 1, "ts": 2.0, "worker_rank": 1, "world_size": 2,
+              "aggregation": "REPLICATED", "events": [{"type": "BlockRemoved", "block_hashes": ["ff" * 8],
+                                                       "medium": "CPU"}]},
+             {"instance_id": "cap", "data_parallel_rank": 0, "seq": 0, "ts": 3.0,  # the engine restarted
+              "events": [{"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU"}]}]
+    path.write_text("".join(__import__("json").dumps(line) + "\n" for line in lines))
+    producer = KvEventProducer(kafka_bootstrap, kafka_topic)
+    metrics = BridgeMetrics()
+    produce_capture(path, KafkaBatchSink(producer, metrics), metrics)
+    producer.flush(30)
+    records = sorted((AvroCodec("kv_event").decode(m.value()) for m in _consume(kafka_bootstrap, kafka_topic, 4)),
+                     key=lambda r: (r["publisher_epoch"], r["seq"], r["block_index"]))
+    assert [(r["seq"], r["block_hash"].hex(), r["worker_rank"]) for r in records] == [
+        (0, "0000000000000001", None), (0, "0000000000000002", None), (1, "ff" * 8, 1), (0, "0000000000000001", None)]
+    assert records[3]["publisher_epoch"] > records[0]["publisher_epoch"]  # a new epoch after the restart
+    assert metrics.restarts.labels("cap", "0")._value.get() == 1

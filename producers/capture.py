@@ -1,0 +1,129 @@
+"""Capture files: a live KV event stream recorded as JSON lines, and published again through the bridge's path.
+
+One line per batch (the format is in the README, "Capture files")::
+
+    {"instance_id": "engine-0", "data_parallel_rank": 0, "seq": 12, "ts": 1767225600.0,
+     "events": [{"type": "BlockStored", "block_hashes": [1882140585328457242], ...}, ...]}
+
+Events are vLLM's map-encoded events in JSON; block hashes are integers (vLLM's
+unsigned or SGLang's signed 64-bit ints) or hex strings (byte digests); other
+bytes are hex strings. Lines of a publisher that is one of several workers of
+an engine add ``worker_rank``, ``world_size`` and ``aggregation``. Events the
+capture could not decode are kept in ``undecodable`` with their reason and
+msgpack bytes (hex), so nothing is lost silently.
+
+``kvstream produce --jsonl`` re-encodes each line as the msgpack batch it was
+and hands it to :class:`producers.bridge.Bridge`'s sequencing (gaps, restarts
+and epochs are handled as live; there is no replay socket, so a gap is lost)
+and to the same Kafka sink.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator, TextIO
+
+import msgspec
+
+from producers.bridge import Bridge, PublisherEndpoint
+from producers.engine_decode import BatchDecodeError, decode_batch
+from producers.split import Publisher
+
+_HASH_FIELDS = ("block_hashes", "parent_block_hash")
+
+
+class CaptureError(ValueError):
+    """A capture line that is not a batch; the message names the line."""
+
+
+def _to_json(value: Any) -> Any:
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).hex()
+    if isinstance(value, (list, tuple)):
+        return [_to_json(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_json(v) for k, v in value.items()}
+    return value
+
+
+def _hash_from_json(value: Any) -> Any:
+    return bytes.fromhex(value) if isinstance(value, str) else value
+
+
+class CaptureSink:
+    """A bridge sink that writes each batch as one JSON line."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.batches = 0
+
+    def batch(self, endpoint: PublisherEndpoint, publisher: Publisher, seq: int, payload: bytes) -> None:
+        line: dict[str, Any] = {"instance_id": publisher.instance_id,
+                                "data_parallel_rank": publisher.data_parallel_rank, "seq": seq}
+        try:
+            decoded = decode_batch(payload)
+        except BatchDecodeError as exc:
+            line.update(ts=None, events=[], undecodable=[{"batch_index": None, "reason": str(exc),
+                                                          "msgpack": payload.hex()}])
+        else:
+            if decoded.data_parallel_rank is not None:
+                line["data_parallel_rank"] = decoded.data_parallel_rank
+            line.update(ts=decoded.ts, events=[_to_json(event) for _, event, _ in decoded.events])
+            if decoded.failures:
+                line["undecodable"] = [{"batch_index": f.batch_index, "reason": f.reason, "msgpack": f.raw.hex()}
+                                       for f in decoded.failures]
+        if publisher.worker_rank is not None:
+            line.update(worker_rank=publisher.worker_rank, world_size=publisher.world_size,
+                        aggregation=publisher.aggregation or "REPLICATED")
+        self.out.write(json.dumps(line) + "\n")
+        self.out.flush()
+        self.batches += 1
+
+
+def read_capture(path: Path) -> Iterator[tuple[PublisherEndpoint, int, bytes]]:
+    """Each line of a capture as (source, seq, msgpack payload as the engine would have sent it).
+
+    Hex-string hashes become bytes again; undecodable events are put back as their original msgpack,
+    so they reach the dead-letter topic as they would have live.
+
+    Raises:
+        CaptureError: a line is not JSON or lacks ``instance_id``, ``seq``, ``ts`` or ``events``.
+    """
+    with open(path) as lines:
+        for number, text in enumerate(lines, 1):
+            if not text.strip():
+                continue
+            try:
+                line = json.loads(text)
+                source = PublisherEndpoint(f"file:{path}", None, line["instance_id"],
+                                           int(line.get("data_parallel_rank") or 0), line.get("worker_rank"),
+                                           line.get("world_size"), line.get("aggregation"))
+                whole = [f for f in line.get("undecodable", []) if f.get("batch_index") is None]
+                if whole:  # the payload was not a batch at all: give back its bytes as they came
+                    yield source, int(line["seq"]), bytes.fromhex(whole[0]["msgpack"])
+                    continue
+                events: list[Any] = []
+                for event in line["events"]:
+                    event = dict(event)
+                    for name in _HASH_FIELDS:
+                        if isinstance(event.get(name), list):
+                            event[name] = [_hash_from_json(h) for h in event[name]]
+                        elif name in event:
+                            event[name] = _hash_from_json(event[name])
+                    events.append(event)
+                for failure in line.get("undecodable", []):
+                    if failure.get("batch_index") is not None:
+                        events.insert(failure["batch_index"], msgspec.Raw(bytes.fromhex(failure["msgpack"])))
+                payload = msgspec.msgpack.encode([line["ts"], events, line.get("data_parallel_rank")])
+                yield source, int(line["seq"]), payload
+            except (ValueError, KeyError, TypeError) as exc:
+                raise CaptureError(f"{path}:{number}: not a capture line ({type(exc).__name__}: {exc})") from None
+
+
+def produce_capture(path: Path, sink, metrics=None) -> Bridge:
+    """Publish a capture file through the bridge's sequencing into ``sink``; returns the bridge (its metrics)."""
+    bridge = Bridge([], sink, metrics=metrics)
+    for source, seq, payload in read_capture(path):
+        bridge.on_live(source, seq, payload)
+    return bridge
