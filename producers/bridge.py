@@ -37,7 +37,8 @@ import zmq
 from prometheus_client import CollectorRegistry, Counter
 
 from producers.engine_decode import BatchDecodeError, decode_batch
-from producers.split import InvalidEvent, Publisher, split_event
+from producers.split import InvalidEvent, Publisher, source_event, split_event
+from schemas import PUBLISHER_RESTARTED, SOURCE_STALE
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,9 @@ class BatchSink(Protocol):
 
     def batch(self, endpoint: PublisherEndpoint, publisher: Publisher, seq: int, payload: bytes) -> None: ...
 
+    def source_event(self, publisher: Publisher, kind: str, body: dict, seq: int) -> None:
+        """An event the bridge makes itself: ``PUBLISHER_RESTARTED`` or ``SOURCE_STALE`` (schemas)."""
+
 
 class BridgeMetrics:
     """Prometheus counters per source (labels ``instance``, ``dp_rank``)."""
@@ -133,6 +137,9 @@ class KafkaBatchSink:
     def __init__(self, producer, metrics: BridgeMetrics) -> None:
         self.producer = producer
         self.metrics = metrics
+
+    def source_event(self, publisher: Publisher, kind: str, body: dict, seq: int) -> None:
+        self.producer.send(source_event(publisher, kind, body, seq, time.time()))
 
     def batch(self, endpoint: PublisherEndpoint, publisher: Publisher, seq: int, payload: bytes) -> None:
         labels = (publisher.instance_id, str(publisher.data_parallel_rank))
@@ -261,8 +268,13 @@ class Bridge:
             log.warning("%s: seq went back from %d to %d: publisher restarted, new epoch", endpoint.label,
                         state.last_seq, seq)
             self.metrics.restarts.labels(*labels).inc()
-            state = None
-        if state is None:
+            previous_epoch = state.epoch
+            state = self.state[endpoint] = _SourceState(self._new_epoch())
+            # retire the old epoch's residency before the new epoch's first batch
+            self.sink.source_event(self._publisher(endpoint, state), PUBLISHER_RESTARTED,
+                                   {"previous_epoch": previous_epoch}, -1)
+            self._catch_up(endpoint, state, 0, seq, first_contact=True)
+        elif state is None:
             state = self.state[endpoint] = _SourceState(self._new_epoch())
             self._catch_up(endpoint, state, 0, seq, first_contact=True)
         elif seq > state.last_seq + 1:
@@ -296,6 +308,8 @@ class Bridge:
             # first contact: batches before the oldest one we could get describe cache state we never saw
             self.metrics.gaps_unrecovered.labels(*labels).inc()
             state.stale = True
+            self.sink.source_event(self._publisher(endpoint, state), SOURCE_STALE,
+                                   {"first_lost_seq": expected_first, "last_lost_seq": got_from - 1}, expected_first)
             log.warning("%s: %d batches (seq %d..%d) are lost%s", endpoint.label, got_from - expected_first,
                         expected_first, got_from - 1, " before first contact" if first_contact else "")
 

@@ -80,6 +80,9 @@ class CaptureSink:
         self.out.flush()
         self.batches += 1
 
+    def source_event(self, publisher: Publisher, kind: str, body: dict, seq: int) -> None:
+        """Not written: ``produce`` finds restarts (seq going back) and lost batches (gaps) in the file again."""
+
 
 def read_capture(path: Path) -> Iterator[tuple[PublisherEndpoint, int, bytes]]:
     """Each line of a capture as (source, seq, msgpack payload as the engine would have sent it).

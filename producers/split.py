@@ -195,6 +195,18 @@ def split_event(publisher: Publisher, seq: int, ts: float, batch_index: int, eve
     return records
 
 
+def source_event(publisher: Publisher, kind: str, body: dict, seq: int, ts: float) -> dict:
+    """A record of an event the bridge makes itself (``PUBLISHER_RESTARTED`` or ``SOURCE_STALE``).
+
+    It has no block hash (the producer writes it to every partition) and ``batch_index`` -1.
+    """
+    return {"instance_id": publisher.instance_id, "data_parallel_rank": publisher.data_parallel_rank,
+            "worker_rank": publisher.worker_rank, "world_size": publisher.world_size,
+            "aggregation": publisher.aggregation, "publisher_epoch": publisher.publisher_epoch, "seq": seq,
+            "batch_index": -1, "ts": ts, "block_hash": None, "hash_encoding": "UINT64", "block_index": 0,
+            "block_count": 1, "tier": None, "event": (kind, body)}
+
+
 def rebuild_event(records: list[dict]) -> dict:
     """Rebuild the engine event (vLLM map form, None fields omitted) from all of its block records.
 

@@ -1,6 +1,7 @@
 """The event contract: what a KV cache event is once it is in Kafka.
 
-* ``kv_event_v1.avsc``: one block-level KV event (topic ``kv-events``).
+* ``kv_event_v2.avsc`` (and v1): one block-level KV event (topic ``kv-events``); v2 adds the bridge's
+  PublisherRestarted and SourceStale.
 * ``residency_v1.avsc``: one residency-table entry (the stream app's changelog).
 * ``tier_occupancy_v1.avsc``, ``clear_watermark_v1.avsc``: the stream app's other tables.
 * ``ownership_batch_v1.avsc``: the stream app's repartition topic ``kv-events-by-ownership``.
@@ -17,11 +18,19 @@ from schemas.tiers import TIERS, tier_of
 BLOCK_STORED = "kvstream.v1.BlockStored"
 BLOCK_REMOVED = "kvstream.v1.BlockRemoved"
 ALL_BLOCKS_CLEARED = "kvstream.v1.AllBlocksCleared"
+#: Events the bridge makes itself (schema v2): the publisher restarted / batches were lost for good.
+PUBLISHER_RESTARTED = "kvstream.v1.PublisherRestarted"
+SOURCE_STALE = "kvstream.v1.SourceStale"
+#: Events without a block hash, written to every partition of kv-events.
+SOURCE_WIDE_EVENTS = frozenset({ALL_BLOCKS_CLEARED, PUBLISHER_RESTARTED, SOURCE_STALE})
 
 __all__ = [
     "ALL_BLOCKS_CLEARED",
     "BLOCK_REMOVED",
     "BLOCK_STORED",
+    "PUBLISHER_RESTARTED",
+    "SOURCE_STALE",
+    "SOURCE_WIDE_EVENTS",
     "TIERS",
     "AvroCodec",
     "DecodeError",

@@ -44,15 +44,17 @@ import weakref
 from collections import defaultdict
 from urllib.parse import quote
 
+import aiohttp
 import faust
 from aiokafka.partitioner import murmur2
 from faust.serializers import codecs
 from faust.streams import _current_event
 
-from schemas import ALL_BLOCKS_CLEARED, AvroCodec, DecodeError, InvalidBlockHash, parse_hex_block_hash
+from schemas import (ALL_BLOCKS_CLEARED, PUBLISHER_RESTARTED, SOURCE_STALE, SOURCE_WIDE_EVENTS, AvroCodec, DecodeError,
+                     InvalidBlockHash, parse_hex_block_hash)
 from schemas.topics import KV_EVENTS, KV_EVENTS_BY_OWNERSHIP, KV_EVENTS_DEAD_LETTER
 from stream_apps.residency import (ALL_TIERS, DEFAULT_CLEAR_TIERS, NO_CLEAR, PRIMARY, ApplyStats, apply_block_event,
-                                   apply_clear, mark_record, residency_key)
+                                   apply_clear, mark_record, residency_key, retire_epoch)
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +84,7 @@ class _AvroFaustCodec(codecs.Codec):
 codecs.register("kv_residency", _AvroFaustCodec("residency"))
 codecs.register("kv_clear_watermark", _AvroFaustCodec("clear_watermark"))
 codecs.register("kv_tier_occupancy", _AvroFaustCodec("tier_occupancy"))
+codecs.register("kv_source_status", _AvroFaustCodec("source_status"))
 
 app = faust.App(
     os.environ.get("KVSTREAM_APP_ID", "kvstream"),
@@ -144,6 +147,13 @@ clear_watermarks = _avro_table("clear-watermarks", "kv_clear_watermark",
 #: '<partition>/<ownership or primary>/<tier>/<instance>' -> resident blocks (global: every worker sees all).
 tier_occupancy = _avro_table("tier-occupancy", "kv_tier_occupancy",
                              "Resident blocks per partition, ownership, tier, instance.", table=app.GlobalTable)
+
+#: '<partition>/<instance>/<dp rank>/<worker rank or -1>' -> SourceStatus (global: any worker answers /sources/).
+sources = _avro_table("sources", "kv_source_status", "Epoch and staleness per publisher, from the bridge's events.",
+                      table=app.GlobalTable)
+#: '<by-ownership partition>/<instance>/<dp rank>/<worker rank or -1>' -> latest PublisherRestarted applied there.
+publisher_epochs = _avro_table("publisher-epochs", "kv_clear_watermark",
+                               "Latest publisher epoch started per publisher and partition.")
 
 event_codec = AvroCodec("kv_event")
 batch_codec = AvroCodec("ownership_batch")
@@ -221,12 +231,15 @@ def _repartition_one(event: faust.EventT, record: dict, outgoing: dict[int, list
     partition = event.message.partition
     source = _source_key(partition, record)
     kind, body = record["event"]
-    if kind == ALL_BLOCKS_CLEARED:
+    if kind in SOURCE_WIDE_EVENTS:  # one copy per partition: it stays on its partition number
         mark = (record["publisher_epoch"], record["seq"], record["batch_index"])
-        if mark > _mark_of(source_clears.get(source)):
+        if kind == ALL_BLOCKS_CLEARED and mark > _mark_of(source_clears.get(source)):
             _set_current_event(event)
             source_clears[source] = _watermark(record)
-        outgoing[partition].append({"key": f"clear/{record['instance_id']}/{record['data_parallel_rank']}",
+        elif kind != ALL_BLOCKS_CLEARED:
+            mark = _mark_of(source_clears.get(source))
+        name = kind.rsplit(".", 1)[-1]
+        outgoing[partition].append({"key": f"{name}/{record['instance_id']}/{record['data_parallel_rank']}",
                                     "clear_mark": mark_record(mark), "event": event.value})
         return
     if record["block_hash"] is None or record["tier"] is None:
@@ -299,12 +312,78 @@ def _materialize_one(partition: int, item: dict, record: dict, touched: dict[str
         touched.clear()
         _apply_clear_on_partition(partition, record, mark, occupancy)
         return
+    if kind in (PUBLISHER_RESTARTED, SOURCE_STALE):
+        _write_back(touched)
+        touched.clear()
+        _apply_source_event(partition, record, occupancy)
+        return
+    epoch = publisher_epochs.get(_publisher_key(partition, record))
+    if epoch is not None and record["publisher_epoch"] < epoch["publisher_epoch"]:
+        stats.retired_late += 1
+        return
     key = item["key"]
     entry = touched[key] if key in touched else residency.get(key)
     entry, delta = apply_block_event(entry, record, mark, watermark, CLEAR_TIERS, stats)
     touched[key] = entry
     if delta:
         occupancy[(body["ownership"], record["tier"], record["instance_id"])] += delta
+
+
+def _publisher_key(partition: int, record: dict) -> str:
+    worker = -1 if record["worker_rank"] is None else record["worker_rank"]
+    return f"{partition}/{record['instance_id']}/{record['data_parallel_rank']}/{worker}"
+
+
+def _apply_source_event(partition: int, record: dict, occupancy: dict[tuple, int]) -> None:
+    """PublisherRestarted: retire the earlier epochs' residency on this partition; SourceStale: mark the source."""
+    kind, body = record["event"]
+    key = _publisher_key(partition, record)
+    status = sources.get(key) or {"instance_id": record["instance_id"],
+                                  "data_parallel_rank": record["data_parallel_rank"],
+                                  "worker_rank": -1 if record["worker_rank"] is None else record["worker_rank"],
+                                  "publisher_epoch": record["publisher_epoch"], "stale": False,
+                                  "first_lost_seq": None, "last_lost_seq": None, "restarts": 0, "changed_ts": 0.0}
+    if kind == SOURCE_STALE:
+        if record["publisher_epoch"] < status["publisher_epoch"]:
+            return  # a loss in an epoch that has since ended
+        status.update(stale=True, first_lost_seq=body["first_lost_seq"], last_lost_seq=body["last_lost_seq"],
+                      publisher_epoch=record["publisher_epoch"], changed_ts=record["ts"])
+        sources[key] = status
+        return
+    new_epoch = record["publisher_epoch"]
+    known = publisher_epochs.get(key)
+    if known is not None and new_epoch <= known["publisher_epoch"]:
+        stats.duplicates += 1
+        return
+    publisher_epochs[key] = _watermark(record)
+    status.update(stale=False, first_lost_seq=None, last_lost_seq=None, publisher_epoch=new_epoch,
+                  restarts=status["restarts"] + 1, changed_ts=record["ts"])
+    sources[key] = status
+    instance, dp_rank = record["instance_id"], record["data_parallel_rank"]
+    retired = 0
+    for table_key in [k for k in residency.keys() if partition_of(k) == partition]:
+        entry = residency[table_key]
+        new_entry, stopped = retire_epoch(entry, instance, dp_rank, record["worker_rank"], new_epoch, stats)
+        if new_entry is None:
+            del residency[table_key]
+        else:
+            residency[table_key] = new_entry
+        for row in stopped:
+            retired += 1
+            occupancy[(entry["ownership"], row["tier"], instance)] -= 1
+    log.info("publisher %s restarted (epoch %d): %d resident rows retired on partition %d", key, new_epoch,
+             retired, partition)
+
+
+def source_rows() -> list[dict]:
+    """One status per publisher (the copies on each partition agree; the newest epoch wins), sorted."""
+    merged: dict[tuple, dict] = {}
+    for status in sources.values():
+        ident = (status["instance_id"], status["data_parallel_rank"], status["worker_rank"])
+        if ident not in merged or status["publisher_epoch"] > merged[ident]["publisher_epoch"]:
+            merged[ident] = status
+    return [{**status, "worker_rank": None if status["worker_rank"] < 0 else status["worker_rank"]}
+            for _, status in sorted(merged.items())]
 
 
 def _write_back(touched: dict[str, dict | None]) -> None:
@@ -386,7 +465,11 @@ async def residency_view(web, request, block_hash_hex: str):
     except InvalidBlockHash as exc:
         return web.json({"error": str(exc)}, status=400)
     keys = [residency_key(own, block_hash) for own in sorted(known_ownerships(), key=lambda o: o or "")]
-    parts = await asyncio.gather(*(_lookup(key) for key in keys))
+    try:
+        parts = await asyncio.gather(*(_lookup(key) for key in keys))
+    except (aiohttp.ClientError, OSError, KeyError) as exc:  # the owner is gone or not yet assigned: rebalancing
+        return web.json({"error": f"the worker holding this block did not answer ({type(exc).__name__}); "
+                                  "the group is probably rebalancing: retry"}, status=503)
     return web.json({"block_hash": block_hash.hex(), "rows": [row for part in parts for row in part]})
 
 
@@ -405,11 +488,18 @@ async def occupancy_view(web, request):
     return web.json({"occupancy": occupancy_rows()})
 
 
+@app.page("/sources/")
+async def sources_view(web, request):
+    """Per publisher: epoch, restarts, stale and the last lost seqs: ``{"sources": [...]}``."""
+    return web.json({"sources": source_rows()})
+
+
 @app.page("/stats/")
 async def stats_view(web, request):
     """This worker's counters: events re-keyed and materialized, duplicates, unknown removals, dead letters."""
     return web.json({**counters, "applied": stats.applied, "duplicates": stats.duplicates,
-                     "cleared_late": stats.cleared_late, "unknown_removals": stats.unknown_removals,
+                     "cleared_late": stats.cleared_late, "retired_late": stats.retired_late,
+                     "unknown_removals": stats.unknown_removals,
                      "became_resident": stats.became_resident, "stopped_resident": stats.stopped_resident,
                      "unknown_media": stats.unknown_media})
 

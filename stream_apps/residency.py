@@ -20,6 +20,9 @@ tier, locality, group) -- ownership and block hash are in the key. A row keeps
   ``world_size`` 1: the count; ``REPLICATED``: the minimum over all
   ``world_size`` workers (a worker that reported nothing counts 0, so one
   worker's duplicate is not agreement); ``SHARDED``: the sum;
+* per-worker epochs: a worker's count restarts from 0 when an event of a newer
+  ``publisher_epoch`` arrives (a restarted publisher's cache starts empty), and
+  :func:`retire_epoch` zeroes the counts of rows the new epoch has not touched;
 * ``clear_mark``: the position of the source's last ``AllBlocksCleared`` that
   preceded the row's last event upstream. The stream app stamps every event with
   its source's latest clear as seen on its upstream partition, so a row can tell
@@ -70,6 +73,8 @@ class ApplyStats:
     duplicates: int = 0
     #: Events ignored because a later clear of their source had already been applied on this partition.
     cleared_late: int = 0
+    #: Events of a publisher epoch that a PublisherRestarted had already retired on this partition.
+    retired_late: int = 0
     #: Removals of a block the worker had no count for: counted, not applied below zero.
     unknown_removals: int = 0
     #: Rows that became resident / stopped being resident.
@@ -183,6 +188,8 @@ def apply_block_event(entry: dict | None, record: dict, clear_mark: tuple[int, i
     elif position <= _worker_position(worker):
         stats.duplicates += 1
         return entry, 0
+    elif position[0] > worker["publisher_epoch"]:
+        worker["count"] = 0  # a new epoch is a restarted publisher, whose cache started empty
 
     if kind == BLOCK_STORED:
         worker["count"] += 1
@@ -213,6 +220,33 @@ def apply_block_event(entry: dict | None, record: dict, clear_mark: tuple[int, i
     if not any(w["count"] for w in row["workers"]):
         rows.remove(row)
     return (entry if rows else None), delta
+
+
+def retire_epoch(entry: dict, instance_id: str, data_parallel_rank: int, worker_rank: int | None,
+                 new_epoch: int, stats: ApplyStats) -> tuple[dict | None, list[dict]]:
+    """Apply a PublisherRestarted: zero the publisher's counts from epochs before ``new_epoch`` in one entry.
+
+    Returns:
+        ``(new entry or None when no row is left, the rows that stopped being resident)``.
+    """
+    rank = -1 if worker_rank is None else worker_rank
+    kept, stopped = [], []
+    for row in entry["rows"]:
+        if row["instance_id"] == instance_id and row["data_parallel_rank"] == data_parallel_rank:
+            for worker in row["workers"]:
+                if worker["worker_rank"] == rank and worker["publisher_epoch"] < new_epoch:
+                    worker["count"] = 0
+            before = row["copies"]
+            row["copies"] = aggregate_copies(row["workers"], row["world_size"], row["aggregation"])
+            if before > 0 and row["copies"] == 0:
+                row["since"] = None
+                stopped.append(row)
+                stats.stopped_resident += 1
+            if not any(w["count"] for w in row["workers"]):
+                continue
+        kept.append(row)
+    entry["rows"] = kept
+    return (entry if kept else None), stopped
 
 
 def apply_clear(entry: dict, instance_id: str, data_parallel_rank: int, mark: tuple[int, int, int],

@@ -37,10 +37,14 @@ class CollectingSink:
 
     def __init__(self) -> None:
         self.batches: list[tuple[str, int, int, bytes]] = []  # (instance/dp, epoch, seq, payload)
+        self.source_events: list[tuple[str, dict]] = []
 
     def batch(self, endpoint, publisher, seq, payload) -> None:
         self.batches.append((f"{publisher.instance_id}/{publisher.data_parallel_rank}", publisher.publisher_epoch,
                              seq, payload))
+
+    def source_event(self, publisher, kind, body, seq) -> None:
+        self.source_events.append((kind.rsplit(".", 1)[-1], body))
 
     def seqs(self) -> list[int]:
         return [b[2] for b in self.batches]
@@ -114,6 +118,7 @@ def test_a_gap_older_than_the_replay_buffer_marks_the_source_stale(publisher_and
     _pump(bridge, lambda: bridge.sink.seqs()[-1:] == [9])
     assert bridge.sink.seqs() == [0, 7, 8, 9]
     assert bridge.state[endpoint].stale
+    assert bridge.sink.source_events == [("SourceStale", {"first_lost_seq": 1, "last_lost_seq": 6})]
     assert bridge.metrics.gaps_unrecovered.labels("engine-a", "0")._value.get() == 1
 
 
@@ -146,6 +151,7 @@ def test_a_publisher_restart_begins_a_new_epoch(publisher_and_bridge):
     _pump(bridge, lambda: len(bridge.sink.batches) == 4)
     name, epoch, seq, _ = bridge.sink.batches[-1]
     assert seq == 0 and epoch > first_epoch
+    assert bridge.sink.source_events == [("PublisherRestarted", {"previous_epoch": first_epoch})]
     assert bridge.metrics.restarts.labels("engine-a", "0")._value.get() == 1
 
 
@@ -301,9 +307,16 @@ def test_produce_jsonl_publishes_a_capture_through_the_bridge_path(kafka_bootstr
     metrics = BridgeMetrics()
     produce_capture(path, KafkaBatchSink(producer, metrics), metrics)
     producer.flush(30)
-    records = sorted((AvroCodec("kv_event").decode(m.value()) for m in _consume(kafka_bootstrap, kafka_topic, 4)),
+    # 4 block records; PublisherRestarted and SourceStale (the worker's stream starts at seq 1) on both partitions
+    messages = _consume(kafka_bootstrap, kafka_topic, 8)
+    records = sorted((AvroCodec("kv_event").decode(m.value()) for m in messages),
                      key=lambda r: (r["publisher_epoch"], r["seq"], r["block_index"]))
-    assert [(r["seq"], r["block_hash"].hex(), r["worker_rank"]) for r in records] == [
+    blocks = [r for r in records if r["block_hash"] is not None]
+    assert [(r["seq"], r["block_hash"].hex(), r["worker_rank"]) for r in blocks] == [
         (0, "0000000000000001", None), (0, "0000000000000002", None), (1, "ff" * 8, 1), (0, "0000000000000001", None)]
-    assert records[3]["publisher_epoch"] > records[0]["publisher_epoch"]  # a new epoch after the restart
+    assert blocks[3]["publisher_epoch"] > blocks[0]["publisher_epoch"]  # a new epoch after the restart
+    bridge_events = sorted((r["event"][0].rsplit(".", 1)[-1], r["worker_rank"], r["publisher_epoch"])
+                           for r in records if r["block_hash"] is None)
+    assert bridge_events == sorted([("PublisherRestarted", None, blocks[3]["publisher_epoch"])] * 2
+                                   + [("SourceStale", 1, blocks[2]["publisher_epoch"])] * 2)
     assert metrics.restarts.labels("cap", "0")._value.get() == 1

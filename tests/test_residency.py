@@ -114,3 +114,20 @@ def test_events_older_than_an_applied_clear_are_ignored_in_its_scope():
 def test_residency_key_separates_ownerships():
     assert residency_key(None, b"\x01\x02") == "primary/0102"
     assert residency_key("kvcr", b"\x01\x02") == "kvcr/0102"
+
+
+def test_a_newer_epoch_restarts_a_workers_count_and_retire_epoch_zeroes_untouched_rows():
+    from dataclasses import replace
+
+    from stream_apps.residency import retire_epoch
+
+    old, new = replace(ENGINE, publisher_epoch=1), replace(ENGINE, publisher_epoch=2)
+    touched = _apply(None, [_store(0x71, old), _store(0x71, old)])
+    touched = _apply(touched, [_store(0x71, new, seq=0)])  # the restarted engine cached it again: one copy
+    assert _copies(touched) == [("e1", "GPU", 1)]
+    untouched = _apply(None, [_store(0x72, old), _store(0x72, old, medium="CPU")])
+    stats = ApplyStats()
+    entry, stopped = retire_epoch(untouched, "e1", 0, None, 2, stats)
+    assert entry is None and len(stopped) == 2
+    entry, stopped = retire_epoch(touched, "e1", 0, None, 2, stats)
+    assert _copies(entry) == [("e1", "GPU", 1)] and stopped == []
