@@ -47,8 +47,14 @@ def _add_bootstrap(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    import signal
+
     from kvstream.demo import DemoOptions, run_demo
 
+    def terminate(signum, frame):  # stop what the demo started, as on Ctrl-C
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminate)
     return run_demo(DemoOptions(port=args.port, web_port=args.web_port, work_dir=args.work_dir, trace=args.trace,
                                 requests=args.requests, partitions=args.partitions, instances=args.instances,
                                 keep_running=args.keep_running, timeout_s=args.timeout))
@@ -66,7 +72,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     producer = KvEventProducer(args.bootstrap_servers, args.topic)
     config = FleetConfig(instances=args.instances, gpu_blocks=args.gpu_blocks, cpu_blocks=args.cpu_blocks,
                          kvcr_blocks=args.kvcr_blocks)
-    with tqdm(total=len(requests), unit="req") as bar:
+    with tqdm(total=len(requests), unit="req", disable=None) as bar:
         result = replay_to_kafka(requests, producer, config, progress=bar.update)
     print(f"{result.records:,} block events ({result.messages:,} Kafka messages) in {result.seconds:.1f}s: "
           f"{result.messages / result.seconds:,.0f} events/s")
@@ -94,6 +100,9 @@ def _cmd_query(args: argparse.Namespace) -> int:
             print("error: query residency needs a block hash (hex)", file=sys.stderr)
             return 2
         path = f"/residency/{urllib.parse.quote(args.block_hash)}/"
+    elif args.block_hash:
+        print(f"error: query {args.what} takes no block hash", file=sys.stderr)
+        return 2
     else:
         path = f"/{args.what}/"
     try:
@@ -101,7 +110,12 @@ def _cmd_query(args: argparse.Namespace) -> int:
             print(json.dumps(json.loads(response.read()), indent=2))
             return 0
     except urllib.error.HTTPError as exc:
-        print(f"error: {exc.code} {exc.read().decode(errors='replace')}", file=sys.stderr)
+        body = exc.read().decode(errors="replace")
+        try:
+            body = json.loads(body)["error"]
+        except (ValueError, KeyError, TypeError):
+            pass
+        print(f"error: HTTP {exc.code}: {body}", file=sys.stderr)
     except OSError as exc:
         print(f"error: no stream-app worker answered at {args.url}: {exc}", file=sys.stderr)
     return 1
@@ -334,10 +348,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop after this long without a message (default: never)")
     p.set_defaults(func=_cmd_tail)
 
-    p = sub.add_parser("query", help="ask a running worker: residency of a block, occupancy, stats",
+    p = sub.add_parser("query", help="ask a running worker: residency of a block, occupancy, sources, stats",
                        description="Query a stream-app worker's HTTP views and print the JSON answer. Any worker "
                                    "answers: lookups of keys held by another worker are forwarded to it.")
-    p.add_argument("what", choices=["residency", "occupancy", "stats"], help="which view")
+    p.add_argument("what", choices=["residency", "occupancy", "sources", "stats"], help="which view")
     p.add_argument("block_hash", nargs="?", help="block hash in hex (for residency)")
     p.add_argument("--url", default="http://127.0.0.1:6066", help="worker URL (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=10, help="seconds (default: %(default)s)")

@@ -11,6 +11,7 @@ HTTP view. Exits non-zero on any difference.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import socket
@@ -60,6 +61,13 @@ def _http_json(url: str) -> dict:
         return json.loads(response.read())
 
 
+def _worker_stats(url: str) -> dict | None:
+    try:
+        return _http_json(url)
+    except (OSError, ValueError):
+        return None
+
+
 def _wait_for_web(url: str, process, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -73,6 +81,19 @@ def _wait_for_web(url: str, process, timeout_s: float = 120.0) -> None:
     raise TimeoutError(f"the worker's web server did not answer at {url}")
 
 
+def _worker_alive(pid_file: Path) -> bool:
+    try:
+        os.kill(int(pid_file.read_text()), 0)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _stop_hint(work: Path) -> str:
+    kvstream = Path(sys.argv[0]).resolve() if sys.argv[0].endswith("kvstream") else "kvstream"
+    return (f"kill $(cat {work / 'worker.pid'}); {kvstream} broker stop --data-dir {work / 'broker'}")
+
+
 def _port_in_use(port: int) -> bool:
     with socket.socket() as probe:
         return probe.connect_ex(("127.0.0.1", port)) == 0
@@ -80,12 +101,16 @@ def _port_in_use(port: int) -> bool:
 
 def run_demo(options: DemoOptions) -> int:
     """Run the demo; returns the exit code (0 when the residency matches the ground truth)."""
-    if _port_in_use(options.web_port):
-        raise RuntimeError(f"port {options.web_port} is in use (a worker left running?); choose --web-port")
     work = options.work_dir.resolve()
     broker_dir, worker_dir, log_file = work / "broker", work / "worker", work / "worker.log"
-    if broker.status(broker_dir).running:
-        broker.stop(broker_dir)
+    pid_file = work / "worker.pid"
+    if broker.status(broker_dir).running or _worker_alive(pid_file):
+        raise RuntimeError(f"an earlier demo is still running in {work} (--keep-running?). Stop it first:\n"
+                           f"  {_stop_hint(work)}\nor pass another --work-dir, --port and --web-port")
+    if _port_in_use(options.web_port):
+        raise RuntimeError(f"port {options.web_port} is in use by another program; choose --web-port")
+    if _port_in_use(options.port):
+        raise RuntimeError(f"port {options.port} is in use by another program; choose --port")
     shutil.rmtree(work, ignore_errors=True)  # every demo starts from empty topics and tables
     work.mkdir(parents=True)
 
@@ -114,10 +139,14 @@ def run_demo(options: DemoOptions) -> int:
         print(f"[3/5] Running a stream-app worker until it has consumed everything (log: {log_file})")
         t0 = time.perf_counter()
         process = spawn_worker(worker_options, log_file)
-        with tqdm(total=result.messages, unit="ev", leave=False) as bar:
+        pid_file.write_text(str(process.pid))
+        with tqdm(total=result.messages, unit="ev", leave=False, disable=None) as bar:
             def show(progress):
-                bar.n = progress[KV_EVENTS].committed
-                bar.set_postfix(repartitioned_lag=progress["kv-events-by-ownership"].lag)
+                stats = _worker_stats(f"http://127.0.0.1:{options.web_port}/stats/")
+                # the worker's own counters move smoothly; committed offsets move at each Faust commit
+                bar.n = stats["materialized"] if stats else progress[KV_EVENTS].committed
+                bar.set_postfix(re_keyed=stats["repartitioned"] if stats else "?",
+                                uncommitted=sum(p.lag for p in progress.values()))
                 bar.refresh()
 
             try:
@@ -158,8 +187,8 @@ def run_demo(options: DemoOptions) -> int:
         failures += _check_http_sample(base_url, result.ground_truth, options.http_sample)
         if options.keep_running:
             print(f"\nStill running (--keep-running). Try:\n  curl {base_url}/occupancy/\n"
-                  f"  curl {base_url}/residency/<block hash hex>/\n  curl {base_url}/stats/\n"
-                  f"Stop with: kill {process.pid}; kvstream broker stop --data-dir {broker_dir}")
+                  f"  curl {base_url}/residency/<block hash hex>/\n  curl {base_url}/sources/\n"
+                  f"  curl {base_url}/stats/\nStop with:\n  {_stop_hint(work)}")
         return 1 if failures else 0
     finally:
         if not options.keep_running:
@@ -171,7 +200,7 @@ def run_demo(options: DemoOptions) -> int:
 def _replay(bootstrap: str, requests: list, fleet: FleetConfig):
     """Produce the simulation; the producer is released on return (it holds librdkafka threads)."""
     producer = KvEventProducer(bootstrap, KV_EVENTS)
-    with tqdm(total=len(requests), unit="req", leave=False) as bar:
+    with tqdm(total=len(requests), unit="req", leave=False, disable=None) as bar:
         return replay_to_kafka(requests, producer, fleet, progress=bar.update)
 
 

@@ -8,7 +8,9 @@ is given once. The Faust stream app takes the same bootstrap servers through
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import time
 
 from confluent_kafka import KafkaException
@@ -22,11 +24,31 @@ DEFAULT_BOOTSTRAP_SERVERS = os.environ.get("KVSTREAM_BOOTSTRAP_SERVERS", "127.0.
 DEFAULT_PARTITIONS = 8
 
 
+class _OncePerMessage(logging.Filter):
+    """Let each librdkafka message through once (digits ignored): a down broker otherwise logs every retry."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = re.sub(r"\d+", "#", record.getMessage())
+        if text in self._seen:
+            return False
+        self._seen.add(text)
+        return True
+
+
+#: librdkafka's log of every client of the project (errors only, each message once).
+LIBRDKAFKA_LOG = logging.getLogger("kvstream.librdkafka")
+LIBRDKAFKA_LOG.setLevel(logging.ERROR)
+LIBRDKAFKA_LOG.addFilter(_OncePerMessage())
+
+
 def client_config(bootstrap_servers: str = DEFAULT_BOOTSTRAP_SERVERS, **overrides) -> dict:
     """Base librdkafka settings for any confluent-kafka client of the project."""
-    return {"bootstrap.servers": bootstrap_servers, "client.id": "kvstream",
-            # librdkafka logs to stderr; keep warnings about retried, recovering states out of the way
-            "log_level": 3, "log.connection.close": False, **overrides}
+    return {"bootstrap.servers": bootstrap_servers, "client.id": "kvstream", "logger": LIBRDKAFKA_LOG,
+            "log.connection.close": False, **overrides}
 
 
 def producer_config(bootstrap_servers: str = DEFAULT_BOOTSTRAP_SERVERS, **overrides) -> dict:

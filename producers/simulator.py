@@ -112,6 +112,9 @@ class FleetConfig:
     clear_instance: int | None = 2
     #: Fraction of the trace after which that instance resets.
     clear_at: float = 0.5
+    #: Bounded-load routing: an instance takes no request while it has served more than (1 + slack) times
+    #: an even share of the requests so far.
+    load_slack: float = 0.1
 
 
 #: Ownership of the simulated secondary tier (vLLM 0.33's KVCR tier).
@@ -185,9 +188,9 @@ class ClusterSimulator:
 
     def _route(self, hashes: list[int]) -> _Instance:
         """Prefix affinity with bounded load: the instance holding the longest cached prefix of the
-        request, among those that have not taken more than 25% over an even share of the requests so far
-        (consistent hashing with bounded loads), ties to the least loaded."""
-        bound = 1.25 * self.stats.requests / len(self.instances) + 1
+        request, among those that have not taken more than ``load_slack`` over an even share of the requests
+        so far (consistent hashing with bounded loads), ties to the least loaded."""
+        bound = (1 + self.config.load_slack) * self.stats.requests / len(self.instances) + 1
         best, best_len = None, -1
         for inst in self.instances:
             if inst.routed > bound:
