@@ -41,6 +41,12 @@ def _add_endpoints(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zmq-topic", default="", help="publisher topic prefix to subscribe to (default: all)")
 
 
+def _add_target_topic(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--topic", default="kv-events", help="Kafka topic (default: %(default)s)")
+    p.add_argument("--partitions", type=_positive_int, default=DEFAULT_PARTITIONS,
+                   help="partitions if the topic is created (default: %(default)s)")
+
+
 def _add_bootstrap(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bootstrap-servers", default=DEFAULT_BOOTSTRAP_SERVERS, metavar="HOST:PORT[,...]",
                         help="Kafka bootstrap servers (default: %(default)s; env KVSTREAM_BOOTSTRAP_SERVERS)")
@@ -138,9 +144,16 @@ def _bridge_endpoints(args: argparse.Namespace):
             for i, e in enumerate(endpoints)]
 
 
-def _cmd_bridge(args: argparse.Namespace) -> int:
+def _stop_on_sigterm() -> list:
+    """A list that becomes non-empty on SIGTERM, for loops that stop cleanly (as on Ctrl-C)."""
     import signal
 
+    stopping: list = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    return stopping
+
+
+def _cmd_bridge(args: argparse.Namespace) -> int:
     from prometheus_client import start_http_server
 
     from kvstream.kafka_config import ensure_topics
@@ -156,8 +169,7 @@ def _cmd_bridge(args: argparse.Namespace) -> int:
         start_http_server(args.metrics_port, addr="127.0.0.1", registry=metrics.registry)
     bridge = Bridge(endpoints, KafkaBatchSink(producer, metrics), zmq_topic=args.zmq_topic.encode(),
                     metrics=metrics)
-    stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    stopping = _stop_on_sigterm()
     for e in endpoints:
         print(f"subscribed to {e.endpoint} (replay: {e.replay_endpoint or 'none'}) as {e.label}")
     try:
@@ -182,8 +194,10 @@ def _cmd_capture(args: argparse.Namespace) -> int:
         sink = CaptureSink(out)
         bridge = Bridge(endpoints, sink, zmq_topic=args.zmq_topic.encode())
         deadline = None if args.duration is None else time.monotonic() + args.duration
+        stopping = _stop_on_sigterm()
         try:
-            bridge.run(should_stop=lambda: (args.max_batches is not None and sink.batches >= args.max_batches)
+            bridge.run(should_stop=lambda: bool(stopping)
+                       or (args.max_batches is not None and sink.batches >= args.max_batches)
                        or (deadline is not None and time.monotonic() > deadline))
         except KeyboardInterrupt:
             pass
@@ -256,9 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "affinity, simulate its GPU pool, CPU offload tier and KVCR secondary tier, and "
                                    "produce the resulting vLLM-shaped events, one Kafka message per block.")
     _add_bootstrap(p)
-    p.add_argument("--topic", default="kv-events", help="target topic (default: %(default)s)")
-    p.add_argument("--partitions", type=_positive_int, default=DEFAULT_PARTITIONS,
-                   help="partitions if the topic is created (default: %(default)s)")
+    _add_target_topic(p)
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format trace (default: vendored)")
     p.add_argument("--requests", type=_positive_int, default=None,
                    help="replay only the first N requests (default: all)")
@@ -308,9 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "--instance-id engine-0 --data-parallel-size 2")
     _add_bootstrap(p)
     _add_endpoints(p)
-    p.add_argument("--topic", default="kv-events", help="Kafka topic (default: %(default)s)")
-    p.add_argument("--partitions", type=_positive_int, default=DEFAULT_PARTITIONS,
-                   help="partitions if the topic is created (default: %(default)s)")
+    _add_target_topic(p)
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus counters on 127.0.0.1:PORT/metrics (default: off)")
     p.set_defaults(func=_cmd_bridge)
@@ -331,9 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "handling, per-block messages, dead letters.")
     _add_bootstrap(p)
     p.add_argument("--jsonl", type=Path, required=True, metavar="FILE", help="capture file")
-    p.add_argument("--topic", default="kv-events", help="Kafka topic (default: %(default)s)")
-    p.add_argument("--partitions", type=_positive_int, default=DEFAULT_PARTITIONS,
-                   help="partitions if the topic is created (default: %(default)s)")
+    _add_target_topic(p)
     p.set_defaults(func=_cmd_produce)
 
     p = sub.add_parser("tail", help="print a pipeline topic's messages decoded, as JSON lines",

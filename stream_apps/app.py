@@ -360,17 +360,8 @@ def _apply_source_event(partition: int, record: dict, occupancy: dict[tuple, int
                   restarts=status["restarts"] + 1, changed_ts=record["ts"])
     sources[key] = status
     instance, dp_rank = record["instance_id"], record["data_parallel_rank"]
-    retired = 0
-    for table_key in [k for k in residency.keys() if partition_of(k) == partition]:
-        entry = residency[table_key]
-        new_entry, stopped = retire_epoch(entry, instance, dp_rank, record["worker_rank"], new_epoch, stats)
-        if new_entry is None:
-            del residency[table_key]
-        else:
-            residency[table_key] = new_entry
-        for row in stopped:
-            retired += 1
-            occupancy[(entry["ownership"], row["tier"], instance)] -= 1
+    retired = _rewrite_partition(partition, instance, occupancy, lambda entry: retire_epoch(
+        entry, instance, dp_rank, record["worker_rank"], new_epoch, stats))
     log.info("publisher %s restarted (epoch %d): %d resident rows retired on partition %d", key, new_epoch,
              retired, partition)
 
@@ -394,21 +385,32 @@ def _write_back(touched: dict[str, dict | None]) -> None:
             del residency[key]
 
 
+def _rewrite_partition(partition: int, instance: str, occupancy: dict[tuple, int], rewrite) -> int:
+    """Rewrite every residency entry of this partition with ``rewrite(entry) -> (entry, stopped rows, changed)``.
+
+    Source-wide events are rare, so a scan of the partition's keys is fine; only changed entries are
+    written (one changelog record each). Returns the number of rows that stopped being resident.
+    """
+    stopped_total = 0
+    for key in [k for k in residency.keys() if partition_of(k) == partition]:
+        entry = residency[key]
+        new_entry, stopped, changed = rewrite(entry)
+        if new_entry is None:
+            del residency[key]
+        elif changed:
+            residency[key] = new_entry
+        for row in stopped:
+            stopped_total += 1
+            occupancy[(entry["ownership"], row["tier"], instance)] -= 1
+    return stopped_total
+
+
 def _apply_clear_on_partition(partition: int, record: dict, mark: tuple[int, int, int],
                               occupancy: dict[tuple, int]) -> None:
     """Remove the source's rows in scope on this partition (a clear is rare: a scan is fine)."""
     instance, dp_rank = record["instance_id"], record["data_parallel_rank"]
-    cleared = 0
-    for key in [k for k in residency.keys() if partition_of(k) == partition]:
-        entry = residency[key]
-        new_entry, removed = apply_clear(entry, instance, dp_rank, mark, CLEAR_TIERS, stats)
-        if new_entry is None:
-            del residency[key]
-        elif removed:
-            residency[key] = new_entry
-        for row in removed:
-            cleared += 1
-            occupancy[(entry["ownership"], row["tier"], instance)] -= 1
+    cleared = _rewrite_partition(partition, instance, occupancy, lambda entry: apply_clear(
+        entry, instance, dp_rank, mark, CLEAR_TIERS, stats))
     log.info("AllBlocksCleared from %s/%s applied on partition %d: %d resident rows removed", instance, dp_rank,
              partition, cleared)
 

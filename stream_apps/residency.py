@@ -223,19 +223,21 @@ def apply_block_event(entry: dict | None, record: dict, clear_mark: tuple[int, i
 
 
 def retire_epoch(entry: dict, instance_id: str, data_parallel_rank: int, worker_rank: int | None,
-                 new_epoch: int, stats: ApplyStats) -> tuple[dict | None, list[dict]]:
+                 new_epoch: int, stats: ApplyStats) -> tuple[dict | None, list[dict], bool]:
     """Apply a PublisherRestarted: zero the publisher's counts from epochs before ``new_epoch`` in one entry.
 
     Returns:
-        ``(new entry or None when no row is left, the rows that stopped being resident)``.
+        ``(new entry or None when no row is left, the rows that stopped being resident, whether anything
+        changed)``.
     """
     rank = -1 if worker_rank is None else worker_rank
-    kept, stopped = [], []
+    kept, stopped, changed = [], [], False
     for row in entry["rows"]:
         if row["instance_id"] == instance_id and row["data_parallel_rank"] == data_parallel_rank:
             for worker in row["workers"]:
-                if worker["worker_rank"] == rank and worker["publisher_epoch"] < new_epoch:
+                if worker["worker_rank"] == rank and worker["publisher_epoch"] < new_epoch and worker["count"]:
                     worker["count"] = 0
+                    changed = True
             before = row["copies"]
             row["copies"] = aggregate_copies(row["workers"], row["world_size"], row["aggregation"])
             if before > 0 and row["copies"] == 0:
@@ -246,11 +248,11 @@ def retire_epoch(entry: dict, instance_id: str, data_parallel_rank: int, worker_
                 continue
         kept.append(row)
     entry["rows"] = kept
-    return (entry if kept else None), stopped
+    return (entry if kept else None), stopped, changed
 
 
 def apply_clear(entry: dict, instance_id: str, data_parallel_rank: int, mark: tuple[int, int, int],
-                clear_tiers: frozenset, stats: ApplyStats) -> tuple[dict | None, list[dict]]:
+                clear_tiers: frozenset, stats: ApplyStats) -> tuple[dict | None, list[dict], bool]:
     """Apply a source's AllBlocksCleared (at position ``mark``) to one entry.
 
     Removes the source's rows in ``clear_tiers`` whose last event preceded the
@@ -258,7 +260,8 @@ def apply_clear(entry: dict, instance_id: str, data_parallel_rank: int, mark: tu
     came after the clear upstream have already accounted for it.
 
     Returns:
-        ``(new entry or None when no row is left, the rows removed that were resident)``.
+        ``(new entry or None when no row is left, the rows removed that were resident, whether anything
+        changed)``.
     """
     kept, removed = [], []
     for row in entry["rows"]:
@@ -270,6 +273,6 @@ def apply_clear(entry: dict, instance_id: str, data_parallel_rank: int, mark: tu
         else:
             kept.append(row)
     if len(kept) == len(entry["rows"]):
-        return entry, []
+        return entry, [], False
     entry["rows"] = kept
-    return (entry if kept else None), removed
+    return (entry if kept else None), removed, True

@@ -90,8 +90,28 @@ def test_live_batches_arrive_in_order(publisher_and_bridge):
     assert not bridge.state[bridge.endpoints[0]].stale
 
 
-def test_a_gap_is_recovered_from_the_replay_socket_without_duplicates(publisher_and_bridge):
-    publisher, bridge, _ = publisher_and_bridge()
+class RecordingKafkaSink(KafkaBatchSink):
+    """The bridge's Kafka sink that also remembers the seqs it was handed."""
+
+    def __init__(self, producer) -> None:
+        super().__init__(producer, BridgeMetrics())
+        self.batches: list = []
+
+    def batch(self, endpoint, publisher, seq, payload) -> None:
+        self.batches.append(seq)
+        super().batch(endpoint, publisher, seq, payload)
+
+    def seqs(self) -> list[int]:
+        return list(self.batches)
+
+
+@pytest.mark.integration
+def test_a_gap_is_recovered_from_the_replay_socket_complete_in_order_without_duplicates(
+        publisher_and_bridge, kafka_bootstrap):
+    topic = f"bridge-gap-{uuid.uuid4().hex[:8]}"
+    ensure_topics(kafka_bootstrap, {topic: 1, KV_EVENTS_DEAD_LETTER: 1})  # one partition: Kafka order = seq order
+    producer = KvEventProducer(kafka_bootstrap, topic)
+    publisher, bridge, _ = publisher_and_bridge(sink=RecordingKafkaSink(producer))
     for h in range(3):
         publisher.publish([_stored(h)])
     _pump(bridge, lambda: len(bridge.sink.batches) == 3)
@@ -106,6 +126,9 @@ def test_a_gap_is_recovered_from_the_replay_socket_without_duplicates(publisher_
     assert metrics.gaps_found.labels("engine-a", "0")._value.get() == 1
     assert metrics.batches_replayed.labels("engine-a", "0")._value.get() == 2
     assert metrics.gaps_unrecovered.labels("engine-a", "0")._value.get() == 0
+    producer.flush(30)
+    records = [AvroCodec("kv_event").decode(m.value()) for m in _consume(kafka_bootstrap, topic, 6)]
+    assert [(r["seq"], int.from_bytes(r["block_hash"], "big")) for r in records] == [(i, i) for i in range(6)]
 
 
 def test_a_gap_older_than_the_replay_buffer_marks_the_source_stale(publisher_and_bridge):

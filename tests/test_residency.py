@@ -87,8 +87,8 @@ def test_clear_removes_the_sources_gpu_rows_older_than_the_clear_and_keeps_offlo
     e2 = Publisher("e2")
     entry = _apply(None, [_store(0xE1, ENGINE), _store(0xE1, e2), _store(0xE1, ENGINE, medium="CPU")])
     clear = (0, 100, 0)
-    entry, removed = apply_clear(entry, "e1", 0, clear, DEFAULT_CLEAR_TIERS, ApplyStats())
-    assert _copies(entry) == [("e1", "CPU", 1), ("e2", "GPU", 1)] and len(removed) == 1
+    entry, removed, changed = apply_clear(entry, "e1", 0, clear, DEFAULT_CLEAR_TIERS, ApplyStats())
+    assert _copies(entry) == [("e1", "CPU", 1), ("e2", "GPU", 1)] and len(removed) == 1 and changed
 
 
 def test_clear_that_arrives_after_newer_events_only_wipes_what_came_before_it():
@@ -97,8 +97,8 @@ def test_clear_that_arrives_after_newer_events_only_wipes_what_came_before_it():
     entry = _apply(None, [_store(0xF1, ENGINE, seq=10), _store(0xF1, ENGINE, seq=11)])
     entry = _apply(entry, [_store(0xF1, ENGINE, seq=60)], mark=clear)  # stamped: a clear came before it
     assert _copies(entry) == [("e1", "GPU", 1)]
-    entry, removed = apply_clear(entry, "e1", 0, clear, DEFAULT_CLEAR_TIERS, ApplyStats())
-    assert _copies(entry) == [("e1", "GPU", 1)] and removed == []
+    entry, removed, changed = apply_clear(entry, "e1", 0, clear, DEFAULT_CLEAR_TIERS, ApplyStats())
+    assert _copies(entry) == [("e1", "GPU", 1)] and removed == [] and not changed
     assert _apply(entry, [_remove(0xF1, ENGINE, seq=61)], mark=clear) is None
 
 
@@ -127,7 +127,7 @@ def test_a_newer_epoch_restarts_a_workers_count_and_retire_epoch_zeroes_untouche
     assert _copies(touched) == [("e1", "GPU", 1)]
     untouched = _apply(None, [_store(0x72, old), _store(0x72, old, medium="CPU")])
     stats = ApplyStats()
-    entry, stopped = retire_epoch(untouched, "e1", 0, None, 2, stats)
-    assert entry is None and len(stopped) == 2
-    entry, stopped = retire_epoch(touched, "e1", 0, None, 2, stats)
-    assert _copies(entry) == [("e1", "GPU", 1)] and stopped == []
+    entry, stopped, changed = retire_epoch(untouched, "e1", 0, None, 2, stats)
+    assert entry is None and len(stopped) == 2 and changed
+    entry, stopped, changed = retire_epoch(touched, "e1", 0, None, 2, stats)
+    assert _copies(entry) == [("e1", "GPU", 1)] and stopped == [] and not changed
