@@ -19,7 +19,7 @@ from confluent_kafka import Consumer, KafkaException
 
 from kvstream.kafka_config import client_config
 from schemas import AvroCodec, DecodeError
-from schemas.topics import KV_EVENTS, KV_EVENTS_BY_OWNERSHIP
+from schemas.topics import KV_EVENTS, KV_EVENTS_BY_OWNERSHIP, KV_RESIDENCY_CHANGES, KV_TIER_OCCUPANCY
 
 #: Changelog topic suffix -> schema family of its values.
 _CHANGELOG_FAMILIES = {"-residency-changelog": "residency", "-tier-occupancy-changelog": "tier_occupancy",
@@ -33,6 +33,10 @@ def family_of(topic: str) -> str | None:
         return "kv_event"
     if topic == KV_EVENTS_BY_OWNERSHIP:
         return "ownership_batch"
+    if topic == KV_RESIDENCY_CHANGES:
+        return "residency_change"
+    if topic == KV_TIER_OCCUPANCY:
+        return "tier_occupancy"
     return next((family for suffix, family in _CHANGELOG_FAMILIES.items() if topic.endswith(suffix)), None)
 
 
@@ -51,7 +55,8 @@ def _jsonable(value: Any) -> Any:
 def decode_message(topic: str, key: bytes | None, value: bytes | None, headers, codecs: dict) -> dict:
     """One message as a JSON-ready dict: ``key``, ``value`` (decoded, or hex with ``error``) and ``headers``."""
     family = family_of(topic)
-    text_keys = family not in (None, "kv_event")  # changelog keys are UTF-8; hashes and dead-letter keys are not
+    # changelog and occupancy keys are UTF-8; block hashes and dead-letter keys are not
+    text_keys = family not in (None, "kv_event", "residency_change")
     out: dict[str, Any] = {"key": None if key is None else key.decode(errors="replace") if text_keys else key.hex()}
     if value is None:
         out["value"] = None  # a tombstone

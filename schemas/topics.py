@@ -7,3 +7,8 @@ KV_EVENTS = "kv-events"
 KV_EVENTS_BY_OWNERSHIP = "kv-events-by-ownership"
 #: Records that could not be decoded or applied, with the reason in the ``kvstream-error`` header.
 KV_EVENTS_DEAD_LETTER = "kv-events-dead-letter"
+#: One record per residency transition (became / stopped being resident), Avro ``residency_change``, key = block hash.
+KV_RESIDENCY_CHANGES = "kv-residency-changes"
+#: Compacted: resident blocks per partition, ownership, tier and instance (Avro ``tier_occupancy``); sum the
+#: partitions' latest values per (ownership, tier, instance) for the fleet's occupancy.
+KV_TIER_OCCUPANCY = "kv-tier-occupancy"

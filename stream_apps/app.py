@@ -52,7 +52,8 @@ from faust.streams import _current_event
 
 from schemas import (ALL_BLOCKS_CLEARED, PUBLISHER_RESTARTED, SOURCE_STALE, SOURCE_WIDE_EVENTS, AvroCodec, DecodeError,
                      InvalidBlockHash, parse_hex_block_hash)
-from schemas.topics import KV_EVENTS, KV_EVENTS_BY_OWNERSHIP, KV_EVENTS_DEAD_LETTER
+from schemas.topics import (KV_EVENTS, KV_EVENTS_BY_OWNERSHIP, KV_EVENTS_DEAD_LETTER, KV_RESIDENCY_CHANGES,
+                           KV_TIER_OCCUPANCY)
 from stream_apps.residency import (ALL_TIERS, DEFAULT_CLEAR_TIERS, NO_CLEAR, PRIMARY, ApplyStats, apply_block_event,
                                    apply_clear, mark_record, residency_key, retire_epoch)
 
@@ -157,6 +158,57 @@ publisher_epochs = _avro_table("publisher-epochs", "kv_clear_watermark",
 
 event_codec = AvroCodec("kv_event")
 batch_codec = AvroCodec("ownership_batch")
+change_codec = AvroCodec("residency_change")
+occupancy_codec = AvroCodec("tier_occupancy")
+
+
+class _OutputTopics:
+    """The analytics topics kv-residency-changes and kv-tier-occupancy, written with confluent-kafka.
+
+    A Faust send costs about as much as processing ten events; librdkafka enqueues in about a
+    microsecond. Each stage-2 batch message is flushed before the agent moves on, so its outputs are
+    acknowledged before its offset can be committed: at least once, like the tables.
+    """
+
+    def __init__(self) -> None:
+        self._producer = None
+
+    @property
+    def producer(self):
+        if self._producer is None:
+            from confluent_kafka import Producer
+
+            from kvstream.kafka_config import producer_config
+            self._producer = Producer(producer_config(BOOTSTRAP_SERVERS))
+        return self._producer
+
+    def change(self, block_hash: bytes, ownership: str | None, row: dict, resident: bool, copies: int, ts: float,
+               cause: str) -> None:
+        value = change_codec.encode({
+            "block_hash": block_hash, "ownership": ownership, "instance_id": row["instance_id"],
+            "data_parallel_rank": row["data_parallel_rank"], "tier": row["tier"], "medium": row.get("medium"),
+            "locality": row["locality"], "group_idx": row["group_idx"], "resident": resident, "copies": copies,
+            "ts": ts, "cause": cause})
+        self._produce(KV_RESIDENCY_CHANGES, block_hash, value)
+
+    def occupancy(self, key: str, value: dict) -> None:
+        self._produce(KV_TIER_OCCUPANCY, key.encode(), occupancy_codec.encode(value))
+
+    def _produce(self, topic: str, key: bytes, value: bytes) -> None:
+        while True:
+            try:
+                self.producer.produce(topic, key=key, value=value)
+                return
+            except BufferError:
+                self.producer.poll(0.05)
+
+    def flush(self) -> None:
+        """Wait until every output is acknowledged (raises RuntimeError if the broker does not take them)."""
+        if self._producer is not None and self._producer.flush(60):
+            raise RuntimeError("kv-residency-changes / kv-tier-occupancy outputs not acknowledged within 60 s")
+
+
+outputs = _OutputTopics()
 stats = ApplyStats()
 #: This worker's event counters, served by /stats/.
 counters: dict[str, int] = {"repartitioned": 0, "materialized": 0, "dead_lettered": 0}
@@ -260,8 +312,9 @@ def _add_occupancy(partition: int, deltas: dict[tuple, int]) -> None:
         key = _occupancy_key(partition, ownership, tier, instance_id)
         current = tier_occupancy.get(key)
         blocks = (current["resident_blocks"] if current else 0) + delta
-        tier_occupancy[key] = {"ownership": ownership, "tier": tier, "instance_id": instance_id,
-                               "resident_blocks": blocks}
+        value = {"ownership": ownership, "tier": tier, "instance_id": instance_id, "resident_blocks": blocks}
+        tier_occupancy[key] = value
+        outputs.occupancy(key, value)
 
 
 def partition_of(key: str) -> int:
@@ -293,6 +346,7 @@ async def materialize_residency(stream):
                                    key=item["key"].encode(), value=item["event"])
         _write_back(touched)
         _add_occupancy(partition, occupancy)
+        outputs.flush()
 
 
 def _materialize_one(partition: int, item: dict, record: dict, touched: dict[str, dict | None],
@@ -323,10 +377,15 @@ def _materialize_one(partition: int, item: dict, record: dict, touched: dict[str
         return
     key = item["key"]
     entry = touched[key] if key in touched else residency.get(key)
-    entry, delta = apply_block_event(entry, record, mark, watermark, CLEAR_TIERS, stats)
+    entry, delta, copies = apply_block_event(entry, record, mark, watermark, CLEAR_TIERS, stats)
     touched[key] = entry
     if delta:
         occupancy[(body["ownership"], record["tier"], record["instance_id"])] += delta
+        row = {"instance_id": record["instance_id"], "data_parallel_rank": record["data_parallel_rank"],
+               "tier": record["tier"], "medium": body["medium"], "locality": body["locality"],
+               "group_idx": body["group_idx"]}
+        outputs.change(record["block_hash"], body["ownership"], row, delta > 0, copies, record["ts"],
+                       kind.rsplit(".", 1)[-1])
 
 
 def _publisher_key(partition: int, record: dict) -> str:
@@ -361,7 +420,7 @@ def _apply_source_event(partition: int, record: dict, occupancy: dict[tuple, int
     sources[key] = status
     instance, dp_rank = record["instance_id"], record["data_parallel_rank"]
     retired = _rewrite_partition(partition, instance, occupancy, lambda entry: retire_epoch(
-        entry, instance, dp_rank, record["worker_rank"], new_epoch, stats))
+        entry, instance, dp_rank, record["worker_rank"], new_epoch, stats), record["ts"], "PublisherRestarted")
     log.info("publisher %s restarted (epoch %d): %d resident rows retired on partition %d", key, new_epoch,
              retired, partition)
 
@@ -385,7 +444,8 @@ def _write_back(touched: dict[str, dict | None]) -> None:
             del residency[key]
 
 
-def _rewrite_partition(partition: int, instance: str, occupancy: dict[tuple, int], rewrite) -> int:
+def _rewrite_partition(partition: int, instance: str, occupancy: dict[tuple, int], rewrite, ts: float,
+                       cause: str) -> int:
     """Rewrite every residency entry of this partition with ``rewrite(entry) -> (entry, stopped rows, changed)``.
 
     Source-wide events are rare, so a scan of the partition's keys is fine; only changed entries are
@@ -402,6 +462,7 @@ def _rewrite_partition(partition: int, instance: str, occupancy: dict[tuple, int
         for row in stopped:
             stopped_total += 1
             occupancy[(entry["ownership"], row["tier"], instance)] -= 1
+            outputs.change(entry["block_hash"], entry["ownership"], {**row, "medium": None}, False, 0, ts, cause)
     return stopped_total
 
 
@@ -410,7 +471,7 @@ def _apply_clear_on_partition(partition: int, record: dict, mark: tuple[int, int
     """Remove the source's rows in scope on this partition (a clear is rare: a scan is fine)."""
     instance, dp_rank = record["instance_id"], record["data_parallel_rank"]
     cleared = _rewrite_partition(partition, instance, occupancy, lambda entry: apply_clear(
-        entry, instance, dp_rank, mark, CLEAR_TIERS, stats))
+        entry, instance, dp_rank, mark, CLEAR_TIERS, stats), record["ts"], "AllBlocksCleared")
     log.info("AllBlocksCleared from %s/%s applied on partition %d: %d resident rows removed", instance, dp_rank,
              partition, cleared)
 
@@ -515,6 +576,7 @@ def declared_topics() -> dict[str, tuple[int, dict[str, str]]]:
     agents stayed idle until the next rebalance).
     """
     topics = {KV_EVENTS: (PARTITIONS, {}), KV_EVENTS_BY_OWNERSHIP: (PARTITIONS, {}), KV_EVENTS_DEAD_LETTER: (1, {}),
+              KV_RESIDENCY_CHANGES: (PARTITIONS, {}), KV_TIER_OCCUPANCY: (PARTITIONS, {"cleanup.policy": "compact"}),
               f"{app.conf.id}-__assignor-__leader": (1, {})}
     for table in app.tables.values():
         topics[table.changelog_topic.get_topic_name()] = (table.partitions or PARTITIONS,

@@ -123,7 +123,8 @@ def mark_record(mark: tuple[int, int, int]) -> dict | None:
 
 
 def apply_block_event(entry: dict | None, record: dict, clear_mark: tuple[int, int, int],
-                      clear_watermark: tuple[int, int, int], clear_tiers: frozenset, stats: ApplyStats) -> tuple[dict | None, int]:
+                      clear_watermark: tuple[int, int, int], clear_tiers: frozenset,
+                      stats: ApplyStats) -> tuple[dict | None, int, int]:
     """Apply one BlockStored/BlockRemoved record to a block's residency entry.
 
     Args:
@@ -138,14 +139,15 @@ def apply_block_event(entry: dict | None, record: dict, clear_mark: tuple[int, i
         stats: counters to update.
 
     Returns:
-        ``(new entry or None when no row is left, change in resident rows: -1, 0 or +1)``.
+        ``(new entry or None when no row is left, change in resident rows: -1, 0 or +1, the row's copies
+        after the event)``.
     """
     kind, body = record["event"]
     tier = record["tier"]
     in_clear_scope = tier in clear_tiers
     if in_clear_scope and clear_mark < clear_watermark:
         stats.cleared_late += 1
-        return entry, 0
+        return entry, 0, 0
     if tier == "UNKNOWN":
         medium = body["medium"]
         stats.unknown_media[medium] = stats.unknown_media.get(medium, 0) + 1
@@ -163,7 +165,7 @@ def apply_block_event(entry: dict | None, record: dict, clear_mark: tuple[int, i
     if row is None:
         if kind != BLOCK_STORED:
             stats.unknown_removals += 1
-            return entry, 0
+            return entry, 0, 0
         row = {"instance_id": instance, "data_parallel_rank": dp_rank, "tier": tier, "medium": body["medium"],
                "locality": locality, "group_idx": group, "world_size": 1, "aggregation": "REPLICATED",
                "workers": [], "copies": 0, "since": None, "last_ts": record["ts"], "clear_mark": None}
@@ -187,7 +189,7 @@ def apply_block_event(entry: dict | None, record: dict, clear_mark: tuple[int, i
         row["workers"].append(worker)
     elif position <= _worker_position(worker):
         stats.duplicates += 1
-        return entry, 0
+        return entry, 0, row["copies"]
     elif position[0] > worker["publisher_epoch"]:
         worker["count"] = 0  # a new epoch is a restarted publisher, whose cache started empty
 
@@ -219,7 +221,7 @@ def apply_block_event(entry: dict | None, record: dict, clear_mark: tuple[int, i
         delta = -1
     if not any(w["count"] for w in row["workers"]):
         rows.remove(row)
-    return (entry if rows else None), delta
+    return (entry if rows else None), delta, after
 
 
 def retire_epoch(entry: dict, instance_id: str, data_parallel_rank: int, worker_rank: int | None,

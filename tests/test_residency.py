@@ -27,7 +27,7 @@ def _remove(block: int, publisher: Publisher, medium="GPU", seq=None):
 def _apply(entry, records, stats=None, mark=NO_CLEAR, watermark=NO_CLEAR):
     stats = stats or ApplyStats()
     for record in records:
-        entry, _ = apply_block_event(entry, record, mark, watermark, DEFAULT_CLEAR_TIERS, stats)
+        entry, _, _ = apply_block_event(entry, record, mark, watermark, DEFAULT_CLEAR_TIERS, stats)
     return entry
 
 
