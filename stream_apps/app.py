@@ -37,6 +37,7 @@ other workers reach this one at), ``KVSTREAM_CLEAR_SCOPE`` (``gpu`` or
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import types
@@ -46,7 +47,6 @@ from urllib.parse import quote
 
 import aiohttp
 import faust
-from aiokafka.partitioner import murmur2
 from faust.serializers import codecs
 from faust.streams import _current_event
 
@@ -55,7 +55,8 @@ from schemas import (ALL_BLOCKS_CLEARED, PUBLISHER_RESTARTED, SOURCE_STALE, SOUR
 from schemas.topics import (KV_EVENTS, KV_EVENTS_BY_OWNERSHIP, KV_EVENTS_DEAD_LETTER, KV_RESIDENCY_CHANGES,
                            KV_TIER_OCCUPANCY)
 from stream_apps.residency import (ALL_TIERS, DEFAULT_CLEAR_TIERS, NO_CLEAR, PRIMARY, ApplyStats, apply_block_event,
-                                   apply_clear, mark_record, residency_key, retire_epoch)
+                                   apply_clear, key_partition, mark_record, parse_tier_weights, prefix_match,
+                                   residency_key, retire_epoch)
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,11 @@ ERROR_HEADER = "kvstream-error"
 #: Stage 1 reads up to this many events, or what arrived within REPARTITION_WITHIN_S, per batch.
 REPARTITION_BATCH = int(os.environ.get("KVSTREAM_REPARTITION_BATCH", "4000"))
 REPARTITION_WITHIN_S = float(os.environ.get("KVSTREAM_REPARTITION_WITHIN_S", "0.2"))
+#: Tier weights of POST /prefix-match/ (``GPU=1.0,CPU=0.8,STORAGE=0.5``; other tiers 0.25).
+TIER_WEIGHTS = parse_tier_weights(os.environ.get("KVSTREAM_TIER_WEIGHTS", ""))
+#: Limits of POST /prefix-match/: request body bytes and block hashes per request.
+MAX_REQUEST_BYTES = 256 * 1024
+MAX_PREFIX_BLOCKS = 2048
 
 
 class _AvroFaustCodec(codecs.Codec):
@@ -318,8 +324,8 @@ def _add_occupancy(partition: int, deltas: dict[tuple, int]) -> None:
 
 
 def partition_of(key: str) -> int:
-    """Partition of a residency key: Kafka's murmur2 of its UTF-8 bytes, as Faust's router and Java clients compute."""
-    return (murmur2(key.encode()) & 0x7FFFFFFF) % PARTITIONS
+    """Partition of a residency key in this app (:func:`stream_apps.residency.key_partition`)."""
+    return key_partition(key, PARTITIONS)
 
 
 @app.agent(kv_events_by_ownership, name="materialize-residency")
@@ -527,13 +533,61 @@ async def residency_view(web, request, block_hash_hex: str):
         block_hash = parse_hex_block_hash(block_hash_hex)
     except InvalidBlockHash as exc:
         return web.json({"error": str(exc)}, status=400)
-    keys = [residency_key(own, block_hash) for own in sorted(known_ownerships(), key=lambda o: o or "")]
     try:
-        parts = await asyncio.gather(*(_lookup(key) for key in keys))
+        rows = await _block_rows(block_hash)
     except (aiohttp.ClientError, OSError, KeyError) as exc:  # the owner is gone or not yet assigned: rebalancing
         return web.json({"error": f"the worker holding this block did not answer ({type(exc).__name__}); "
                                   "the group is probably rebalancing: retry"}, status=503)
-    return web.json({"block_hash": block_hash.hex(), "rows": [row for part in parts for row in part]})
+    return web.json({"block_hash": block_hash.hex(), "rows": rows})
+
+
+async def _block_rows(block_hash: bytes) -> list[dict]:
+    """Resident rows of one block over all ownerships, from whichever workers hold them."""
+    keys = [residency_key(own, block_hash) for own in sorted(known_ownerships(), key=lambda o: o or "")]
+    parts = await asyncio.gather(*(_lookup(key) for key in keys))
+    return [row for part in parts for row in part]
+
+
+class _BadRequest(ValueError):
+    """A request the API refuses (HTTP 400); the message is the reason."""
+
+
+def _prefix_request(body: bytes) -> list[bytes]:
+    if len(body) > MAX_REQUEST_BYTES:
+        raise _BadRequest(f"request body of {len(body)} bytes (limit {MAX_REQUEST_BYTES})")
+    try:
+        request = json.loads(body)
+    except ValueError:
+        raise _BadRequest("request body is not JSON") from None
+    hashes = request.get("block_hashes") if isinstance(request, dict) else None
+    if not isinstance(hashes, list) or not hashes or not all(isinstance(h, str) for h in hashes):
+        raise _BadRequest('expected {"block_hashes": ["<hex>", ...]} with at least one hash')
+    if len(hashes) > MAX_PREFIX_BLOCKS:
+        raise _BadRequest(f"{len(hashes)} block hashes (limit {MAX_PREFIX_BLOCKS})")
+    try:
+        return [parse_hex_block_hash(h) for h in hashes]
+    except InvalidBlockHash as exc:
+        raise _BadRequest(str(exc)) from None
+
+
+@app.page("/prefix-match/")
+class PrefixMatchView(faust.web.View):
+    """``POST /prefix-match/`` with ``{"block_hashes": [hex, ...]}`` (prefix order): per (instance, dp rank)
+    the longest consecutive prefix resident on each tier and a tier-weighted score, best first."""
+
+    async def post(self, request):
+        body = await request.content.read(MAX_REQUEST_BYTES + 1)
+        try:
+            hashes = _prefix_request(body)
+        except _BadRequest as exc:
+            return self.json({"error": str(exc)}, status=400)
+        try:
+            rows = await asyncio.gather(*(_block_rows(h) for h in hashes))
+        except (aiohttp.ClientError, OSError, KeyError) as exc:
+            return self.json({"error": f"a worker did not answer ({type(exc).__name__}); the group is probably "
+                                       "rebalancing: retry"}, status=503)
+        return self.json({"block_count": len(hashes), "weights": TIER_WEIGHTS,
+                          "matches": prefix_match(rows, TIER_WEIGHTS)})
 
 
 async def _lookup(key: str) -> list[dict]:

@@ -57,6 +57,13 @@ def residency_key(ownership: str | None, block_hash: bytes) -> str:
     return f"{ownership or PRIMARY}/{block_hash.hex()}"
 
 
+def key_partition(key: str, partitions: int) -> int:
+    """Partition of a residency key: Kafka's murmur2 of its UTF-8 bytes, as Faust's router and Java clients compute."""
+    from aiokafka.partitioner import murmur2
+
+    return (murmur2(key.encode()) & 0x7FFFFFFF) % partitions
+
+
 def split_residency_key(key: str) -> tuple[str | None, bytes]:
     """Inverse of :func:`residency_key`: (ownership or None, block hash bytes)."""
     prefix, _, hex_hash = key.rpartition("/")
@@ -278,3 +285,67 @@ def apply_clear(entry: dict, instance_id: str, data_parallel_rank: int, mark: tu
         return entry, [], False
     entry["rows"] = kept
     return (entry if kept else None), removed, True
+
+
+#: Default tier weights of :func:`prefix_match` (llm-d's defaults for GPU and CPU); other tiers 0.25.
+DEFAULT_TIER_WEIGHTS = {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5}
+OTHER_TIER_WEIGHT = 0.25
+
+
+def parse_tier_weights(text: str) -> dict[str, float]:
+    """Parse ``GPU=1.0,CPU=0.8,...`` (the ``KVSTREAM_TIER_WEIGHTS`` setting) over the defaults.
+
+    Raises:
+        ValueError: an entry that is not ``TIER=number`` or names no known tier.
+    """
+    from schemas import TIERS
+
+    weights = dict(DEFAULT_TIER_WEIGHTS)
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        tier, _, number = item.partition("=")
+        if tier.upper() not in TIERS:
+            raise ValueError(f"unknown tier {tier!r} in tier weights (tiers: {', '.join(TIERS)})")
+        weights[tier.upper()] = float(number)
+    return weights
+
+
+def prefix_match(rows_per_block: list[list[dict]], weights: dict[str, float]) -> list[dict]:
+    """Score each (instance, dp rank) by the request's blocks it holds, from the first block on.
+
+    Args:
+        rows_per_block: for each block of the request in prefix order, its resident rows (dicts with
+            ``instance_id``, ``data_parallel_rank``, ``tier``, as the residency view returns them).
+        weights: tier -> weight (others :data:`OTHER_TIER_WEIGHT`).
+
+    Returns:
+        Best first: ``{"instance_id", "data_parallel_rank", "matched_blocks", "prefix_blocks": {tier: n},
+        "score"}``, where ``matched_blocks`` is the longest consecutive prefix resident on any tier,
+        ``prefix_blocks`` the longest consecutive prefix on each tier, and ``score`` the sum over the
+        matched blocks of the best weight among the tiers holding each (as llm-d scores).
+    """
+    tiers_of: dict[tuple, list[set]] = {}
+    for index, rows in enumerate(rows_per_block):
+        for row in rows:
+            source = (row["instance_id"], row["data_parallel_rank"])
+            per_block = tiers_of.setdefault(source, [set() for _ in rows_per_block])
+            per_block[index].add(row["tier"])
+    results = []
+    for (instance, dp_rank), per_block in tiers_of.items():
+        matched, score = 0, 0.0
+        for tiers in per_block:
+            if not tiers:
+                break
+            matched += 1
+            score += max(weights.get(t, OTHER_TIER_WEIGHT) for t in tiers)
+        prefix = {}
+        for tier in sorted({t for tiers in per_block for t in tiers}):
+            n = 0
+            while n < len(per_block) and tier in per_block[n]:
+                n += 1
+            if n:
+                prefix[tier] = n
+        if matched:
+            results.append({"instance_id": instance, "data_parallel_rank": dp_rank, "matched_blocks": matched,
+                            "prefix_blocks": prefix, "score": round(score, 6)})
+    return sorted(results, key=lambda r: (-r["score"], -r["matched_blocks"], r["instance_id"],
+                                          r["data_parallel_rank"]))

@@ -55,6 +55,50 @@ def _publish_bridge_scenarios(bootstrap: str) -> None:
     sink.producer.flush(30)
 
 
+def _publish_residency_cases(bootstrap: str) -> None:
+    """The residency cases of the contract (DESIGN.md), each on its own instances."""
+    producer = KvEventProducer(bootstrap, KV_EVENTS)
+    seqs: dict = {}
+
+    def send(publisher: Publisher, *events: dict) -> None:
+        seq = seqs[publisher] = seqs.get(publisher, -1) + 1
+        for index, event in enumerate(events):
+            for record in split_event(publisher, seq, 1767231000.0 + seq, index, event):
+                producer.send(record)
+
+    def stored(h, parent=None, medium="GPU", group=0):
+        return {"type": "BlockStored", "block_hashes": [h], "parent_block_hash": parent, "token_ids": [],
+                "block_size": 16, "lora_id": None, "medium": medium, "lora_name": None, "group_idx": group}
+
+    def removed(h, medium="GPU", group=0):
+        return {"type": "BlockRemoved", "block_hashes": [h], "medium": medium, "group_idx": group}
+
+    w0, w1 = (Publisher("case1", worker_rank=w, world_size=2, aggregation="REPLICATED") for w in (0, 1))
+    send(w0, stored(0x11), stored(0x11), stored(0x22), stored(0x22))
+    send(w1, stored(0x22))
+    e = Publisher("case2")
+    send(e, stored(0xA1), stored(0xA2, 0xA1), stored(0xA3, 0xA2), stored(0xA3, 0xA2), stored(0xA4), stored(0xA4))
+    send(e, removed(0xA3), removed(0xA4))
+    send(e, removed(0xA3))
+    e1, e2 = Publisher("case3-e1"), Publisher("case3-e2")
+    send(e1, stored(0xC1))
+    send(e2, stored(0xC1))
+    send(e1, stored(0xC2, medium="CPU"))
+    send(e1, {"type": "AllBlocksCleared"})
+    send(e1, stored(0xC3))
+    e4 = Publisher("case4")
+    send(e4, stored(0xD3, 0xD2), stored(0xD4, 0xD3), stored(0xD5, 0xD4))
+    e5 = Publisher("case5")
+    send(e5, stored(0xE1, medium="CPU", group=1), stored(0xE1, group=0), stored(0xE2, medium=None),
+         stored(0xE3, medium="CPU_PINNED"), stored(0xE4, medium="NVME_X"))
+    send(e5, removed(0xE1, "CPU", 1))
+    send(Publisher("case6", 0), stored(0x61))
+    send(Publisher("case6", 1), stored(0x62))
+    e7 = Publisher("case7")
+    send(e7, stored(42), stored(2**64 - 1), stored(-1), stored(-7), stored(bytes(31) + b"\x2a"))
+    producer.flush(30)
+
+
 def _removal_without_hash() -> bytes:
     """Valid Avro, but a BlockRemoved without a block hash breaks the contract."""
     record = split_event(Publisher("bad"), 0, 0.0, 0, {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU"})[0]
@@ -78,6 +122,7 @@ def pipeline(kafka_bootstrap, tmp_path_factory):
     fleet = FleetConfig(gpu_blocks=600, cpu_blocks=900, kvcr_blocks=1200, clear_instance=1, clear_at=0.6)
     result = replay_to_kafka(load_trace(limit=600), KvEventProducer(kafka_bootstrap, KV_EVENTS), fleet)
     _publish_bridge_scenarios(kafka_bootstrap)
+    _publish_residency_cases(kafka_bootstrap)
     garbage = Producer(client_config(kafka_bootstrap))
     garbage.produce(KV_EVENTS, key=b"bad-key", value=GARBAGE, partition=0)
     garbage.produce(KV_EVENTS, key=b"no-hash", value=_removal_without_hash(), partition=0)
@@ -257,6 +302,83 @@ def test_a_publisher_restart_retires_its_earlier_epoch_and_a_late_join_marks_the
     assert sources["engine-r"]["restarts"] == 1 and sources["engine-r"]["stale"] is False
     assert sources["engine-s"]["stale"] is True
     assert (sources["engine-s"]["first_lost_seq"], sources["engine-s"]["last_lost_seq"]) == (0, 2)
+
+
+def _rows(pipeline, block) -> list:
+    key = block.hex() if isinstance(block, bytes) else (block & (2**64 - 1)).to_bytes(8, "big").hex()
+    return sorted((r["instance_id"], r["data_parallel_rank"], r["tier"], r["medium"], r["group_idx"], r["copies"])
+                  for r in _get(f"{pipeline['url']}/residency/{key}/")["rows"])
+
+
+def test_case1_replicated_workers_must_agree(pipeline):
+    assert _rows(pipeline, 0x11) == []  # W0 twice, W1 never: one worker's duplicate is not agreement
+    assert _rows(pipeline, 0x22) == [("case1", 0, "GPU", "GPU", 0, 1)]
+
+
+def test_case2_reference_counting(pipeline):
+    assert _rows(pipeline, 0xA4) == [("case2", 0, "GPU", "GPU", 0, 1)]  # stored twice, removed once
+    assert _rows(pipeline, 0xA3) == []  # stored twice, removed twice
+    assert _rows(pipeline, 0xA1) == _rows(pipeline, 0xA2) == [("case2", 0, "GPU", "GPU", 0, 1)]
+
+
+def test_case3_clear_is_scoped_to_its_source_and_the_gpu_tier(pipeline):
+    assert _rows(pipeline, 0xC1) == [("case3-e2", 0, "GPU", "GPU", 0, 1)]
+    assert _rows(pipeline, 0xC2) == [("case3-e1", 0, "CPU", "CPU", 0, 1)]
+    assert _rows(pipeline, 0xC3) == [("case3-e1", 0, "GPU", "GPU", 0, 1)]
+
+
+def test_case4_stores_with_an_unseen_parent_are_resident(pipeline):
+    for block in (0xD3, 0xD4, 0xD5):
+        assert _rows(pipeline, block) == [("case4", 0, "GPU", "GPU", 0, 1)]
+
+
+def test_case5_media_map_to_tiers_and_unknown_media_are_kept(pipeline):
+    assert _rows(pipeline, 0xE1) == [("case5", 0, "GPU", "GPU", 0, 1)]
+    assert _rows(pipeline, 0xE2) == [("case5", 0, "GPU", None, 0, 1)]
+    assert _rows(pipeline, 0xE3) == [("case5", 0, "CPU", "CPU_PINNED", 0, 1)]
+    assert _rows(pipeline, 0xE4) == [("case5", 0, "UNKNOWN", "NVME_X", 0, 1)]
+    assert _get(f"{pipeline['url']}/stats/")["unknown_media"] == {"NVME_X": 1}
+
+
+def test_case6_data_parallel_ranks_do_not_overwrite_each_other(pipeline):
+    assert _rows(pipeline, 0x61) == [("case6", 0, "GPU", "GPU", 0, 1)]
+    assert _rows(pipeline, 0x62) == [("case6", 1, "GPU", "GPU", 0, 1)]
+
+
+def test_case7_unsigned_and_signed_forms_are_one_block_digests_are_others(pipeline):
+    assert _rows(pipeline, 2**64 - 1) == [("case7", 0, "GPU", "GPU", 0, 2)]  # 2**64-1 and -1
+    assert _rows(pipeline, 42) == [("case7", 0, "GPU", "GPU", 0, 1)]
+    assert _rows(pipeline, bytes(31) + b"\x2a") == [("case7", 0, "GPU", "GPU", 0, 1)]
+    assert _rows(pipeline, -7) == [("case7", 0, "GPU", "GPU", 0, 1)]
+
+
+def _post(url: str, body: bytes) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_prefix_match_scores_each_source_by_its_consecutive_prefix(pipeline):
+    hashes = [(h).to_bytes(8, "big").hex() for h in (0xA1, 0xA2, 0xA4, 0x99)]
+    status, answer = _post(f"{pipeline['url']}/prefix-match/", json.dumps({"block_hashes": hashes}).encode())
+    assert status == 200 and answer["block_count"] == 4
+    assert answer["matches"] == [{"instance_id": "case2", "data_parallel_rank": 0, "matched_blocks": 3,
+                                  "prefix_blocks": {"GPU": 3}, "score": 3.0}]
+
+
+@pytest.mark.parametrize("body, reason", [
+    (b"not json", "not JSON"),
+    (b'{"block_hashes": []}', "at least one hash"),
+    (b'{"block_hashes": ["zz"]}', "not hex"),
+    (json.dumps({"block_hashes": ["00" * 8] * 3000}).encode(), "limit 2048"),
+    (b'{"block_hashes": ["' + b"0" * 300000 + b'"]}', "limit 262144"),
+])
+def test_prefix_match_rejects_bad_requests_with_a_reason(pipeline, body, reason):
+    status, answer = _post(f"{pipeline['url']}/prefix-match/", body)
+    assert status == 400 and reason in answer["error"]
 
 
 def test_two_workers_share_the_partitions_and_forward_lookups(pipeline, kafka_bootstrap):

@@ -131,3 +131,35 @@ def test_a_newer_epoch_restarts_a_workers_count_and_retire_epoch_zeroes_untouche
     assert entry is None and len(stopped) == 2 and changed
     entry, stopped, changed = retire_epoch(touched, "e1", 0, None, 2, stats)
     assert _copies(entry) == [("e1", "GPU", 1)] and stopped == [] and not changed
+
+
+def test_prefix_match_weights_tiers_and_stops_at_the_first_missing_block():
+    from stream_apps.residency import DEFAULT_TIER_WEIGHTS, parse_tier_weights, prefix_match
+
+    def row(instance, tier, dp=0):
+        return {"instance_id": instance, "data_parallel_rank": dp, "tier": tier}
+
+    blocks = [[row("a", "GPU"), row("b", "CPU")], [row("a", "CPU"), row("b", "CPU")], [row("b", "STORAGE")], []]
+    result = prefix_match(blocks, DEFAULT_TIER_WEIGHTS)
+    assert result == [
+        {"instance_id": "b", "data_parallel_rank": 0, "matched_blocks": 3,
+         "prefix_blocks": {"CPU": 2}, "score": 2.1},
+        {"instance_id": "a", "data_parallel_rank": 0, "matched_blocks": 2,
+         "prefix_blocks": {"GPU": 1}, "score": 1.8},
+    ]
+    assert parse_tier_weights("gpu=2,EXTERNAL=0.1") == {"GPU": 2.0, "CPU": 0.8, "STORAGE": 0.5, "EXTERNAL": 0.1}
+
+
+def test_rekeying_by_ownership_spreads_one_ownership_over_every_partition():
+    """A key of ownership alone would put every kvcr event on one partition; ownership + hash spreads them."""
+    import random
+
+    from producers.simulator import block_hash_of
+    from stream_apps.residency import key_partition
+
+    partitions = 8
+    counts = [0] * partitions
+    for block in random.Random(11).sample(range(10**6), 20000):
+        counts[key_partition(residency_key("kvcr", block_hash_of(block).to_bytes(8, "big")), partitions)] += 1
+    even = 20000 / partitions
+    assert min(counts) > 0 and max(counts) <= 2 * even
