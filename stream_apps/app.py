@@ -40,6 +40,7 @@ import asyncio
 import json
 import logging
 import os
+import time
 import types
 import weakref
 from collections import defaultdict
@@ -340,6 +341,7 @@ async def materialize_residency(stream):
         partition = event.message.partition
         touched: dict[str, dict | None] = {}
         occupancy: dict[tuple, int] = defaultdict(int)
+        _batch_sources.clear()
         for item in batch["events"]:
             try:
                 record = event_codec.decode(item["event"])
@@ -352,6 +354,7 @@ async def materialize_residency(stream):
                                    key=item["key"].encode(), value=item["event"])
         _write_back(touched)
         _add_occupancy(partition, occupancy)
+        _note_applied(_batch_sources)
         outputs.flush()
 
 
@@ -385,6 +388,8 @@ def _materialize_one(partition: int, item: dict, record: dict, touched: dict[str
     entry = touched[key] if key in touched else residency.get(key)
     entry, delta, copies = apply_block_event(entry, record, mark, watermark, CLEAR_TIERS, stats)
     touched[key] = entry
+    seen = _batch_sources.setdefault(_publisher_key(partition, record), {"record": record, "count": 0})
+    seen["record"], seen["count"] = record, seen["count"] + 1
     if delta:
         occupancy[(body["ownership"], record["tier"], record["instance_id"])] += delta
         row = {"instance_id": record["instance_id"], "data_parallel_rank": record["data_parallel_rank"],
@@ -394,20 +399,39 @@ def _materialize_one(partition: int, item: dict, record: dict, touched: dict[str
                        kind.rsplit(".", 1)[-1])
 
 
+#: Publishers seen in the stage-2 batch being applied: publisher key -> {"record": newest, "count": n}.
+_batch_sources: dict[str, dict] = {}
+
+
 def _publisher_key(partition: int, record: dict) -> str:
     worker = -1 if record["worker_rank"] is None else record["worker_rank"]
     return f"{partition}/{record['instance_id']}/{record['data_parallel_rank']}/{worker}"
+
+
+def _source_status(key: str, record: dict) -> dict:
+    return sources.get(key) or {
+        "instance_id": record["instance_id"], "data_parallel_rank": record["data_parallel_rank"],
+        "worker_rank": -1 if record["worker_rank"] is None else record["worker_rank"],
+        "publisher_epoch": record["publisher_epoch"], "stale": False, "first_lost_seq": None, "last_lost_seq": None,
+        "restarts": 0, "last_seq": None, "last_event_ts": None, "events_applied": 0, "changed_ts": record["ts"]}
+
+
+def _note_applied(seen: dict[str, dict]) -> None:
+    """Fold a batch's per-publisher activity (``{publisher key: {"record": newest, "count": n}}``) into ``sources``."""
+    for key, last in seen.items():
+        record = last["record"]
+        status = _source_status(key, record)
+        status.update(publisher_epoch=max(status["publisher_epoch"], record["publisher_epoch"]),
+                      last_seq=record["seq"], last_event_ts=record["ts"],
+                      events_applied=status["events_applied"] + last["count"])
+        sources[key] = status
 
 
 def _apply_source_event(partition: int, record: dict, occupancy: dict[tuple, int]) -> None:
     """PublisherRestarted: retire the earlier epochs' residency on this partition; SourceStale: mark the source."""
     kind, body = record["event"]
     key = _publisher_key(partition, record)
-    status = sources.get(key) or {"instance_id": record["instance_id"],
-                                  "data_parallel_rank": record["data_parallel_rank"],
-                                  "worker_rank": -1 if record["worker_rank"] is None else record["worker_rank"],
-                                  "publisher_epoch": record["publisher_epoch"], "stale": False,
-                                  "first_lost_seq": None, "last_lost_seq": None, "restarts": 0, "changed_ts": 0.0}
+    status = _source_status(key, record)
     if kind == SOURCE_STALE:
         if record["publisher_epoch"] < status["publisher_epoch"]:
             return  # a loss in an epoch that has since ended
@@ -431,15 +455,26 @@ def _apply_source_event(partition: int, record: dict, occupancy: dict[tuple, int
              retired, partition)
 
 
-def source_rows() -> list[dict]:
-    """One status per publisher (the copies on each partition agree; the newest epoch wins), sorted."""
-    merged: dict[tuple, dict] = {}
+def source_rows(now: float | None = None) -> list[dict]:
+    """One status per publisher, merged over partitions, sorted.
+
+    Source-wide facts (epoch, restarts, stale) come from the partition copy with the newest epoch and most
+    restarts; ``events_applied`` is the sum over partitions, ``last_event_ts`` and ``last_seq`` the newest.
+    ``lag_s`` is ``now`` minus ``last_event_ts`` (the engine's clock against this worker's).
+    """
+    now = time.time() if now is None else now
+    groups: dict[tuple, list[dict]] = defaultdict(list)
     for status in sources.values():
-        ident = (status["instance_id"], status["data_parallel_rank"], status["worker_rank"])
-        if ident not in merged or status["publisher_epoch"] > merged[ident]["publisher_epoch"]:
-            merged[ident] = status
-    return [{**status, "worker_rank": None if status["worker_rank"] < 0 else status["worker_rank"]}
-            for _, status in sorted(merged.items())]
+        groups[(status["instance_id"], status["data_parallel_rank"], status["worker_rank"])].append(status)
+    rows = []
+    for _, copies in sorted(groups.items()):
+        facts = max(copies, key=lambda c: (c["publisher_epoch"], c["restarts"]))
+        newest = max(copies, key=lambda c: c["last_event_ts"] or 0.0)
+        last_ts = newest["last_event_ts"]
+        rows.append({**facts, "worker_rank": None if facts["worker_rank"] < 0 else facts["worker_rank"],
+                     "events_applied": sum(c["events_applied"] for c in copies), "last_event_ts": last_ts,
+                     "last_seq": newest["last_seq"], "lag_s": None if last_ts is None else round(now - last_ts, 3)})
+    return rows
 
 
 def _write_back(touched: dict[str, dict | None]) -> None:
@@ -528,7 +563,8 @@ async def residency_key_view(web, request, key: str):
 
 @app.page("/residency/{block_hash_hex}/")
 async def residency_view(web, request, block_hash_hex: str):
-    """Every resident row of a block, over all ownerships: ``{"block_hash": hex, "rows": [...]}``."""
+    """Every resident row of a block, over all ownerships, and the freshness of each source holding it:
+    ``{"block_hash": hex, "rows": [...], "sources": [{..., "last_event_ts", "lag_s", "stale"}]}``."""
     try:
         block_hash = parse_hex_block_hash(block_hash_hex)
     except InvalidBlockHash as exc:
@@ -538,7 +574,11 @@ async def residency_view(web, request, block_hash_hex: str):
     except (aiohttp.ClientError, OSError, KeyError) as exc:  # the owner is gone or not yet assigned: rebalancing
         return web.json({"error": f"the worker holding this block did not answer ({type(exc).__name__}); "
                                   "the group is probably rebalancing: retry"}, status=503)
-    return web.json({"block_hash": block_hash.hex(), "rows": rows})
+    holders = {(row["instance_id"], row["data_parallel_rank"]) for row in rows}
+    freshness = [{name: source[name] for name in ("instance_id", "data_parallel_rank", "worker_rank",
+                                                  "publisher_epoch", "last_event_ts", "lag_s", "stale")}
+                 for source in source_rows() if (source["instance_id"], source["data_parallel_rank"]) in holders]
+    return web.json({"block_hash": block_hash.hex(), "rows": rows, "sources": freshness})
 
 
 async def _block_rows(block_hash: bytes) -> list[dict]:

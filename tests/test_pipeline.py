@@ -300,8 +300,12 @@ def test_a_publisher_restart_retires_its_earlier_epoch_and_a_late_join_marks_the
     assert rows(0xAC) == [("engine-r", "GPU", 1)] and rows(0xBB) == [("engine-s", "GPU", 1)]
     sources = {s["instance_id"]: s for s in _get(f"{pipeline['url']}/sources/")["sources"]}
     assert sources["engine-r"]["restarts"] == 1 and sources["engine-r"]["stale"] is False
+    assert sources["engine-r"]["events_applied"] == 4 and sources["engine-r"]["last_event_ts"] == 1767230000.0
     assert sources["engine-s"]["stale"] is True
     assert (sources["engine-s"]["first_lost_seq"], sources["engine-s"]["last_lost_seq"]) == (0, 2)
+    answer = _get(f"{pipeline['url']}/residency/{(0xBB).to_bytes(8, 'big').hex()}/")
+    assert [(s["instance_id"], s["stale"]) for s in answer["sources"]] == [("engine-s", True)]
+    assert answer["sources"][0]["lag_s"] > 0
 
 
 def _rows(pipeline, block) -> list:
