@@ -345,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_produce)
 
     p = sub.add_parser("tail", help="print a pipeline topic's messages decoded, as JSON lines",
-                       description="Print the messages of kv-events, kv-events-by-ownership, a table changelog "
+                       description="Print the messages of kv-events, <app id>-kv-events-by-ownership, a table changelog "
                                    "(<app id>-<table>-changelog) or the dead-letter topic as JSON lines, values "
                                    "decoded with the project's Avro schemas, bytes as hex.")
     _add_bootstrap(p)

@@ -1,7 +1,7 @@
 """``kvstream tail``: print the decoded messages of a pipeline topic as JSON lines.
 
 The schema is chosen by topic: ``kv-events`` holds ``kv_event`` records,
-``kv-events-by-ownership`` holds ``ownership_batch`` messages (their items'
+``<app id>-kv-events-by-ownership`` holds ``ownership_batch`` messages (their items'
 events are decoded too), ``<app>-<table>-changelog`` holds the table's values,
 and ``kv-events-dead-letter`` holds original bytes with the reason in a header.
 Bytes are shown as hex.
@@ -31,7 +31,7 @@ def family_of(topic: str) -> str | None:
     """Schema family of a topic's values, or None for raw bytes (dead letters, unknown topics)."""
     if topic == KV_EVENTS:
         return "kv_event"
-    if topic == KV_EVENTS_BY_OWNERSHIP:
+    if topic.endswith(KV_EVENTS_BY_OWNERSHIP):
         return "ownership_batch"
     if topic == KV_RESIDENCY_CHANGES:
         return "residency_change"

@@ -27,7 +27,7 @@ from confluent_kafka import KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
 from kvstream.kafka_config import DEFAULT_PARTITIONS, client_config, ensure_topics
-from schemas.topics import KV_EVENTS, KV_EVENTS_BY_OWNERSHIP
+from schemas.topics import KV_EVENTS, by_ownership_topic
 
 #: Default Faust app id: the consumer group and the prefix of changelog topics.
 DEFAULT_APP_ID = "kvstream"
@@ -173,7 +173,7 @@ async def _committed_offsets(bootstrap_servers: str, group: str,
 
 def wait_until_consumed(bootstrap_servers: str, group: str, process: subprocess.Popen | None, *,
                         timeout_s: float, on_progress=None, poll_s: float = 1.0) -> float:
-    """Wait until ``group`` has committed everything in kv-events and kv-events-by-ownership.
+    """Wait until ``group`` (the app id) has committed everything in kv-events and its re-keyed topic.
 
     Args:
         process: the worker; if it exits meanwhile, this raises.
@@ -187,7 +187,7 @@ def wait_until_consumed(bootstrap_servers: str, group: str, process: subprocess.
         TimeoutError: not consumed within ``timeout_s``.
     """
     started = time.monotonic()
-    topics = [KV_EVENTS, KV_EVENTS_BY_OWNERSHIP]
+    topics = [KV_EVENTS, by_ownership_topic(group)]
     admin = AdminClient(client_config(bootstrap_servers))
     while True:
         if process is not None and process.poll() is not None:

@@ -4,7 +4,7 @@
   PublisherRestarted and SourceStale.
 * ``residency_v1.avsc``: one residency-table entry (the stream app's changelog).
 * ``tier_occupancy_v1.avsc``, ``clear_watermark_v1.avsc``: the stream app's other tables.
-* ``ownership_batch_v1.avsc``: the stream app's repartition topic ``kv-events-by-ownership``.
+* ``ownership_batch_v1.avsc``: the stream app's repartition topic ``<app id>-kv-events-by-ownership``.
 * :mod:`schemas.codec`: fastavro codec with single-object framing.
 * :mod:`schemas.block_hash`: canonical block hashes.
 * :mod:`schemas.tiers`: medium strings to canonical tiers.

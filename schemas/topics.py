@@ -5,6 +5,15 @@ KV_EVENTS = "kv-events"
 #: Stream-app repartition topic: the same events re-keyed by ``<ownership or primary>/<block hash hex>``, carried in
 #: ``ownership_batch`` messages, one per destination partition (the key's murmur2 partition) and read batch.
 KV_EVENTS_BY_OWNERSHIP = "kv-events-by-ownership"
+
+
+def by_ownership_topic(app_id: str) -> str:
+    """The repartition topic of one stream app: ``<app id>-kv-events-by-ownership``.
+
+    App-scoped, as Kafka Streams names its repartition topics: two apps on one cluster (say, two clear
+    scopes) must not read each other's batches.
+    """
+    return f"{app_id}-{KV_EVENTS_BY_OWNERSHIP}"
 #: Records that could not be decoded or applied, with the reason in the ``kvstream-error`` header.
 KV_EVENTS_DEAD_LETTER = "kv-events-dead-letter"
 #: One record per residency transition (became / stopped being resident), Avro ``residency_change``, key = block hash.

@@ -5,7 +5,7 @@ worker`` finds everything:
 
 1. ``repartition_by_ownership`` (agent on ``kv-events``, keyed by block hash):
    re-keys every event by ``<ownership or primary>/<block hash hex>`` into
-   ``kv-events-by-ownership``, so each ownership has its own key space while the
+   ``<app id>-kv-events-by-ownership``, so each ownership has its own key space while the
    load stays spread over every partition. Events are forwarded in batches,
    one ``ownership_batch`` message per destination partition (the partition
    Kafka's murmur2 gives each key), because a Faust send per event costs more
@@ -14,7 +14,7 @@ worker`` finds everything:
    because after re-keying a clear's copy and a block's events can arrive in
    either order. Clears (one copy per upstream partition) go to the same
    partition number downstream.
-2. ``materialize_residency`` (agent on ``kv-events-by-ownership``): applies each
+2. ``materialize_residency`` (agent on the re-keyed topic): applies each
    event to the ``residency`` table (changelog-backed) with
    :mod:`stream_apps.residency`, aggregating the reports of a source's workers
    inside each row, and keeps ``tier-occupancy`` (a global table of resident
@@ -53,8 +53,8 @@ from faust.streams import _current_event
 
 from schemas import (ALL_BLOCKS_CLEARED, PUBLISHER_RESTARTED, SOURCE_STALE, SOURCE_WIDE_EVENTS, AvroCodec, DecodeError,
                      InvalidBlockHash, parse_hex_block_hash)
-from schemas.topics import (KV_EVENTS, KV_EVENTS_BY_OWNERSHIP, KV_EVENTS_DEAD_LETTER, KV_RESIDENCY_CHANGES,
-                           KV_TIER_OCCUPANCY)
+from schemas.topics import (KV_EVENTS, KV_EVENTS_DEAD_LETTER, KV_RESIDENCY_CHANGES, KV_TIER_OCCUPANCY,
+                           by_ownership_topic)
 from stream_apps.residency import (ALL_TIERS, DEFAULT_CLEAR_TIERS, NO_CLEAR, PRIMARY, ApplyStats, apply_block_event,
                                    apply_clear, key_partition, mark_record, parse_tier_weights, prefix_match,
                                    residency_key, retire_epoch)
@@ -110,7 +110,7 @@ app = faust.App(
 )
 
 kv_events = app.topic(KV_EVENTS, key_type=bytes, value_type=bytes, partitions=PARTITIONS)
-kv_events_by_ownership = app.topic(KV_EVENTS_BY_OWNERSHIP, key_type=bytes, value_type=bytes, partitions=PARTITIONS,
+kv_events_by_ownership = app.topic(by_ownership_topic(app.conf.id), key_type=bytes, value_type=bytes, partitions=PARTITIONS,
                                    internal=True)
 dead_letter = app.topic(KV_EVENTS_DEAD_LETTER, key_type=bytes, value_type=bytes, partitions=1, internal=True)
 
@@ -669,7 +669,8 @@ def declared_topics() -> dict[str, tuple[int, dict[str, str]]]:
     (seen with kv-events-by-ownership and the global table's changelog: their
     agents stayed idle until the next rebalance).
     """
-    topics = {KV_EVENTS: (PARTITIONS, {}), KV_EVENTS_BY_OWNERSHIP: (PARTITIONS, {}), KV_EVENTS_DEAD_LETTER: (1, {}),
+    topics = {KV_EVENTS: (PARTITIONS, {}), kv_events_by_ownership.get_topic_name(): (PARTITIONS, {}),
+              KV_EVENTS_DEAD_LETTER: (1, {}),
               KV_RESIDENCY_CHANGES: (PARTITIONS, {}), KV_TIER_OCCUPANCY: (PARTITIONS, {"cleanup.policy": "compact"}),
               f"{app.conf.id}-__assignor-__leader": (1, {})}
     for table in app.tables.values():

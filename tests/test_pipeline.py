@@ -414,3 +414,19 @@ def test_two_workers_share_the_partitions_and_forward_lookups(pipeline, kafka_bo
         assert len(hosts) == 2, assignment  # both workers hold residency partitions: lookups were forwarded
     finally:
         stop_worker(process)
+
+
+
+def test_case3_with_clear_scope_all_the_clear_also_removes_offloaded_copies(pipeline, kafka_bootstrap):
+    """A second app (its own id, tables and re-keyed topic) over the same kv-events, with --clear-scope all."""
+    options = WorkerOptions(kafka_bootstrap, web_port=_free_port(), data_dir=pipeline["work"] / "data-all",
+                            partitions=PARTITIONS, app_id="kvstream-test-all", clear_scope="all")
+    process = spawn_worker(options, pipeline["work"] / "worker-all.log")
+    try:
+        wait_until_consumed(kafka_bootstrap, options.app_id, process, timeout_s=300)
+        url = f"http://127.0.0.1:{options.web_port}"
+        assert _rows({"url": url}, 0xC2) == []  # the CPU copy went with the clear
+        assert _rows({"url": url}, 0xC3) == [("case3-e1", 0, "GPU", "GPU", 0, 1)]
+        assert _rows({"url": url}, 0xC1) == [("case3-e2", 0, "GPU", "GPU", 0, 1)]
+    finally:
+        stop_worker(process)
