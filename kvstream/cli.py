@@ -101,18 +101,28 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
 
 def _cmd_query(args: argparse.Namespace) -> int:
+    data = None
+    hashes = args.block_hash
     if args.what == "residency":
-        if not args.block_hash:
-            print("error: query residency needs a block hash (hex)", file=sys.stderr)
+        if len(hashes) != 1:
+            print("error: query residency needs one block hash (hex)", file=sys.stderr)
             return 2
-        path = f"/residency/{urllib.parse.quote(args.block_hash)}/"
-    elif args.block_hash:
+        path = f"/residency/{urllib.parse.quote(hashes[0])}/"
+    elif args.what == "prefix-match":
+        if not hashes:
+            print("error: query prefix-match needs the request's block hashes (hex), in prefix order",
+                  file=sys.stderr)
+            return 2
+        path, data = "/prefix-match/", json.dumps({"block_hashes": hashes}).encode()
+    elif hashes:
         print(f"error: query {args.what} takes no block hash", file=sys.stderr)
         return 2
     else:
         path = f"/{args.what}/"
+    request = urllib.request.Request(args.url.rstrip("/") + path, data=data,
+                                     headers={"Content-Type": "application/json"} if data else {})
     try:
-        with urllib.request.urlopen(args.url.rstrip("/") + path, timeout=args.timeout) as response:
+        with urllib.request.urlopen(request, timeout=args.timeout) as response:
             print(json.dumps(json.loads(response.read()), indent=2))
             return 0
     except urllib.error.HTTPError as exc:
@@ -356,11 +366,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop after this long without a message (default: never)")
     p.set_defaults(func=_cmd_tail)
 
-    p = sub.add_parser("query", help="ask a running worker: residency of a block, occupancy, sources, stats",
+    p = sub.add_parser("query", help="ask a running worker: residency of a block, prefix match, occupancy, "
+                                     "sources, stats",
                        description="Query a stream-app worker's HTTP views and print the JSON answer. Any worker "
                                    "answers: lookups of keys held by another worker are forwarded to it.")
-    p.add_argument("what", choices=["residency", "occupancy", "sources", "stats"], help="which view")
-    p.add_argument("block_hash", nargs="?", help="block hash in hex (for residency)")
+    p.add_argument("what", choices=["residency", "prefix-match", "occupancy", "sources", "stats"],
+                   help="which view")
+    p.add_argument("block_hash", nargs="*", help="block hash in hex (residency: one; prefix-match: the "
+                                                 "request's blocks in prefix order)")
     p.add_argument("--url", default="http://127.0.0.1:6066", help="worker URL (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=10, help="seconds (default: %(default)s)")
     p.set_defaults(func=_cmd_query)

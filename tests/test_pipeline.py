@@ -373,6 +373,18 @@ def test_prefix_match_scores_each_source_by_its_consecutive_prefix(pipeline):
                                   "prefix_blocks": {"GPU": 3}, "score": 3.0}]
 
 
+def test_query_cli_wraps_the_views(pipeline, capsys):
+    from kvstream.cli import main
+
+    hashes = [(h).to_bytes(8, "big").hex() for h in (0xA1, 0xA2)]
+    assert main(["query", "prefix-match", *hashes, "--url", pipeline["url"]]) == 0
+    assert json.loads(capsys.readouterr().out)["matches"][0]["matched_blocks"] == 2
+    assert main(["query", "residency", hashes[0], "--url", pipeline["url"]]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"][0]["instance_id"] == "case2"
+    assert main(["query", "residency", "zz", "--url", pipeline["url"]]) == 1
+    assert "HTTP 400: block hash 'zz' is not hex" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("body, reason", [
     (b"not json", "not JSON"),
     (b'{"block_hashes": []}', "at least one hash"),
