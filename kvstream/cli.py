@@ -41,6 +41,26 @@ def _add_endpoints(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zmq-topic", default="", help="publisher topic prefix to subscribe to (default: all)")
 
 
+def _clear_scope(text: str) -> str:
+    from stream_apps.residency import SourceSettings
+
+    try:
+        SourceSettings.parse(clear_scope=text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _aggregation(text: str) -> str:
+    from stream_apps.residency import SourceSettings
+
+    try:
+        SourceSettings.parse(aggregation=text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _add_target_topic(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topic", default="kv-events", help="Kafka topic (default: %(default)s)")
     p.add_argument("--partitions", type=_positive_int, default=DEFAULT_PARTITIONS,
@@ -97,7 +117,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     return run_worker(WorkerOptions(args.bootstrap_servers, web_port=args.web_port, web_bind=args.web_bind,
                                     web_host=args.web_host,
                                     data_dir=args.data_dir, store=args.store, partitions=args.partitions,
-                                    clear_scope=args.clear_scope, app_id=args.app_id, log_level=args.loglevel))
+                                    clear_scope=args.clear_scope, aggregation=args.aggregation, app_id=args.app_id,
+                                    log_level=args.loglevel))
 
 
 def _cmd_query(args: argparse.Namespace) -> int:
@@ -309,8 +330,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="table store (default: %(default)s; memory rebuilds tables from the changelog at start)")
     p.add_argument("--partitions", type=_positive_int, default=DEFAULT_PARTITIONS,
                    help="partitions of kv-events and the app's topics (default: %(default)s)")
-    p.add_argument("--clear-scope", choices=["gpu", "all"], default="gpu",
-                   help="tiers an AllBlocksCleared removes (default: %(default)s, as vLLM means it)")
+    p.add_argument("--clear-scope", type=_clear_scope, default="gpu", metavar="gpu|all[,INSTANCE=gpu|all...]",
+                   help="tiers an AllBlocksCleared removes, for all sources and per instance "
+                        "(default: %(default)s, as vLLM means it)")
+    p.add_argument("--aggregation", type=_aggregation, default="", metavar="INSTANCE=N[:MODE][,...]",
+                   help="world size and mode (REPLICATED or SHARDED) of sources whose events do not declare "
+                        "them, e.g. engine-3=2:REPLICATED (default: none, i.e. 1)")
     p.add_argument("--app-id", default="kvstream", help="Faust app id = consumer group (default: %(default)s)")
     p.add_argument("--loglevel", default="info", choices=["debug", "info", "warning", "error"],
                    help="log level (default: %(default)s)")

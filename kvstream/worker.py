@@ -50,8 +50,11 @@ class WorkerOptions:
     store: str = "memory://"
     #: Partitions of kv-events and of the app's topics and tables.
     partitions: int = DEFAULT_PARTITIONS
-    #: Tiers an AllBlocksCleared removes: ``gpu`` (default, vLLM semantics) or ``all``.
+    #: Tiers an AllBlocksCleared removes: ``gpu`` (default, vLLM semantics) or ``all``, then per-instance
+    #: overrides: ``gpu,engine-7=all``.
     clear_scope: str = "gpu"
+    #: World size and mode of sources whose events do not declare them: ``engine-3=2:REPLICATED,...``.
+    aggregation: str = ""
     app_id: str = DEFAULT_APP_ID
     log_level: str = "info"
 
@@ -67,6 +70,7 @@ def worker_environment(options: WorkerOptions) -> dict[str, str]:
         "KVSTREAM_STORE": options.store,
         "KVSTREAM_PARTITIONS": str(options.partitions),
         "KVSTREAM_CLEAR_SCOPE": options.clear_scope,
+        "KVSTREAM_AGGREGATION": options.aggregation,
         "KVSTREAM_APP_ID": options.app_id,
     }
 
@@ -97,7 +101,8 @@ def spawn_worker(options: WorkerOptions, log_file: Path) -> subprocess.Popen:
                "--web-port", str(options.web_port), "--web-bind", options.web_bind, "--web-host", options.web_host,
                "--data-dir",
                str(options.data_dir), "--store", options.store, "--partitions", str(options.partitions),
-               "--clear-scope", options.clear_scope, "--app-id", options.app_id, "--loglevel", options.log_level]
+               "--clear-scope", options.clear_scope, "--aggregation", options.aggregation, "--app-id",
+               options.app_id, "--loglevel", options.log_level]
     with open(log_file, "ab") as out:
         return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -30,8 +30,9 @@ Configuration comes from the environment (``kvstream worker`` sets it from its
 options): ``KVSTREAM_BOOTSTRAP_SERVERS``, ``KVSTREAM_PARTITIONS``,
 ``KVSTREAM_DATA_DIR``, ``KVSTREAM_STORE`` (``memory://`` or ``rocksdb://``),
 ``KVSTREAM_WEB_PORT``, ``KVSTREAM_WEB_BIND``, ``KVSTREAM_WEB_HOST`` (the host
-other workers reach this one at), ``KVSTREAM_CLEAR_SCOPE`` (``gpu`` or
-``all``), ``KVSTREAM_APP_ID``.
+other workers reach this one at), ``KVSTREAM_CLEAR_SCOPE`` (``gpu`` or ``all``,
+per instance with ``INSTANCE=all``), ``KVSTREAM_AGGREGATION``
+(``INSTANCE=WORLD_SIZE[:MODE]``), ``KVSTREAM_APP_ID``.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from schemas import (ALL_BLOCKS_CLEARED, PUBLISHER_RESTARTED, SOURCE_STALE, SOUR
                      InvalidBlockHash, parse_hex_block_hash)
 from schemas.topics import (KV_EVENTS, KV_EVENTS_DEAD_LETTER, KV_RESIDENCY_CHANGES, KV_TIER_OCCUPANCY,
                            by_ownership_topic)
-from stream_apps.residency import (ALL_TIERS, DEFAULT_CLEAR_TIERS, NO_CLEAR, PRIMARY, ApplyStats, apply_block_event,
+from stream_apps.residency import (NO_CLEAR, PRIMARY, ApplyStats, SourceSettings, apply_block_event,
                                    apply_clear, key_partition, mark_record, parse_tier_weights, prefix_match,
                                    residency_key, retire_epoch)
 
@@ -63,7 +64,8 @@ log = logging.getLogger(__name__)
 
 BOOTSTRAP_SERVERS = os.environ.get("KVSTREAM_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
 PARTITIONS = int(os.environ.get("KVSTREAM_PARTITIONS", "8"))
-CLEAR_TIERS = ALL_TIERS if os.environ.get("KVSTREAM_CLEAR_SCOPE", "gpu").lower() == "all" else DEFAULT_CLEAR_TIERS
+#: Clear scopes and aggregation per source (``kvstream worker --clear-scope/--aggregation``).
+SOURCES = SourceSettings.parse(os.environ.get("KVSTREAM_CLEAR_SCOPE", "gpu"), os.environ.get("KVSTREAM_AGGREGATION", ""))
 ERROR_HEADER = "kvstream-error"
 #: Stage 1 reads up to this many events, or what arrived within REPARTITION_WITHIN_S, per batch.
 REPARTITION_BATCH = int(os.environ.get("KVSTREAM_REPARTITION_BATCH", "4000"))
@@ -386,7 +388,9 @@ def _materialize_one(partition: int, item: dict, record: dict, touched: dict[str
         return
     key = item["key"]
     entry = touched[key] if key in touched else residency.get(key)
-    entry, delta, copies = apply_block_event(entry, record, mark, watermark, CLEAR_TIERS, stats)
+    instance = record["instance_id"]
+    entry, delta, copies = apply_block_event(entry, record, mark, watermark, SOURCES.clear_tiers(instance), stats,
+                                             SOURCES.aggregation.get(instance))
     touched[key] = entry
     seen = _batch_sources.setdefault(_publisher_key(partition, record), {"record": record, "count": 0})
     seen["record"], seen["count"] = record, seen["count"] + 1
@@ -512,7 +516,7 @@ def _apply_clear_on_partition(partition: int, record: dict, mark: tuple[int, int
     """Remove the source's rows in scope on this partition (a clear is rare: a scan is fine)."""
     instance, dp_rank = record["instance_id"], record["data_parallel_rank"]
     cleared = _rewrite_partition(partition, instance, occupancy, lambda entry: apply_clear(
-        entry, instance, dp_rank, mark, CLEAR_TIERS, stats), record["ts"], "AllBlocksCleared")
+        entry, instance, dp_rank, mark, SOURCES.clear_tiers(instance), stats), record["ts"], "AllBlocksCleared")
     log.info("AllBlocksCleared from %s/%s applied on partition %d: %d resident rows removed", instance, dp_rank,
              partition, cleared)
 

@@ -48,6 +48,51 @@ DEFAULT_CLEAR_TIERS = frozenset({"GPU"})
 #: Tiers removed with clear scope ``all``.
 ALL_TIERS = frozenset({"GPU", "CPU", "STORAGE", "EXTERNAL", "UNKNOWN"})
 
+@dataclass(frozen=True)
+class SourceSettings:
+    """Per-source configuration of the stream app (``kvstream worker --clear-scope / --aggregation``).
+
+    ``clear_scopes``: instance -> tiers an AllBlocksCleared of that instance removes (others:
+    ``default_clear_tiers``). ``aggregation``: instance -> (world_size, mode), used when the events do
+    not declare them in the envelope.
+    """
+
+    default_clear_tiers: frozenset = DEFAULT_CLEAR_TIERS
+    clear_scopes: dict = field(default_factory=dict)
+    aggregation: dict = field(default_factory=dict)
+
+    def clear_tiers(self, instance_id: str) -> frozenset:
+        """Tiers an AllBlocksCleared of ``instance_id`` removes."""
+        return self.clear_scopes.get(instance_id, self.default_clear_tiers)
+
+    @classmethod
+    def parse(cls, clear_scope: str = "gpu", aggregation: str = "") -> "SourceSettings":
+        """Parse ``gpu|all[,INSTANCE=gpu|all...]`` and ``INSTANCE=WORLD_SIZE[:REPLICATED|SHARDED][,...]``.
+
+        Raises:
+            ValueError: a malformed entry, with the entry in the message.
+        """
+        scopes = {"gpu": DEFAULT_CLEAR_TIERS, "all": ALL_TIERS}
+        default, overrides = DEFAULT_CLEAR_TIERS, {}
+        for item in filter(None, (p.strip() for p in clear_scope.split(","))):
+            instance, _, scope = item.rpartition("=")
+            if scope.lower() not in scopes:
+                raise ValueError(f"clear scope {item!r}: expected gpu or all, optionally after INSTANCE=")
+            if instance:
+                overrides[instance] = scopes[scope.lower()]
+            else:
+                default = scopes[scope.lower()]
+        declared = {}
+        for item in filter(None, (p.strip() for p in aggregation.split(","))):
+            instance, _, spec = item.rpartition("=")
+            size, _, mode = spec.partition(":")
+            mode = (mode or "REPLICATED").upper()
+            if not instance or not size.isdigit() or int(size) < 1 or mode not in ("REPLICATED", "SHARDED"):
+                raise ValueError(f"aggregation {item!r}: expected INSTANCE=WORLD_SIZE[:REPLICATED|SHARDED]")
+            declared[instance] = (int(size), mode)
+        return cls(default, overrides, declared)
+
+
 #: The position of "no clear yet": lower than any real (epoch, seq, batch_index).
 NO_CLEAR = (-1, -1, -1)
 
@@ -131,7 +176,7 @@ def mark_record(mark: tuple[int, int, int]) -> dict | None:
 
 def apply_block_event(entry: dict | None, record: dict, clear_mark: tuple[int, int, int],
                       clear_watermark: tuple[int, int, int], clear_tiers: frozenset,
-                      stats: ApplyStats) -> tuple[dict | None, int, int]:
+                      stats: ApplyStats, aggregation: tuple[int, str] | None = None) -> tuple[dict | None, int, int]:
     """Apply one BlockStored/BlockRemoved record to a block's residency entry.
 
     Args:
@@ -144,6 +189,7 @@ def apply_block_event(entry: dict | None, record: dict, clear_mark: tuple[int, i
             partition (:data:`NO_CLEAR` if none).
         clear_tiers: tiers a clear of this source removes.
         stats: counters to update.
+        aggregation: the source's configured (world_size, mode), used when the record declares none.
 
     Returns:
         ``(new entry or None when no row is left, change in resident rows: -1, 0 or +1, the row's copies
@@ -209,8 +255,9 @@ def apply_block_event(entry: dict | None, record: dict, clear_mark: tuple[int, i
     worker["publisher_epoch"], worker["seq"], worker["batch_index"], worker["block_index"] = position
     stats.applied += 1
 
-    row["world_size"] = record["world_size"] or 1
-    row["aggregation"] = record["aggregation"] or "REPLICATED"
+    configured_size, configured_mode = aggregation or (1, "REPLICATED")
+    row["world_size"] = record["world_size"] or configured_size
+    row["aggregation"] = record["aggregation"] or configured_mode
     row["medium"] = body["medium"]
     row["last_ts"] = record["ts"]
     row["clear_mark"] = mark_record(clear_mark)

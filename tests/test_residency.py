@@ -163,3 +163,30 @@ def test_rekeying_by_ownership_spreads_one_ownership_over_every_partition():
         counts[key_partition(residency_key("kvcr", block_hash_of(block).to_bytes(8, "big")), partitions)] += 1
     even = 20000 / partitions
     assert min(counts) > 0 and max(counts) <= 2 * even
+
+
+def test_source_settings_parse_clear_scopes_and_aggregation_per_instance():
+    import pytest
+
+    from stream_apps.residency import ALL_TIERS, SourceSettings
+
+    settings = SourceSettings.parse("gpu,engine-7=all", "engine-3=2:sharded,engine-4=3")
+    assert settings.clear_tiers("engine-7") == ALL_TIERS and settings.clear_tiers("x") == DEFAULT_CLEAR_TIERS
+    assert settings.aggregation == {"engine-3": (2, "SHARDED"), "engine-4": (3, "REPLICATED")}
+    for bad in ({"clear_scope": "some"}, {"aggregation": "engine=0"}, {"aggregation": "engine=2:avg"}):
+        with pytest.raises(ValueError):
+            SourceSettings.parse(**bad)
+
+
+def test_configured_aggregation_applies_when_events_declare_none():
+    """Workers publishing without world_size in the envelope: the configuration makes them agree."""
+    w0, w1 = Publisher("cfg", worker_rank=0), Publisher("cfg", worker_rank=1)
+    stats = ApplyStats()
+    entry = None
+    for record in (_store(0x91, w0), _store(0x91, w0)):
+        entry, _, _ = apply_block_event(entry, record, NO_CLEAR, NO_CLEAR, DEFAULT_CLEAR_TIERS, stats,
+                                        (2, "REPLICATED"))
+    assert _copies(entry) == [("cfg", "GPU", 0)]
+    entry, _, _ = apply_block_event(entry, _store(0x91, w1), NO_CLEAR, NO_CLEAR, DEFAULT_CLEAR_TIERS, stats,
+                                    (2, "REPLICATED"))
+    assert _copies(entry) == [("cfg", "GPU", 1)]
