@@ -17,14 +17,18 @@ worker`` finds everything:
 2. ``materialize_residency`` (agent on the re-keyed topic): applies each
    event to the ``residency`` table (changelog-backed) with
    :mod:`stream_apps.residency`, aggregating the reports of a source's workers
-   inside each row, and keeps ``tier-occupancy`` (a global table of resident
-   blocks per partition, ownership, tier and instance) in step.
+   inside each row; keeps ``tier-occupancy`` (a global table of resident
+   blocks per partition, ownership, tier and instance) in step; applies the
+   bridge's ``PublisherRestarted`` (epoch retirement) and ``SourceStale`` to
+   the ``sources`` table; publishes every residency transition to
+   ``kv-residency-changes`` and occupancy to ``kv-tier-occupancy``.
 3. HTTP views on the Faust web server: ``GET /residency/{block_hash_hex}/``,
-   ``GET /occupancy/``, ``GET /stats/``. A lookup of a key held by another
-   worker is forwarded to that worker.
+   ``POST /prefix-match/``, ``GET /occupancy/``, ``GET /sources/``,
+   ``GET /stats/``. A lookup of a key held by another worker is forwarded to
+   that worker.
 
-Records that cannot be decoded go to ``kv-events-dead-letter`` with the reason
-in the ``kvstream-error`` header and the original bytes as the value.
+Records that cannot be decoded or applied go to ``kv-events-dead-letter`` with
+the reason in the ``kvstream-error`` header and the original bytes as the value.
 
 Configuration comes from the environment (``kvstream worker`` sets it from its
 options): ``KVSTREAM_BOOTSTRAP_SERVERS``, ``KVSTREAM_PARTITIONS``,
@@ -112,10 +116,9 @@ app = faust.App(
 )
 
 kv_events = app.topic(KV_EVENTS, key_type=bytes, value_type=bytes, partitions=PARTITIONS)
-kv_events_by_ownership = app.topic(by_ownership_topic(app.conf.id), key_type=bytes, value_type=bytes, partitions=PARTITIONS,
-                                   internal=True)
+kv_events_by_ownership = app.topic(by_ownership_topic(app.conf.id), key_type=bytes, value_type=bytes,
+                                   partitions=PARTITIONS, internal=True)
 dead_letter = app.topic(KV_EVENTS_DEAD_LETTER, key_type=bytes, value_type=bytes, partitions=1, internal=True)
-
 
 
 class _TableType:
