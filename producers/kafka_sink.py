@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from confluent_kafka import KafkaError, Producer
 
 from kvstream.kafka_config import DEFAULT_BOOTSTRAP_SERVERS, producer_config, topic_partitions
+from producers.split import ParentTracker
 from schemas import AvroCodec
 from schemas.topics import KV_EVENTS, KV_EVENTS_DEAD_LETTER
 
@@ -59,6 +60,7 @@ class KvEventProducer:
         self.codec = codec or AvroCodec("kv_event")
         self.partitions = topic_partitions(bootstrap_servers, topic)
         self.stats = ProduceStats()
+        self.parents = ParentTracker()
         self._producer = Producer(producer_config(bootstrap_servers, **(config_overrides or {})))
 
     def _on_delivery(self, err: KafkaError | None, _msg) -> None:
@@ -82,7 +84,11 @@ class KvEventProducer:
         self.stats.sent += 1
 
     def send(self, record: dict) -> None:
-        """Encode and enqueue one record: keyed by its block hash, or to every partition when it has none."""
+        """Encode and enqueue one record: keyed by its block hash, or to every partition when it has none.
+
+        BlockStored records get ``parent_known`` (see :class:`producers.split.ParentTracker`).
+        """
+        self.parents.note(record)
         value = self.codec.encode(record)
         key = record["block_hash"]
         if key is None:

@@ -14,6 +14,7 @@ that vLLM omits when they are None may be absent.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -188,11 +189,43 @@ def split_event(publisher: Publisher, seq: int, ts: float, batch_index: int, eve
             "token_ids": block_tokens,
             "extra_keys": None if extra_keys is None else _encode_msgpack(extra_keys[i]),
             "lookahead_token_ids": None if lookahead is None else _int_list(lookahead[i], "lookahead_token_ids"),
+            "parent_known": None,
             **common,
         }
         records.append({**envelope, "block_hash": h, "hash_encoding": encoding, "block_index": i,
                         "block_count": count, "tier": tier, "event": (BLOCK_STORED, body)})
     return records
+
+
+class ParentTracker:
+    """Marks ``BlockStored.parent_known`` on the first block of each run: has this source stored the parent?
+
+    The producer sees each source's events in order, which the stream app (partitioned by block hash)
+    cannot. It remembers the last ``capacity`` blocks stored per source and publisher epoch (about 140
+    bytes each), least recently stored forgotten first, so "unknown" means "not stored by this source
+    within that window since the producer started".
+    """
+
+    def __init__(self, capacity: int = 200_000) -> None:
+        self.capacity = capacity
+        self._stored: dict[tuple, OrderedDict] = {}
+
+    def note(self, record: dict) -> None:
+        """Set ``parent_known`` on a BlockStored record (in place) and remember its block."""
+        kind, body = record["event"]
+        if kind != BLOCK_STORED:
+            return
+        source = (record["instance_id"], record["data_parallel_rank"], record["worker_rank"],
+                  record["publisher_epoch"])
+        stored = self._stored.get(source)
+        if stored is None:
+            stored = self._stored[source] = OrderedDict()
+        if record["block_index"] == 0 and body["parent_block_hash"] is not None:
+            body["parent_known"] = body["parent_block_hash"] in stored
+        stored[record["block_hash"]] = None
+        stored.move_to_end(record["block_hash"])
+        if len(stored) > self.capacity:
+            stored.popitem(last=False)
 
 
 def source_event(publisher: Publisher, kind: str, body: dict, seq: int, ts: float) -> dict:

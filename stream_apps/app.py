@@ -663,7 +663,7 @@ async def stats_view(web, request):
     """This worker's counters: events re-keyed and materialized, duplicates, unknown removals, dead letters."""
     return web.json({**counters, "applied": stats.applied, "duplicates": stats.duplicates,
                      "cleared_late": stats.cleared_late, "retired_late": stats.retired_late,
-                     "unknown_removals": stats.unknown_removals,
+                     "unknown_removals": stats.unknown_removals, "unknown_parents": stats.unknown_parents,
                      "became_resident": stats.became_resident, "stopped_resident": stats.stopped_resident,
                      "unknown_media": stats.unknown_media})
 

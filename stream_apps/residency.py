@@ -132,6 +132,9 @@ class ApplyStats:
     #: Rows that became resident / stopped being resident.
     became_resident: int = 0
     stopped_resident: int = 0
+    #: Stores whose parent block the producer had not seen stored by the source (BlockStored.parent_known
+    #: false): still resident (DESIGN.md), counted.
+    unknown_parents: int = 0
     #: Media that mapped to the UNKNOWN tier, by raw string.
     unknown_media: dict = field(default_factory=dict)
 
@@ -248,6 +251,8 @@ def apply_block_event(entry: dict | None, record: dict, clear_mark: tuple[int, i
 
     if kind == BLOCK_STORED:
         worker["count"] += 1
+        if body.get("parent_known") is False:
+            stats.unknown_parents += 1
     elif worker["count"] > 0:
         worker["count"] -= 1
     else:

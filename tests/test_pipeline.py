@@ -331,9 +331,10 @@ def test_case3_clear_is_scoped_to_its_source_and_the_gpu_tier(pipeline):
     assert _rows(pipeline, 0xC3) == [("case3-e1", 0, "GPU", "GPU", 0, 1)]
 
 
-def test_case4_stores_with_an_unseen_parent_are_resident(pipeline):
+def test_case4_stores_with_an_unseen_parent_are_resident_and_counted_once(pipeline):
     for block in (0xD3, 0xD4, 0xD5):
         assert _rows(pipeline, block) == [("case4", 0, "GPU", "GPU", 0, 1)]
+    assert _get(f"{pipeline['url']}/stats/")["unknown_parents"] == 1  # 0xD2 was never seen; 0xD3, 0xD4 were
 
 
 def test_case5_media_map_to_tiers_and_unknown_media_are_kept(pipeline):

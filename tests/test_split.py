@@ -80,3 +80,23 @@ def test_store_records_pick_the_union_branch_explicitly_and_encode():
                                                  "medium": None, "lora_name": None})
     assert records[0]["event"][0] == BLOCK_STORED and records[0]["tier"] == "GPU"
     assert AvroCodec("kv_event").encode(records[0])[:2] == b"\xc3\x01"
+
+
+def test_parent_tracker_marks_a_parent_the_source_never_stored():
+    from producers.split import ParentTracker
+
+    tracker = ParentTracker(capacity=2)
+
+    def store(blocks, parent, publisher=PUBLISHER):
+        records = split_event(publisher, 0, 0.0, 0, {"type": "BlockStored", "block_hashes": blocks,
+                                                     "parent_block_hash": parent, "token_ids": [], "block_size": 0,
+                                                     "lora_id": None, "medium": "GPU", "lora_name": None})
+        for record in records:
+            tracker.note(record)
+        return [r["event"][1]["parent_known"] for r in records]
+
+    assert store([0xD3, 0xD4], 0xD2) == [False, None]  # 0xD2 never stored; 0xD4's parent is 0xD3 in the run
+    assert store([0xD5], 0xD4) == [True]
+    assert store([0xD6], 0xD4, Publisher("other")) == [False]  # another source stored nothing
+    assert store([0xD7], 0xD3) == [False]  # capacity 2 per source: 0xD3 has been forgotten
+    assert store([0xD8], None) == [None]
