@@ -420,7 +420,8 @@ def _source_status(key: str, record: dict) -> dict:
         "instance_id": record["instance_id"], "data_parallel_rank": record["data_parallel_rank"],
         "worker_rank": -1 if record["worker_rank"] is None else record["worker_rank"],
         "publisher_epoch": record["publisher_epoch"], "stale": False, "first_lost_seq": None, "last_lost_seq": None,
-        "restarts": 0, "last_seq": None, "last_event_ts": None, "events_applied": 0, "changed_ts": record["ts"]}
+        "gaps": 0, "restarts": 0, "last_seq": None, "last_event_ts": None, "events_applied": 0,
+        "changed_ts": record["ts"]}
 
 
 def _note_applied(seen: dict[str, dict]) -> None:
@@ -443,7 +444,7 @@ def _apply_source_event(partition: int, record: dict, occupancy: dict[tuple, int
         if record["publisher_epoch"] < status["publisher_epoch"]:
             return  # a loss in an epoch that has since ended
         status.update(stale=True, first_lost_seq=body["first_lost_seq"], last_lost_seq=body["last_lost_seq"],
-                      publisher_epoch=record["publisher_epoch"], changed_ts=record["ts"])
+                      publisher_epoch=record["publisher_epoch"], gaps=status["gaps"] + 1, changed_ts=record["ts"])
         sources[key] = status
         return
     new_epoch = record["publisher_epoch"]
@@ -452,7 +453,7 @@ def _apply_source_event(partition: int, record: dict, occupancy: dict[tuple, int
         stats.duplicates += 1
         return
     publisher_epochs[key] = _watermark(record)
-    status.update(stale=False, first_lost_seq=None, last_lost_seq=None, publisher_epoch=new_epoch,
+    status.update(stale=False, first_lost_seq=None, last_lost_seq=None, publisher_epoch=new_epoch, gaps=0,
                   restarts=status["restarts"] + 1, changed_ts=record["ts"])
     sources[key] = status
     instance, dp_rank = record["instance_id"], record["data_parallel_rank"]

@@ -303,6 +303,7 @@ def test_a_publisher_restart_retires_its_earlier_epoch_and_a_late_join_marks_the
     assert sources["engine-r"]["events_applied"] == 4 and sources["engine-r"]["last_event_ts"] == 1767230000.0
     assert sources["engine-s"]["stale"] is True
     assert (sources["engine-s"]["first_lost_seq"], sources["engine-s"]["last_lost_seq"]) == (0, 2)
+    assert sources["engine-s"]["gaps"] == 1 and sources["engine-r"]["gaps"] == 0
     answer = _get(f"{pipeline['url']}/residency/{(0xBB).to_bytes(8, 'big').hex()}/")
     assert [(s["instance_id"], s["stale"]) for s in answer["sources"]] == [("engine-s", True)]
     assert answer["sources"][0]["lag_s"] > 0
