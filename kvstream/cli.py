@@ -41,24 +41,18 @@ def _add_endpoints(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zmq-topic", default="", help="publisher topic prefix to subscribe to (default: all)")
 
 
-def _clear_scope(text: str) -> str:
-    from stream_apps.residency import SourceSettings
+def _validated_by_source_settings(option: str):
+    """An argparse type that checks ``--clear-scope`` / ``--aggregation`` with SourceSettings.parse."""
+    def check(text: str) -> str:
+        from stream_apps.residency import SourceSettings
 
-    try:
-        SourceSettings.parse(clear_scope=text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
+        try:
+            SourceSettings.parse(**{option: text})
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text
 
-
-def _aggregation(text: str) -> str:
-    from stream_apps.residency import SourceSettings
-
-    try:
-        SourceSettings.parse(aggregation=text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
+    return check
 
 
 def _add_target_topic(p: argparse.ArgumentParser) -> None:
@@ -330,10 +324,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="table store (default: %(default)s; memory rebuilds tables from the changelog at start)")
     p.add_argument("--partitions", type=_positive_int, default=DEFAULT_PARTITIONS,
                    help="partitions of kv-events and the app's topics (default: %(default)s)")
-    p.add_argument("--clear-scope", type=_clear_scope, default="gpu", metavar="gpu|all[,INSTANCE=gpu|all...]",
+    p.add_argument("--clear-scope", type=_validated_by_source_settings("clear_scope"), default="gpu", metavar="gpu|all[,INSTANCE=gpu|all...]",
                    help="tiers an AllBlocksCleared removes, for all sources and per instance "
                         "(default: %(default)s, as vLLM means it)")
-    p.add_argument("--aggregation", type=_aggregation, default="", metavar="INSTANCE=N[:MODE][,...]",
+    p.add_argument("--aggregation", type=_validated_by_source_settings("aggregation"), default="", metavar="INSTANCE=N[:MODE][,...]",
                    help="world size and mode (REPLICATED or SHARDED) of sources whose events do not declare "
                         "them, e.g. engine-3=2:REPLICATED (default: none, i.e. 1)")
     p.add_argument("--app-id", default="kvstream", help="Faust app id = consumer group (default: %(default)s)")
