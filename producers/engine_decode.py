@@ -76,14 +76,14 @@ def normalize_event(event: Any) -> dict:
     """
     if isinstance(event, dict):
         kind = event.get("type")
-        if kind not in POSITIONAL_FIELDS:
-            raise ValueError(f"unknown event type {kind!r}")
+        if not isinstance(kind, str) or kind not in POSITIONAL_FIELDS:
+            raise ValueError(f"unknown event type {kind!r}"[:200])
         return event
     if isinstance(event, list) and event and isinstance(event[0], str):
         kind, values = event[0], event[1:]
         names = POSITIONAL_FIELDS.get(kind)
         if names is None:
-            raise ValueError(f"unknown event type {kind!r}")
+            raise ValueError(f"unknown event type {kind!r}"[:200])
         if len(values) > len(names):
             values = values[:len(names)]  # fields from a newer release than this reader: ignored, as in maps
         return {"type": kind, **dict(zip(names, values))}
