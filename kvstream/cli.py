@@ -193,7 +193,7 @@ def _cmd_bridge(args: argparse.Namespace) -> int:
     if args.metrics_port:
         start_http_server(args.metrics_port, addr="127.0.0.1", registry=metrics.registry)
     bridge = Bridge(endpoints, KafkaBatchSink(producer, metrics), zmq_topic=args.zmq_topic.encode(),
-                    metrics=metrics)
+                    metrics=metrics, state_file=args.state_file)
     stopping = _stop_on_sigterm()
     for e in endpoints:
         print(f"subscribed to {e.endpoint} (replay: {e.replay_endpoint or 'none'}) as {e.label}")
@@ -352,6 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target_topic(p)
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus counters on 127.0.0.1:PORT/metrics (default: off)")
+    p.add_argument("--state-file", type=Path, default=Path(".kvstream/bridge-state.json"), metavar="FILE",
+                   help="each source's epoch and last seq, so a restarted bridge continues where it stopped "
+                        "(default: %(default)s)")
     p.set_defaults(func=_cmd_bridge)
 
     p = sub.add_parser("capture", help="record live engine KV event streams to a JSON-lines file",

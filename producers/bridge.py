@@ -27,10 +27,13 @@ the dead-letter topic with its reason and bytes, and the rest flows.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import re
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Protocol
 
 import zmq
@@ -99,6 +102,11 @@ def data_parallel_endpoints(endpoint: str, replay_endpoint: str | None, instance
     return [PublisherEndpoint(offset_endpoint(endpoint, rank),
                               None if replay_endpoint is None else offset_endpoint(replay_endpoint, rank),
                               instance_id, rank) for rank in range(data_parallel_size)]
+
+
+def _state_key(endpoint: PublisherEndpoint) -> str:
+    worker = "" if endpoint.worker_rank is None else endpoint.worker_rank
+    return f"{endpoint.instance_id}|{endpoint.data_parallel_rank}|{worker}|{endpoint.endpoint}"
 
 
 class BatchSink(Protocol):
@@ -191,12 +199,16 @@ class Bridge:
         clock_ms: source of publisher epochs (milliseconds since the Unix epoch).
         receive_hwm: ZMQ receive high-water mark per socket (a bounded buffer: beyond it ZMQ drops, the
             bridge sees a gap and replays).
+        state_file: where the bridge keeps each source's epoch and last seq (JSON, written at most once a
+            second and on close). A restarted bridge then continues a publisher's epoch, replaying from
+            the last seq it produced, instead of taking the publisher for restarted; a first seq at or
+            below the saved one means the publisher did restart meanwhile. None: kept in memory only.
     """
 
     def __init__(self, endpoints: list[PublisherEndpoint], sink: BatchSink, *, zmq_topic: bytes = b"",
                  metrics: BridgeMetrics | None = None, replay_timeout_s: float = 5.0,
                  clock_ms: Callable[[], int] = lambda: int(time.time() * 1000), receive_hwm: int = 100_000,
-                 context: zmq.Context | None = None) -> None:
+                 context: zmq.Context | None = None, state_file: Path | None = None) -> None:
         self.endpoints = endpoints
         self.sink = sink
         self.metrics = metrics or BridgeMetrics()
@@ -206,6 +218,16 @@ class Bridge:
         self._context = context or zmq.Context.instance()
         self._sockets: dict[zmq.Socket, PublisherEndpoint] = {}
         self.state: dict[PublisherEndpoint, _SourceState] = {}
+        self._state_file = state_file
+        self._saved: dict[str, dict] = {}
+        self._saved_at = 0.0
+        if state_file is not None and Path(state_file).exists():
+            try:
+                self._saved = json.loads(Path(state_file).read_text())
+            except ValueError as exc:
+                raise ValueError(f"bridge state file {state_file} is not JSON ({exc}); move it away to start "
+                                 "afresh") from None
+            self._last_epoch = max((s["epoch"] for s in self._saved.values()), default=0)
         for endpoint in endpoints:
             sock = self._context.socket(zmq.SUB)
             sock.setsockopt(zmq.RCVHWM, receive_hwm)
@@ -274,6 +296,20 @@ class Bridge:
             self.sink.source_event(self._publisher(endpoint, state), PUBLISHER_RESTARTED,
                                    {"previous_epoch": previous_epoch}, -1)
             self._catch_up(endpoint, state, 0, seq, first_contact=True)
+        elif state is None and (saved := self._saved.get(_state_key(endpoint))) and seq > saved["last_seq"]:
+            # the bridge restarted, the publisher did not: same epoch, replay what was missed
+            state = self.state[endpoint] = _SourceState(saved["epoch"], last_seq=saved["last_seq"])
+            if seq > state.last_seq + 1:
+                self.metrics.gaps_found.labels(*labels).inc()
+                self._catch_up(endpoint, state, state.last_seq + 1, seq, first_contact=False)
+        elif state is None and (saved := self._saved.get(_state_key(endpoint))):
+            log.warning("%s: seq %d is not past the saved %d: the publisher restarted while the bridge was down",
+                        endpoint.label, seq, saved["last_seq"])
+            self.metrics.restarts.labels(*labels).inc()
+            state = self.state[endpoint] = _SourceState(self._new_epoch())
+            self.sink.source_event(self._publisher(endpoint, state), PUBLISHER_RESTARTED,
+                                   {"previous_epoch": saved["epoch"]}, -1)
+            self._catch_up(endpoint, state, 0, seq, first_contact=True)
         elif state is None:
             state = self.state[endpoint] = _SourceState(self._new_epoch())
             self._catch_up(endpoint, state, 0, seq, first_contact=True)
@@ -283,6 +319,22 @@ class Bridge:
         self._deliver(endpoint, state, seq, payload)
         if seq >= state.replayed.stop - 1:
             state.replayed = range(0)  # live has overtaken the replay: a lower seq from now on is a restart
+        if self._state_file is not None and time.monotonic() - self._saved_at > 1.0:
+            self.save_state()
+
+    def save_state(self) -> None:
+        """Write each source's epoch and last seq to the state file (atomically: temp file, then rename)."""
+        if self._state_file is None:
+            return
+        for endpoint, state in self.state.items():
+            if state.last_seq is not None:
+                self._saved[_state_key(endpoint)] = {"epoch": state.epoch, "last_seq": state.last_seq}
+        path = Path(self._state_file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(path.suffix + ".tmp")
+        temporary.write_text(json.dumps(self._saved, indent=1, sort_keys=True))
+        os.replace(temporary, path)
+        self._saved_at = time.monotonic()
 
     def _deliver(self, endpoint: PublisherEndpoint, state: _SourceState, seq: int, payload: bytes) -> None:
         self.sink.batch(endpoint, self._publisher(endpoint, state), seq, payload)
@@ -344,6 +396,7 @@ class Bridge:
             sock.close()
 
     def close(self) -> None:
-        """Close the subscriber sockets."""
+        """Save the state file and close the subscriber sockets."""
+        self.save_state()
         for sock in self._sockets:
             sock.close(linger=0)

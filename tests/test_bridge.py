@@ -343,3 +343,39 @@ def test_produce_jsonl_publishes_a_capture_through_the_bridge_path(kafka_bootstr
     assert bridge_events == sorted([("PublisherRestarted", None, blocks[3]["publisher_epoch"])] * 2
                                    + [("SourceStale", 1, blocks[2]["publisher_epoch"])] * 2)
     assert metrics.restarts.labels("cap", "0")._value.get() == 1
+
+
+def test_a_restarted_bridge_continues_the_epoch_from_its_state_file(tmp_path):
+    """The bridge goes away and comes back: it replays what it missed in the same epoch, no restart event."""
+    port, replay_port = _free_ports(2)
+    publisher = FakeVllmPublisher(port, replay_port)
+    endpoint = PublisherEndpoint(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}", "engine-c")
+    state_file = tmp_path / "bridge-state.json"
+    try:
+        first = Bridge([endpoint], CollectingSink(), replay_timeout_s=2, state_file=state_file)
+        time.sleep(0.3)
+        for h in range(3):
+            publisher.publish([_stored(h)])
+        _pump(first, lambda: len(first.sink.batches) == 3)
+        epoch = first.state[endpoint].epoch
+        first.close()  # the bridge stops; the engine goes on publishing
+        for h in range(3, 5):
+            publisher.publish([_stored(h)])
+        second = Bridge([endpoint], CollectingSink(), replay_timeout_s=2, state_file=state_file)
+        time.sleep(0.3)
+        publisher.publish([_stored(5)])
+        _pump(second, lambda: len(second.sink.batches) == 3)
+        assert second.sink.seqs() == [3, 4, 5] and {b[1] for b in second.sink.batches} == {epoch}
+        assert second.sink.source_events == [] and not second.state[endpoint].stale
+        second.close()
+
+        publisher.seq, publisher.buffer = 0, type(publisher.buffer)(maxlen=publisher.buffer.maxlen)
+        third = Bridge([endpoint], CollectingSink(), replay_timeout_s=2, state_file=state_file)
+        time.sleep(0.3)
+        publisher.publish([_stored(9)])  # the engine restarted while no bridge was running
+        _pump(third, lambda: len(third.sink.batches) == 1)
+        assert third.sink.source_events == [("PublisherRestarted", {"previous_epoch": epoch})]
+        assert third.sink.batches[0][1] > epoch
+        third.close()
+    finally:
+        publisher.close()
