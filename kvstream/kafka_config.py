@@ -45,10 +45,48 @@ LIBRDKAFKA_LOG.setLevel(logging.ERROR)
 LIBRDKAFKA_LOG.addFilter(_OncePerMessage())
 
 
+#: Environment variable -> librdkafka setting, for the security settings every client takes.
+SECURITY_ENVIRONMENT = {
+    "KVSTREAM_SECURITY_PROTOCOL": "security.protocol",  # PLAINTEXT (default), SSL, SASL_PLAINTEXT, SASL_SSL
+    "KVSTREAM_SASL_MECHANISM": "sasl.mechanism",  # e.g. SCRAM-SHA-512, SCRAM-SHA-256, PLAIN
+    "KVSTREAM_SASL_USERNAME": "sasl.username",
+    "KVSTREAM_SASL_PASSWORD": "sasl.password",
+    "KVSTREAM_SSL_CA_LOCATION": "ssl.ca.location",  # CA certificate (PEM) that signed the brokers'
+    "KVSTREAM_SSL_CERTIFICATE_LOCATION": "ssl.certificate.location",  # client certificate (PEM), for mTLS
+    "KVSTREAM_SSL_KEY_LOCATION": "ssl.key.location",  # client key (PEM), for mTLS
+}
+
+
+def security_config() -> dict:
+    """The security settings given in the environment (:data:`SECURITY_ENVIRONMENT`), as librdkafka settings.
+
+    Read at each call, never logged. Empty when none is set (PLAINTEXT).
+    """
+    return {key: os.environ[name] for name, key in SECURITY_ENVIRONMENT.items() if os.environ.get(name)}
+
+
+def aiokafka_security() -> dict:
+    """The same security settings as keyword arguments of aiokafka clients."""
+    settings = security_config()
+    kwargs: dict = {}
+    if "security.protocol" in settings:
+        kwargs["security_protocol"] = settings["security.protocol"].upper()
+    if "sasl.mechanism" in settings:
+        kwargs.update(sasl_mechanism=settings["sasl.mechanism"], sasl_plain_username=settings.get("sasl.username"),
+                      sasl_plain_password=settings.get("sasl.password"))
+    if kwargs.get("security_protocol", "").endswith("SSL"):
+        from aiokafka.helpers import create_ssl_context
+
+        kwargs["ssl_context"] = create_ssl_context(cafile=settings.get("ssl.ca.location"),
+                                                   certfile=settings.get("ssl.certificate.location"),
+                                                   keyfile=settings.get("ssl.key.location"))
+    return kwargs
+
+
 def client_config(bootstrap_servers: str = DEFAULT_BOOTSTRAP_SERVERS, **overrides) -> dict:
-    """Base librdkafka settings for any confluent-kafka client of the project."""
+    """Base librdkafka settings for any confluent-kafka client of the project, security included."""
     return {"bootstrap.servers": bootstrap_servers, "client.id": "kvstream", "logger": LIBRDKAFKA_LOG,
-            "log.connection.close": False, **overrides}
+            "log.connection.close": False, **security_config(), **overrides}
 
 
 def producer_config(bootstrap_servers: str = DEFAULT_BOOTSTRAP_SERVERS, **overrides) -> dict:

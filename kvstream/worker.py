@@ -26,7 +26,7 @@ from aiokafka.errors import KafkaError
 from confluent_kafka import KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
-from kvstream.kafka_config import DEFAULT_PARTITIONS, client_config, ensure_topics
+from kvstream.kafka_config import DEFAULT_PARTITIONS, aiokafka_security, client_config, ensure_topics
 from schemas.topics import KV_EVENTS, by_ownership_topic
 
 #: Default Faust app id: the consumer group and the prefix of changelog topics.
@@ -166,7 +166,7 @@ def group_progress(bootstrap_servers: str, group: str, topics: list[str],
 
 async def _committed_offsets(bootstrap_servers: str, group: str,
                              partitions: list[TopicPartition]) -> dict[tuple[str, int], int]:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers)
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers, **aiokafka_security())
     await admin.start()
     try:
         offsets = await admin.list_consumer_group_offsets(

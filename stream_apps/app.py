@@ -100,6 +100,21 @@ codecs.register("kv_clear_watermark", _AvroFaustCodec("clear_watermark"))
 codecs.register("kv_tier_occupancy", _AvroFaustCodec("tier_occupancy"))
 codecs.register("kv_source_status", _AvroFaustCodec("source_status"))
 
+def _broker_credentials():
+    """Faust credentials from the security environment (kvstream.kafka_config.SECURITY_ENVIRONMENT)."""
+    from kvstream.kafka_config import aiokafka_security
+
+    settings = aiokafka_security()
+    protocol = settings.get("security_protocol", "PLAINTEXT")
+    if protocol.startswith("SASL"):
+        return faust.SASLCredentials(username=settings["sasl_plain_username"],
+                                     password=settings["sasl_plain_password"], mechanism=settings["sasl_mechanism"],
+                                     ssl_context=settings.get("ssl_context"))
+    if protocol == "SSL":
+        return faust.SSLCredentials(settings["ssl_context"])
+    return None
+
+
 app = faust.App(
     os.environ.get("KVSTREAM_APP_ID", "kvstream"),
     broker=[f"kafka://{server}" for server in BOOTSTRAP_SERVERS.split(",")],
@@ -113,6 +128,7 @@ app = faust.App(
     web_host=os.environ.get("KVSTREAM_WEB_HOST", "127.0.0.1"),
     key_serializer="raw",
     value_serializer="raw",
+    broker_credentials=_broker_credentials(),
 )
 
 kv_events = app.topic(KV_EVENTS, key_type=bytes, value_type=bytes, partitions=PARTITIONS)

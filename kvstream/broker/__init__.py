@@ -298,7 +298,7 @@ def _running_pid(data_dir: Path) -> int | None:
 
 def _configured_port(props: Path) -> int | None:
     try:
-        m = re.search(r"^advertised\.listeners=PLAINTEXT://[^:]+:(\d+)", props.read_text(), re.M)
+        m = re.search(r"^advertised\.listeners=(?:SASL_)?PLAINTEXT://[^:]+:(\d+)", props.read_text(), re.M)
     except OSError:
         return None
     return int(m.group(1)) if m else None
@@ -321,7 +321,7 @@ def _port_in_use(port: int) -> bool:
     return False
 
 
-def _answers(bootstrap: str) -> bool:
+def _answers(bootstrap: str, client: dict | None = None) -> bool:
     """True if a Kafka broker at ``bootstrap`` returns metadata within ~1 s."""
     host, port = bootstrap.rsplit(":", 1)
     try:  # cheap TCP probe first: keeps librdkafka from logging "connection refused"
@@ -331,7 +331,7 @@ def _answers(bootstrap: str) -> bool:
     from confluent_kafka.admin import AdminClient
 
     try:
-        AdminClient({"bootstrap.servers": bootstrap}).list_topics(timeout=1)
+        AdminClient({"bootstrap.servers": bootstrap, **(client or {})}).list_topics(timeout=1)
         return True
     except Exception:  # KafkaException while the broker is still starting
         return False
@@ -376,6 +376,7 @@ def start(
     data_dir: Path = DEFAULT_DATA_DIR,
     timeout_s: float = 90,
     heap: str = "-Xms512m -Xmx1g",
+    scram_user: tuple[str, str] | None = None,
 ) -> BrokerStatus:
     """Start the broker of ``data_dir`` on 127.0.0.1:``port`` and wait until it answers.
 
@@ -387,6 +388,10 @@ def start(
         timeout_s: Seconds to wait for the broker to answer a metadata request
             (excluding the one-time jar download).
         heap: JVM heap options, split like a shell command line.
+        scram_user: ``(name, password)``: clients must then authenticate with SASL SCRAM-SHA-512 on
+            ``port`` (SASL_PLAINTEXT); the user is created when the storage is formatted (a data dir
+            formatted without it keeps no user). Brokers talk to each other on a PLAINTEXT listener of
+            their own.
 
     Returns:
         The broker's :class:`BrokerStatus`. If the broker of this data dir is
@@ -415,7 +420,8 @@ def start(
                     f"The broker of {d} is already running on port {current.port} (pid {current.pid}), "
                     f"not on {port}. Stop it first: kvstream broker stop --data-dir {d}"
                 )
-            _wait_until_ready(current.pid, bootstrap, log_file, timeout_s, proc=None)
+            _wait_until_ready(current.pid, bootstrap, log_file, timeout_s, proc=None,
+                              client=_scram_client(scram_user))
             return status(d)
         pid_file.unlink(missing_ok=True)
 
@@ -429,7 +435,9 @@ def start(
             while controller_port == port:
                 controller_port = _free_port()
             _write_server_properties(props, port, controller_port, d / "data")
-            _format_storage(libs, props, d)
+            if scram_user is not None:
+                _require_scram(props, port)
+            _format_storage(libs, props, d, scram_user)
             log_file.parent.mkdir(parents=True, exist_ok=True)
             with open(log_file, "ab") as out:
                 banner = f"\n===== kvstream: starting Kafka {KAFKA_VERSION} on {bootstrap} at {time.ctime()} =====\n"
@@ -446,7 +454,8 @@ def start(
                 )
             pid_file.write_text(f"{proc.pid}\n")
             try:
-                _wait_until_ready(proc.pid, bootstrap, log_file, timeout_s, proc=proc)
+                _wait_until_ready(proc.pid, bootstrap, log_file, timeout_s, proc=proc,
+                                  client=_scram_client(scram_user))
                 return status(d)
             except BrokerError as exc:
                 pid_file.unlink(missing_ok=True)
@@ -462,7 +471,39 @@ def _write_server_properties(props: Path, port: int, controller_port: int, log_d
     props.write_text(template.substitute(port=port, controller_port=controller_port, log_dirs=log_dirs))
 
 
-def _format_storage(libs: Path, props: Path, d: Path) -> None:
+def _scram_client(scram_user: tuple[str, str] | None) -> dict:
+    """librdkafka settings that authenticate as ``scram_user`` (none for a PLAINTEXT broker)."""
+    if scram_user is None:
+        return {}
+    return {"security.protocol": "SASL_PLAINTEXT", "sasl.mechanism": "SCRAM-SHA-512",
+            "sasl.username": scram_user[0], "sasl.password": scram_user[1]}
+
+
+def _require_scram(props: Path, port: int) -> None:
+    """Make the client listener SASL_PLAINTEXT with SCRAM-SHA-512; brokers use a PLAINTEXT listener of their own."""
+    internal_port = _free_port()
+    lines = []
+    for line in props.read_text().splitlines():
+        if line.startswith("listeners="):
+            line = line.replace(f"PLAINTEXT://127.0.0.1:{port}",
+                                f"SASL_PLAINTEXT://127.0.0.1:{port},INTERNAL://127.0.0.1:{internal_port}")
+        elif line.startswith("advertised.listeners="):
+            line = (f"advertised.listeners=SASL_PLAINTEXT://127.0.0.1:{port},"
+                    f"INTERNAL://127.0.0.1:{internal_port}")
+        elif line.startswith("inter.broker.listener.name="):
+            line = "inter.broker.listener.name=INTERNAL"
+        elif line.startswith("listener.security.protocol.map="):
+            line = ("listener.security.protocol.map=CONTROLLER:PLAINTEXT,INTERNAL:PLAINTEXT,"
+                    "SASL_PLAINTEXT:SASL_PLAINTEXT")
+        lines.append(line)
+    lines.append("sasl.enabled.mechanisms=SCRAM-SHA-512")
+    # the server side of SCRAM needs a login module but no credentials of its own (brokers use INTERNAL)
+    lines.append("listener.name.sasl_plaintext.scram-sha-512.sasl.jaas.config="
+                 "org.apache.kafka.common.security.scram.ScramLoginModule required;")
+    props.write_text("\n".join(lines) + "\n")
+
+
+def _format_storage(libs: Path, props: Path, d: Path, scram_user: tuple[str, str] | None = None) -> None:
     """Format the KRaft storage of ``d`` once (a new cluster id); no-op if already formatted."""
     if (d / "data" / "meta.properties").exists():
         return
@@ -471,13 +512,16 @@ def _format_storage(libs: Path, props: Path, d: Path) -> None:
         cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
     cmd = _java_cmd("kafka.tools.StorageTool", _TOOL_JVM_FLAGS, _TOOLS_LOG4J, libs)
     cmd += ["format", "--ignore-formatted", "-t", cluster_id, "-c", str(props)]
+    if scram_user is not None:  # KRaft keeps SCRAM users in its metadata: they are created with the cluster
+        cmd += ["--add-scram", f"SCRAM-SHA-512=[name={scram_user[0]},password={scram_user[1]}]"]
     proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True)
     if proc.returncode != 0:
         raise BrokerError(f"Formatting the Kafka storage in {d / 'data'} failed:\n{_tail(proc.stdout + proc.stderr)}")
 
 
 def _wait_until_ready(
-    pid: int, bootstrap: str, log_file: Path, timeout_s: float, proc: subprocess.Popen | None
+    pid: int, bootstrap: str, log_file: Path, timeout_s: float, proc: subprocess.Popen | None,
+    client: dict | None = None,
 ) -> None:
     """Poll until ``bootstrap`` answers; BrokerError if ``pid`` dies or ``timeout_s`` passes (then stop it)."""
     deadline = time.monotonic() + timeout_s
@@ -489,7 +533,7 @@ def _wait_until_ready(
                 f"The Kafka broker (pid {pid}) exited{code} during start-up. "
                 f"Last lines of {log_file}:\n{_log_tail(log_file)}"
             )
-        if _answers(bootstrap):
+        if _answers(bootstrap, client or {}):
             return
         time.sleep(0.25)
     _terminate(pid, grace_s=10)
