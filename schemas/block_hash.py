@@ -47,13 +47,6 @@ def canonical_block_hash(value: int | bytes | bytearray | memoryview) -> bytes:
     raise InvalidBlockHash(f"block hash of type {type(value).__name__} (expected int or bytes)")
 
 
-def hash_encoding_of(value: int | bytes) -> str:
-    """Name the wire type of an engine hash: ``UINT64``, ``INT64`` (negative ints) or ``BYTES``."""
-    if isinstance(value, int):
-        return "INT64" if value < 0 else "UINT64"
-    return "BYTES"
-
-
 def original_block_hash(canonical: bytes, encoding: str) -> int | bytes:
     """Rebuild the value the engine sent from its canonical bytes and ``hash_encoding``.
 

@@ -401,7 +401,8 @@ def _materialize_one(partition: int, item: dict, record: dict, touched: dict[str
         touched.clear()
         _apply_source_event(partition, record, occupancy)
         return
-    epoch = publisher_epochs.get(_publisher_key(partition, record))
+    publisher = _publisher_key(partition, record)
+    epoch = publisher_epochs.get(publisher)
     if epoch is not None and record["publisher_epoch"] < epoch["publisher_epoch"]:
         stats.retired_late += 1
         return
@@ -411,7 +412,7 @@ def _materialize_one(partition: int, item: dict, record: dict, touched: dict[str
     entry, delta, copies = apply_block_event(entry, record, mark, watermark, SOURCES.clear_tiers(instance), stats,
                                              SOURCES.aggregation.get(instance))
     touched[key] = entry
-    seen = _batch_sources.setdefault(_publisher_key(partition, record), {"record": record, "count": 0})
+    seen = _batch_sources.setdefault(publisher, {"record": record, "count": 0})
     seen["record"], seen["count"] = record, seen["count"] + 1
     if delta:
         occupancy[(body["ownership"], record["tier"], record["instance_id"])] += delta

@@ -109,12 +109,6 @@ def key_partition(key: str, partitions: int) -> int:
     return (murmur2(key.encode()) & 0x7FFFFFFF) % partitions
 
 
-def split_residency_key(key: str) -> tuple[str | None, bytes]:
-    """Inverse of :func:`residency_key`: (ownership or None, block hash bytes)."""
-    prefix, _, hex_hash = key.rpartition("/")
-    return (None if prefix == PRIMARY else prefix), bytes.fromhex(hex_hash)
-
-
 @dataclass
 class ApplyStats:
     """Counters of what :func:`apply_block_event` did, cumulative per stream app worker."""

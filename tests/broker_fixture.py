@@ -65,7 +65,8 @@ def _docker_available() -> bool:
         return False
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for brokers and workers of the tests)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -86,7 +87,7 @@ def _start_backend(config: pytest.Config, tmp_path_factory: pytest.TempPathFacto
         return KafkaBackend("docker", container.get_bootstrap_server())
     data_dir = tmp_path_factory.mktemp("kafka-broker")
     config.add_cleanup(lambda: stop(data_dir))  # registered first: also runs if start() fails
-    status = start(port=_free_port(), data_dir=data_dir)
+    status = start(port=free_port(), data_dir=data_dir)
     return KafkaBackend("embedded", status.bootstrap_servers, data_dir)
 
 

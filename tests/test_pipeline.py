@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -27,6 +26,7 @@ from producers.split import Publisher, split_event
 from schemas import AvroCodec
 from schemas.topics import KV_EVENTS, KV_EVENTS_DEAD_LETTER, KV_RESIDENCY_CHANGES, KV_TIER_OCCUPANCY
 from stream_apps.snapshot import changelog_topic, compare_rows, read_table, resident_rows
+from tests.broker_fixture import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -105,12 +105,6 @@ def _removal_without_hash() -> bytes:
     return AvroCodec("kv_event").encode({**record, "block_hash": None})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=30) as response:
         return json.loads(response.read())
@@ -128,7 +122,7 @@ def pipeline(kafka_bootstrap, tmp_path_factory):
     garbage.produce(KV_EVENTS, key=b"no-hash", value=_removal_without_hash(), partition=0)
     garbage.flush(30)
     work = tmp_path_factory.mktemp("worker")
-    options = WorkerOptions(kafka_bootstrap, web_port=_free_port(), data_dir=work / "data", partitions=PARTITIONS,
+    options = WorkerOptions(kafka_bootstrap, web_port=free_port(), data_dir=work / "data", partitions=PARTITIONS,
                             app_id="kvstream-test")
     process = spawn_worker(options, work / "worker.log")
     try:
@@ -405,7 +399,7 @@ def test_two_workers_share_the_partitions_and_forward_lookups(pipeline, kafka_bo
     Last in the module: while the group rebalances after the second worker leaves, lookups answer 503.
     """
     first = pipeline["options"]
-    second = WorkerOptions(kafka_bootstrap, web_port=_free_port(), data_dir=pipeline["work"] / "data-2",
+    second = WorkerOptions(kafka_bootstrap, web_port=free_port(), data_dir=pipeline["work"] / "data-2",
                            partitions=PARTITIONS, app_id=first.app_id)
     process = spawn_worker(second, pipeline["work"] / "worker-2.log")
     urls = [pipeline["url"], f"http://127.0.0.1:{second.web_port}"]
@@ -433,7 +427,7 @@ def test_two_workers_share_the_partitions_and_forward_lookups(pipeline, kafka_bo
 
 def test_case3_with_clear_scope_all_the_clear_also_removes_offloaded_copies(pipeline, kafka_bootstrap):
     """A second app (its own id, tables and re-keyed topic) over the same kv-events, with --clear-scope all."""
-    options = WorkerOptions(kafka_bootstrap, web_port=_free_port(), data_dir=pipeline["work"] / "data-all",
+    options = WorkerOptions(kafka_bootstrap, web_port=free_port(), data_dir=pipeline["work"] / "data-all",
                             partitions=PARTITIONS, app_id="kvstream-test-all", clear_scope="all")
     process = spawn_worker(options, pipeline["work"] / "worker-all.log")
     try:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import uuid
 
 import pytest
@@ -16,23 +15,18 @@ from producers.kafka_sink import KvEventProducer
 from producers.simulator import FleetConfig, load_trace, replay_to_kafka
 from schemas.topics import KV_EVENTS
 from stream_apps.snapshot import changelog_topic, compare_rows, read_table, resident_rows
+from tests.broker_fixture import free_port
 
 pytestmark = pytest.mark.integration
 
 USER, PASSWORD = "kvstream-test", f"pw-{uuid.uuid4().hex}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def scram_bootstrap(tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("scram-broker")
     try:
-        status = broker.start(port=_free_port(), data_dir=data_dir, scram_user=(USER, PASSWORD))
+        status = broker.start(port=free_port(), data_dir=data_dir, scram_user=(USER, PASSWORD))
         with pytest.MonkeyPatch.context() as env:  # every client of the project reads these
             env.setenv("KVSTREAM_SECURITY_PROTOCOL", "SASL_PLAINTEXT")
             env.setenv("KVSTREAM_SASL_MECHANISM", "SCRAM-SHA-512")
@@ -57,7 +51,7 @@ def test_pipeline_runs_with_scram_and_never_logs_the_password(scram_bootstrap):
     fleet = FleetConfig(gpu_blocks=600, cpu_blocks=900, kvcr_blocks=1200, clear_instance=None)
     result = replay_to_kafka(load_trace(limit=150), KvEventProducer(bootstrap, KV_EVENTS), fleet)
     log_file = data_dir / "worker.log"
-    options = WorkerOptions(bootstrap, web_port=_free_port(), data_dir=data_dir / "worker", partitions=2,
+    options = WorkerOptions(bootstrap, web_port=free_port(), data_dir=data_dir / "worker", partitions=2,
                             app_id="kvstream-scram")
     process = spawn_worker(options, log_file)
     try:
