@@ -28,6 +28,7 @@ from confluent_kafka.admin import AdminClient, OffsetSpec
 
 from kvstream.kafka_config import DEFAULT_PARTITIONS, aiokafka_security, client_config, ensure_topics
 from schemas.topics import KV_EVENTS, by_ownership_topic
+from stream_apps.repartition import repartition_group
 
 #: Default Faust app id: the consumer group and the prefix of changelog topics.
 DEFAULT_APP_ID = "kvstream"
@@ -164,6 +165,17 @@ def group_progress(bootstrap_servers: str, group: str, topics: list[str],
         raise RuntimeError(f"could not read consumer group {group}: {exc}") from None
 
 
+def app_progress(bootstrap_servers: str, app_id: str, admin: AdminClient | None = None) -> dict[str, GroupProgress]:
+    """Progress of both stages: kv-events (repartition group) and the re-keyed topic (the app's group).
+
+    Raises:
+        RuntimeError: as :func:`group_progress`.
+    """
+    admin = admin or AdminClient(client_config(bootstrap_servers))
+    return {**group_progress(bootstrap_servers, repartition_group(app_id), [KV_EVENTS], admin),
+            **group_progress(bootstrap_servers, app_id, [by_ownership_topic(app_id)], admin)}
+
+
 async def _committed_offsets(bootstrap_servers: str, group: str,
                              partitions: list[TopicPartition]) -> dict[tuple[str, int], int]:
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers, **aiokafka_security())
@@ -178,7 +190,10 @@ async def _committed_offsets(bootstrap_servers: str, group: str,
 
 def wait_until_consumed(bootstrap_servers: str, group: str, process: subprocess.Popen | None, *,
                         timeout_s: float, on_progress=None, poll_s: float = 1.0) -> float:
-    """Wait until ``group`` (the app id) has committed everything in kv-events and its re-keyed topic.
+    """Wait until the app ``group`` (the app id) has committed everything in kv-events and its re-keyed topic.
+
+    kv-events is read by the repartition stage's group ``<app id>-repartition``
+    (:func:`stream_apps.repartition.repartition_group`), the re-keyed topic by the app's own group.
 
     Args:
         process: the worker; if it exits meanwhile, this raises.
@@ -192,13 +207,12 @@ def wait_until_consumed(bootstrap_servers: str, group: str, process: subprocess.
         TimeoutError: not consumed within ``timeout_s``.
     """
     started = time.monotonic()
-    topics = [KV_EVENTS, by_ownership_topic(group)]
     admin = AdminClient(client_config(bootstrap_servers))
     while True:
         if process is not None and process.poll() is not None:
             raise RuntimeError(f"the stream-app worker exited with code {process.returncode}")
         try:
-            progress = group_progress(bootstrap_servers, group, topics, admin)
+            progress = app_progress(bootstrap_servers, group, admin)
         except RuntimeError as exc:  # e.g. the group coordinator is still loading: ask again
             if time.monotonic() - started > timeout_s:
                 raise TimeoutError(f"consumer group {group} unreadable after {timeout_s:.0f}s: {exc}") from None

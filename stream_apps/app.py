@@ -3,19 +3,22 @@
 Topology (DESIGN.md "Data flow"), one module so ``faust -A stream_apps.app
 worker`` finds everything:
 
-1. ``repartition_by_ownership`` (agent on ``kv-events``, keyed by block hash):
-   re-keys every event by ``<ownership or primary>/<block hash hex>`` into
-   ``<app id>-kv-events-by-ownership``, so each ownership has its own key space while the
-   load stays spread over every partition. Events are forwarded in batches,
-   one ``ownership_batch`` message per destination partition (the partition
-   Kafka's murmur2 gives each key), because a Faust send per event costs more
-   than processing it. Each event is stamped with its source's latest
-   ``AllBlocksCleared`` seen on its upstream partition (``clear_mark``),
-   because after re-keying a clear's copy and a block's events can arrive in
-   either order. Clears (one copy per upstream partition) go to the same
-   partition number downstream.
-2. ``materialize_residency`` (agent on the re-keyed topic): applies each
-   event to the ``residency`` table (changelog-backed) with
+1. The repartition stage (:mod:`stream_apps.repartition`, a confluent-kafka
+   consumer loop in a thread of the worker, consumer group
+   ``<app id>-repartition``): re-keys every event of ``kv-events`` by
+   ``<ownership or primary>/<block hash hex>`` into
+   ``<app id>-kv-events-by-ownership``, so each ownership has its own key space
+   while the load stays spread over every partition. Events are forwarded in
+   batches, one ``ownership_batch`` message per destination partition (the
+   partition Kafka's murmur2 gives each key), each event stamped with its
+   source's latest ``AllBlocksCleared`` before it on its upstream partition
+   (``clear_mark``), because after re-keying a clear's copy and a block's
+   events can arrive in either order. It runs outside Faust because Faust
+   spends about 70 µs per consumed message, and every block event is a message.
+2. ``materialize_residency`` (Faust agent on the re-keyed topic, consumer
+   group ``<app id>``): applies each event to the ``residency`` table
+   (changelog-backed; each touched key written once per batch message, see
+   :class:`_ResidencyStore`) with
    :mod:`stream_apps.residency`, aggregating the reports of a source's workers
    inside each row; keeps ``tier-occupancy`` (a global table of resident
    blocks per partition, ownership, tier and instance) in step; applies the
@@ -47,14 +50,15 @@ import logging
 import os
 import time
 import types
-import weakref
 from collections import defaultdict
 from urllib.parse import quote
 
 import aiohttp
 import faust
+import faust.stores.memory
+import mode
 from faust.serializers import codecs
-from faust.streams import _current_event
+from faust.types import TP
 
 from schemas import (ALL_BLOCKS_CLEARED, PUBLISHER_RESTARTED, SOURCE_STALE, SOURCE_WIDE_EVENTS, AvroCodec, DecodeError,
                      InvalidBlockHash, parse_hex_block_hash)
@@ -63,6 +67,7 @@ from schemas.topics import (KV_EVENTS, KV_EVENTS_DEAD_LETTER, KV_RESIDENCY_CHANG
 from stream_apps.residency import (NO_CLEAR, PRIMARY, ApplyStats, SourceSettings, apply_block_event,
                                    apply_clear, key_partition, mark_record, parse_tier_weights, prefix_match,
                                    residency_key, retire_epoch)
+from stream_apps.repartition import Repartitioner, source_clears_topic
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +77,7 @@ PARTITIONS = int(os.environ.get("KVSTREAM_PARTITIONS", "8"))
 SOURCES = SourceSettings.parse(os.environ.get("KVSTREAM_CLEAR_SCOPE", "gpu"), os.environ.get("KVSTREAM_AGGREGATION", ""))
 ERROR_HEADER = "kvstream-error"
 #: Stage 1 reads up to this many events, or what arrived within REPARTITION_WITHIN_S, per batch.
-REPARTITION_BATCH = int(os.environ.get("KVSTREAM_REPARTITION_BATCH", "4000"))
+REPARTITION_BATCH = int(os.environ.get("KVSTREAM_REPARTITION_BATCH", "10000"))
 REPARTITION_WITHIN_S = float(os.environ.get("KVSTREAM_REPARTITION_WITHIN_S", "0.2"))
 #: Tier weights of POST /prefix-match/ (``GPU=1.0,CPU=0.8,STORAGE=0.5``; other tiers 0.25).
 TIER_WEIGHTS = parse_tier_weights(os.environ.get("KVSTREAM_TIER_WEIGHTS", ""))
@@ -131,7 +136,6 @@ app = faust.App(
     broker_credentials=_broker_credentials(),
 )
 
-kv_events = app.topic(KV_EVENTS, key_type=bytes, value_type=bytes, partitions=PARTITIONS)
 kv_events_by_ownership = app.topic(by_ownership_topic(app.conf.id), key_type=bytes, value_type=bytes,
                                    partitions=PARTITIONS, internal=True)
 dead_letter = app.topic(KV_EVENTS_DEAD_LETTER, key_type=bytes, value_type=bytes, partitions=1, internal=True)
@@ -167,9 +171,6 @@ def _avro_table(name: str, codec_name: str, help: str, table=None):
 #: '<ownership or primary>/<block hash hex>' -> ResidencyEntry (schemas/residency_v1.avsc).
 residency = _avro_table("residency", "kv_residency",
                         "Where each block of each ownership is resident, one row per residency identity.")
-#: '<kv-events partition>/<instance>/<dp rank>' -> latest clear of that source seen on that upstream partition.
-source_clears = _avro_table("source-clears", "kv_clear_watermark",
-                            "Latest AllBlocksCleared per source and kv-events partition.")
 #: '<by-ownership partition>/<instance>/<dp rank>' -> latest clear applied on that partition.
 clear_watermarks = _avro_table("clear-watermarks", "kv_clear_watermark",
                                "Latest AllBlocksCleared applied per source and partition.")
@@ -217,15 +218,20 @@ class _OutputTopics:
             "data_parallel_rank": row["data_parallel_rank"], "tier": row["tier"], "medium": row.get("medium"),
             "locality": row["locality"], "group_idx": row["group_idx"], "resident": resident, "copies": copies,
             "ts": ts, "cause": cause})
-        self._produce(KV_RESIDENCY_CHANGES, block_hash, value)
+        self.produce(KV_RESIDENCY_CHANGES, block_hash, value)
 
     def occupancy(self, key: str, value: dict) -> None:
-        self._produce(KV_TIER_OCCUPANCY, key.encode(), occupancy_codec.encode(value))
+        self.produce(KV_TIER_OCCUPANCY, key.encode(), occupancy_codec.encode(value))
 
-    def _produce(self, topic: str, key: bytes, value: bytes) -> None:
+    def produce(self, topic: str, key: bytes, value: bytes | None, partition: int | None = None,
+                on_delivery=None) -> None:
+        """Enqueue one record (``partition`` None: the key's murmur2 partition); waits while the queue is full."""
+        extra = {} if partition is None else {"partition": partition}
+        if on_delivery is not None:
+            extra["on_delivery"] = on_delivery
         while True:
             try:
-                self.producer.produce(topic, key=key, value=value)
+                self.producer.produce(topic, key=key, value=value, **extra)
                 return
             except BufferError:
                 self.producer.poll(0.05)
@@ -270,63 +276,28 @@ async def _dead_letter(event: faust.EventT, reason: str, key: bytes | None = Non
                                                        f"{event.message.offset}".encode()})
 
 
-def _set_current_event(event: faust.EventT) -> None:
-    """Make ``event`` the current event, so table writes go to its partition's changelog.
+class _RepartitionStage(mode.Service):
+    """Runs stage 1 (:class:`stream_apps.repartition.Repartitioner`) in a thread for the worker's lifetime.
 
-    Inside ``stream.take_events()`` Faust has no current event and a table write
-    raises (faust-streaming issue #497); the stage-1 agent writes its tiny
-    ``source-clears`` table only for AllBlocksCleared events, naming the event.
+    If the stage dies (e.g. the broker refuses its outputs), the worker crashes, so that a supervisor restarts
+    it and the unacknowledged batch is read again.
     """
-    _current_event.set(weakref.ref(event))
+
+    async def on_start(self) -> None:
+        loop = asyncio.get_running_loop()
+
+        def crash(exc: BaseException) -> None:
+            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(app.crash(exc)))
+
+        self.stage = Repartitioner(BOOTSTRAP_SERVERS, app.conf.id, PARTITIONS, counters, batch_size=REPARTITION_BATCH,
+                                   within_s=REPARTITION_WITHIN_S, on_failure=crash)
+        self.stage.start()
+
+    async def on_stop(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.stage.stop)
 
 
-@app.agent(kv_events, name="repartition-by-ownership")
-async def repartition_by_ownership(stream):
-    """Stage 1: re-key kv-events by ownership and block hash, stamping each event with its source's latest clear.
-
-    Events are read in batches and forwarded as one OwnershipBatch message per
-    destination partition (the partition Kafka's murmur2 gives each key), in
-    read order. Offsets are committed only after the producer has flushed
-    (Faust's commit), so delivery is at least once.
-    """
-    async for events in stream.take_events(REPARTITION_BATCH, within=REPARTITION_WITHIN_S):
-        outgoing: dict[int, list[dict]] = defaultdict(list)
-        for event in events:
-            try:
-                _repartition_one(event, event_codec.decode(event.value), outgoing)
-            except (DecodeError, InvalidRecord) as exc:
-                await _dead_letter(event, str(exc))
-        counters["repartitioned"] += len(events)
-        for partition, items in outgoing.items():
-            await kv_events_by_ownership.send(value=batch_codec.encode({"events": items}), partition=partition,
-                                              force=True)
-
-
-class InvalidRecord(ValueError):
-    """A decodable kv_event that breaks the contract (e.g. a block event without a block hash)."""
-
-
-def _repartition_one(event: faust.EventT, record: dict, outgoing: dict[int, list[dict]]) -> None:
-    """Add one kv_event to the batch of its destination partition, with its key and its source's clear mark."""
-    partition = event.message.partition
-    source = _source_key(partition, record)
-    kind, body = record["event"]
-    if kind in SOURCE_WIDE_EVENTS:  # one copy per partition: it stays on its partition number
-        mark = (record["publisher_epoch"], record["seq"], record["batch_index"])
-        if kind == ALL_BLOCKS_CLEARED and mark > _mark_of(source_clears.get(source)):
-            _set_current_event(event)
-            source_clears[source] = _watermark(record)
-        elif kind != ALL_BLOCKS_CLEARED:
-            mark = _mark_of(source_clears.get(source))
-        name = kind.rsplit(".", 1)[-1]
-        outgoing[partition].append({"key": f"{name}/{record['instance_id']}/{record['data_parallel_rank']}",
-                                    "clear_mark": mark_record(mark), "event": event.value})
-        return
-    if record["block_hash"] is None or record["tier"] is None:
-        raise InvalidRecord(f"{kind.rsplit('.', 1)[-1]} without block_hash or tier")
-    key = residency_key(body["ownership"], record["block_hash"])
-    outgoing[partition_of(key)].append(
-        {"key": key, "clear_mark": mark_record(_mark_of(source_clears.get(source))), "event": event.value})
+app.service(_RepartitionStage)
 
 
 def _occupancy_key(partition: int, ownership: str | None, tier: str, instance_id: str) -> str:
@@ -350,6 +321,78 @@ def partition_of(key: str) -> int:
     return key_partition(key, PARTITIONS)
 
 
+class _ResidencyStore:
+    """Reads and writes the ``residency`` table on stage 2's hot path, bypassing Faust's per-key changelog send.
+
+    Faust's ``table[key] = value`` sends one changelog record through its own producer, about 100 µs each,
+    more than applying the event. Here an entry is written to the table's store and its Avro bytes are
+    produced to the table's changelog topic (same key bytes, same value codec, the partition being
+    processed) through the confluent-kafka producer of the output topics, which is flushed after each
+    batch, before the batch's offset can be committed: at least once, as Faust's own table writes. Faust
+    still recovers the table from that changelog, serves standbys from it and routes lookups by key.
+    A RocksDB store also gets the changelog offset it has applied (Faust reads on from there at start).
+    """
+
+    def __init__(self, table) -> None:
+        self.table = table
+        self.codec = AvroCodec("residency")
+        self.topic = table.changelog_topic.get_topic_name()
+        #: Highest changelog offset acknowledged per partition since the last :meth:`persist_offsets`.
+        self._acked: dict[int, int] = {}
+
+    @property
+    def _memory(self) -> bool:
+        return isinstance(self.table.data, faust.stores.memory.Store)
+
+    def get(self, key: str) -> dict | None:
+        """The entry under ``key`` in this worker's store, or None."""
+        return self.table.data.get(key)
+
+    def put(self, partition: int, key: str, entry: dict | None) -> None:
+        """Write ``entry`` (None: delete) to the store and its changelog record to ``partition``."""
+        store = self.table.data
+        raw_key = key.encode()
+        value = None if entry is None else self.codec.encode(entry)
+        if self._memory:
+            if entry is None:
+                store.data.pop(key, None)
+            else:
+                store.data[key] = entry
+            store._key_partition[key] = partition  # lets Faust drop the key when the partition is revoked
+            outputs.produce(self.topic, raw_key, value, partition)
+        else:
+            if entry is None:
+                store._del(raw_key)
+            else:
+                store._set(raw_key, value)
+            outputs.produce(self.topic, raw_key, value, partition, on_delivery=self._on_delivery)
+
+    def _on_delivery(self, error, message) -> None:
+        if error is None:
+            partition = message.partition()
+            self._acked[partition] = max(self._acked.get(partition, -1), message.offset())
+
+    def persist_offsets(self) -> None:
+        """After a flush: tell a RocksDB store which changelog offsets it holds (no-op in memory)."""
+        for partition, offset in self._acked.items():
+            self.table.data.set_persisted_offset(TP(self.topic, partition), offset)
+        self._acked.clear()
+
+    def keys_of(self, partition: int) -> list[str]:
+        """Keys of this worker's store that belong to ``partition`` (a scan: for rare source-wide events).
+
+        Uses the stores' own partition bookkeeping (the memory store's key -> partition map, the RocksDB
+        store's database per partition), so a scan costs one pass over that partition's keys.
+        """
+        store = self.table.data
+        if self._memory:
+            return [key for key, p in list(store._key_partition.items()) if p == partition and key in store.data]
+        return [raw.decode() for raw in store._db_for_partition(partition).keys() if raw != store.offset_key]
+
+
+residency_store = _ResidencyStore(residency)
+
+
 @app.agent(kv_events_by_ownership, name="materialize-residency")
 async def materialize_residency(stream):
     """Stage 2: apply each batch's events to the residency table; write each key once per batch."""
@@ -360,71 +403,119 @@ async def materialize_residency(stream):
             await _dead_letter(event, str(exc))
             continue
         partition = event.message.partition
-        touched: dict[str, dict | None] = {}
-        occupancy: dict[tuple, int] = defaultdict(int)
-        _batch_sources.clear()
+        applier = _BatchApplier(partition)
         for item in batch["events"]:
             try:
-                record = event_codec.decode(item["event"])
-                _materialize_one(partition, item, record, touched, occupancy)
+                applier.apply(item, event_codec.decode(item["event"]))
             except DecodeError as exc:
                 await _dead_letter(event, str(exc), key=item["key"].encode(), value=item["event"])
             except Exception as exc:  # a record this code cannot apply: keep it, say why, go on
                 log.exception("could not apply %s", item["key"])
                 await _dead_letter(event, f"could not apply: {type(exc).__name__}: {exc}",
                                    key=item["key"].encode(), value=item["event"])
-        _write_back(touched)
-        _add_occupancy(partition, occupancy)
-        _note_applied(_batch_sources)
+        applier.finish()
         outputs.flush()
+        residency_store.persist_offsets()
 
 
-def _materialize_one(partition: int, item: dict, record: dict, touched: dict[str, dict | None],
-                     occupancy: dict[tuple, int]) -> None:
-    """Apply one re-keyed event; block entries are collected in ``touched`` and written back once per batch."""
-    counters["materialized"] += 1
-    source = _source_key(partition, record)
-    watermark = _mark_of(clear_watermarks.get(source))
-    mark = _mark_of(item["clear_mark"])
-    kind, body = record["event"]
-    if kind == ALL_BLOCKS_CLEARED:
-        if mark <= watermark:
-            stats.duplicates += 1
+class _BatchApplier:
+    """Applies one stage-2 batch message (one partition) and writes each touched key once at the end.
+
+    Small per-batch caches spare a Faust table lookup per event: clear watermarks per source and publisher
+    epochs per publisher (both change only through source-wide events, which are applied in order here).
+    """
+
+    def __init__(self, partition: int) -> None:
+        self.partition = partition
+        #: Residency key -> entry (None: deleted), written back at :meth:`finish` or before a source-wide event.
+        self.touched: dict[str, dict | None] = {}
+        #: (ownership, tier, instance) -> change of resident blocks.
+        self.occupancy: dict[tuple, int] = defaultdict(int)
+        #: Publisher key -> {"record": newest, "count": events}.
+        self.publishers: dict[str, dict] = {}
+        #: Touched keys that were absent from the store: deleting one again writes nothing (no tombstone).
+        self.new_keys: set[str] = set()
+        self._watermarks: dict[str, tuple[int, int, int]] = {}
+        self._epochs: dict[str, int | None] = {}
+
+    def _watermark(self, source: str) -> tuple[int, int, int]:
+        mark = self._watermarks.get(source)
+        if mark is None:
+            mark = self._watermarks[source] = _mark_of(clear_watermarks.get(source))
+        return mark
+
+    def _retired_epoch(self, publisher: str) -> int | None:
+        if publisher not in self._epochs:
+            known = publisher_epochs.get(publisher)
+            self._epochs[publisher] = None if known is None else known["publisher_epoch"]
+        return self._epochs[publisher]
+
+    def write_back(self) -> None:
+        """Write every touched entry to the table (one changelog record per key)."""
+        new_keys = self.new_keys
+        for key, entry in self.touched.items():
+            if entry is not None or key not in new_keys:
+                residency_store.put(self.partition, key, entry)
+        self.touched.clear()
+        new_keys.clear()
+
+    def finish(self) -> None:
+        """Write the batch's entries, occupancy changes and per-publisher activity."""
+        self.write_back()
+        _add_occupancy(self.partition, self.occupancy)
+        _note_applied(self.publishers)
+
+    def apply(self, item: dict, record: dict) -> None:
+        """Apply one re-keyed event (``item`` from the ownership batch, ``record`` its decoded kv_event)."""
+        counters["materialized"] += 1
+        partition = self.partition
+        source = f"{partition}/{record['instance_id']}/{record['data_parallel_rank']}"
+        watermark = self._watermark(source)
+        mark = _mark_of(item["clear_mark"])
+        kind, body = record["event"]
+        if kind in SOURCE_WIDE_EVENTS:
+            self.write_back()  # source-wide events scan the stored entries
+            self._watermarks.clear()
+            self._epochs.clear()
+            if kind == ALL_BLOCKS_CLEARED:
+                if mark <= watermark:
+                    stats.duplicates += 1
+                    return
+                clear_watermarks[source] = _watermark(record)
+                _apply_clear_on_partition(partition, record, mark, self.occupancy)
+            else:
+                _apply_source_event(partition, record, self.occupancy)
             return
-        clear_watermarks[source] = _watermark(record)
-        _write_back(touched)
-        touched.clear()
-        _apply_clear_on_partition(partition, record, mark, occupancy)
-        return
-    if kind in (PUBLISHER_RESTARTED, SOURCE_STALE):
-        _write_back(touched)
-        touched.clear()
-        _apply_source_event(partition, record, occupancy)
-        return
-    publisher = _publisher_key(partition, record)
-    epoch = publisher_epochs.get(publisher)
-    if epoch is not None and record["publisher_epoch"] < epoch["publisher_epoch"]:
-        stats.retired_late += 1
-        return
-    key = item["key"]
-    entry = touched[key] if key in touched else residency.get(key)
-    instance = record["instance_id"]
-    entry, delta, copies = apply_block_event(entry, record, mark, watermark, SOURCES.clear_tiers(instance), stats,
-                                             SOURCES.aggregation.get(instance))
-    touched[key] = entry
-    seen = _batch_sources.setdefault(publisher, {"record": record, "count": 0})
-    seen["record"], seen["count"] = record, seen["count"] + 1
-    if delta:
-        occupancy[(body["ownership"], record["tier"], record["instance_id"])] += delta
-        row = {"instance_id": record["instance_id"], "data_parallel_rank": record["data_parallel_rank"],
-               "tier": record["tier"], "medium": body["medium"], "locality": body["locality"],
-               "group_idx": body["group_idx"]}
-        outputs.change(record["block_hash"], body["ownership"], row, delta > 0, copies, record["ts"],
-                       kind.rsplit(".", 1)[-1])
-
-
-#: Publishers seen in the stage-2 batch being applied: publisher key -> {"record": newest, "count": n}.
-_batch_sources: dict[str, dict] = {}
+        worker = record["worker_rank"]
+        publisher = f"{source}/{-1 if worker is None else worker}"
+        retired = self._retired_epoch(publisher)
+        if retired is not None and record["publisher_epoch"] < retired:
+            stats.retired_late += 1
+            return
+        key = item["key"]
+        touched = self.touched
+        if key in touched:
+            entry = touched[key]
+        else:
+            entry = residency_store.get(key)
+            if entry is None:
+                self.new_keys.add(key)
+        instance = record["instance_id"]
+        entry, delta, copies = apply_block_event(entry, record, mark, watermark, SOURCES.clear_tiers(instance), stats,
+                                                 SOURCES.aggregation.get(instance))
+        touched[key] = entry
+        seen = self.publishers.get(publisher)
+        if seen is None:
+            seen = self.publishers[publisher] = {"record": record, "count": 0}
+        seen["record"] = record
+        seen["count"] += 1
+        if delta:
+            self.occupancy[(body["ownership"], record["tier"], instance)] += delta
+            row = {"instance_id": instance, "data_parallel_rank": record["data_parallel_rank"],
+                   "tier": record["tier"], "medium": body["medium"], "locality": body["locality"],
+                   "group_idx": body["group_idx"]}
+            outputs.change(record["block_hash"], body["ownership"], row, delta > 0, copies, record["ts"],
+                           kind.rsplit(".", 1)[-1])
 
 
 def _publisher_key(partition: int, record: dict) -> str:
@@ -502,14 +593,6 @@ def source_rows(now: float | None = None) -> list[dict]:
     return rows
 
 
-def _write_back(touched: dict[str, dict | None]) -> None:
-    for key, entry in touched.items():
-        if entry is not None:
-            residency[key] = entry
-        elif key in residency:
-            del residency[key]
-
-
 def _rewrite_partition(partition: int, instance: str, occupancy: dict[tuple, int], rewrite, ts: float,
                        cause: str) -> int:
     """Rewrite every residency entry of this partition with ``rewrite(entry) -> (entry, stopped rows, changed)``.
@@ -518,13 +601,13 @@ def _rewrite_partition(partition: int, instance: str, occupancy: dict[tuple, int
     written (one changelog record each). Returns the number of rows that stopped being resident.
     """
     stopped_total = 0
-    for key in [k for k in residency.keys() if partition_of(k) == partition]:
-        entry = residency[key]
+    for key in residency_store.keys_of(partition):
+        entry = residency_store.get(key)
+        if entry is None:
+            continue
         new_entry, stopped, changed = rewrite(entry)
-        if new_entry is None:
-            del residency[key]
-        elif changed:
-            residency[key] = new_entry
+        if new_entry is None or changed:
+            residency_store.put(partition, key, new_entry)
         for row in stopped:
             stopped_total += 1
             occupancy[(entry["ownership"], row["tier"], instance)] -= 1
@@ -573,7 +656,7 @@ def _row_json(ownership: str | None, row: dict) -> dict:
 
 def entry_json(key: str) -> list[dict]:
     """Resident rows of one local residency key, as JSON-ready dicts."""
-    entry = residency.get(key)
+    entry = residency_store.get(key)
     if entry is None:
         return []
     return [_row_json(entry["ownership"], row) for row in entry["rows"] if row["copies"] > 0]
@@ -694,7 +777,9 @@ def declared_topics() -> dict[str, tuple[int, dict[str, str]]]:
     (seen with kv-events-by-ownership and the global table's changelog: their
     agents stayed idle until the next rebalance).
     """
-    topics = {KV_EVENTS: (PARTITIONS, {}), kv_events_by_ownership.get_topic_name(): (PARTITIONS, {}),
+    topics = {KV_EVENTS: (PARTITIONS, {}),
+              kv_events_by_ownership.get_topic_name(): (PARTITIONS, {"max.message.bytes": str(8 << 20)}),
+              source_clears_topic(app.conf.id): (PARTITIONS, {"cleanup.policy": "compact"}),
               KV_EVENTS_DEAD_LETTER: (1, {}),
               KV_RESIDENCY_CHANGES: (PARTITIONS, {}), KV_TIER_OCCUPANCY: (PARTITIONS, {"cleanup.policy": "compact"}),
               f"{app.conf.id}-__assignor-__leader": (1, {})}

@@ -206,6 +206,8 @@ def apply_block_event(entry: dict | None, record: dict, clear_mark: tuple[int, i
     locality, group = body["locality"], body["group_idx"]
     rows = entry["rows"] if entry is not None else []
     row = None
+    #: The row's copies before this event, and before a clear it accounts for: the delta is against this.
+    before = 0
     for candidate in rows:
         if (candidate["instance_id"] == instance and candidate["data_parallel_rank"] == dp_rank
                 and candidate["tier"] == tier and candidate["locality"] == locality
@@ -222,8 +224,12 @@ def apply_block_event(entry: dict | None, record: dict, clear_mark: tuple[int, i
         if entry is None:
             entry = {"block_hash": record["block_hash"], "ownership": body["ownership"], "rows": rows}
         rows.append(row)
-    elif in_clear_scope and clear_mark > _clear_mark(row):
-        # A clear of the source came between the row's last event and this one: it emptied the row.
+    else:
+        before = row["copies"]
+    if row["workers"] and in_clear_scope and clear_mark > _clear_mark(row):
+        # A clear of the source came between the row's last event and this one: it emptied the row. The row's
+        # own clear copy will find it newer than the clear and leave it, so the delta reported here covers both
+        # (resident before, resident after: 0; the clear's -1 and the store's +1 cancel).
         for worker in row["workers"]:
             worker["count"] = 0
         row["copies"] = 0
@@ -260,12 +266,12 @@ def apply_block_event(entry: dict | None, record: dict, clear_mark: tuple[int, i
     row["medium"] = body["medium"]
     row["last_ts"] = record["ts"]
     row["clear_mark"] = mark_record(clear_mark)
-    before = row["copies"]
     after = aggregate_copies(row["workers"], row["world_size"], row["aggregation"])
     row["copies"] = after
     delta = 0
+    if after > 0 and row["since"] is None:
+        row["since"] = record["ts"]  # resident anew (also after a clear emptied it)
     if before == 0 and after > 0:
-        row["since"] = record["ts"]
         stats.became_resident += 1
         delta = 1
     elif before > 0 and after == 0:

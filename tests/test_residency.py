@@ -102,6 +102,25 @@ def test_clear_that_arrives_after_newer_events_only_wipes_what_came_before_it():
     assert _apply(entry, [_remove(0xF1, ENGINE, seq=61)], mark=clear) is None
 
 
+def test_resident_counts_stay_balanced_when_a_store_after_a_clear_overtakes_the_clears_copy():
+    """Found by the pipeline test: a resident row, then a store stamped with a clear that has not reached this
+    partition yet. The clear emptied the row and the store refilled it: still one resident row, so the change
+    is 0, not +1 (the clear's copy will find the row newer than itself and report nothing either)."""
+    clear = (0, 50, 0)
+    stats = ApplyStats()
+    entry, delta, _ = apply_block_event(None, _store(0xF3, ENGINE, seq=10), NO_CLEAR, NO_CLEAR,
+                                        DEFAULT_CLEAR_TIERS, stats)
+    assert delta == 1
+    entry, delta, copies = apply_block_event(entry, _store(0xF3, ENGINE, seq=60), clear, NO_CLEAR,
+                                             DEFAULT_CLEAR_TIERS, stats)
+    assert (delta, copies) == (0, 1) and entry["rows"][0]["since"] == 1.0
+    entry, removed, _ = apply_clear(entry, "e1", 0, clear, DEFAULT_CLEAR_TIERS, stats)
+    assert removed == [] and _copies(entry) == [("e1", "GPU", 1)]
+    entry, delta, _ = apply_block_event(entry, _remove(0xF3, ENGINE, seq=61), clear, clear, DEFAULT_CLEAR_TIERS, stats)
+    assert entry is None and delta == -1
+    assert stats.became_resident - stats.stopped_resident == 0
+
+
 def test_events_older_than_an_applied_clear_are_ignored_in_its_scope():
     clear = (0, 50, 0)
     stats = ApplyStats()

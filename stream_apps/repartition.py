@@ -1,0 +1,360 @@
+"""Stage 1 of the stream app: re-key ``kv-events`` by ownership and block hash, off Faust's per-message path.
+
+Every block event is one Kafka message (DESIGN.md), and Faust spends about
+70 µs on each message it consumes, more than the whole re-keying costs, so
+this stage is a confluent-kafka consumer loop in a thread of the worker
+process, in its own consumer group ``<app id>-repartition``. It reads batches
+of up to ``batch_size`` messages and, per batch:
+
+1. decodes each event and computes its residency key
+   ``<ownership or primary>/<block hash hex>`` and the key's partition (Kafka's
+   murmur2, as Faust's router computes it, so the tables stay co-partitioned
+   with the re-keyed topic and HTTP lookups route by key);
+2. stamps it with its source's latest ``AllBlocksCleared`` before it on its
+   kv-events partition (the *clear mark*: after re-keying, a clear's copy and
+   a block's events can reach a partition in either order);
+3. writes one ``ownership_batch`` message per destination partition (split at
+   :data:`MAX_BATCH_BYTES`); source-wide events (clears, the bridge's
+   ``PublisherRestarted`` and ``SourceStale``) keep their partition number;
+4. flushes the producer and only then commits the batch's offsets: at least
+   once. A redelivered event reaches stage 2 again and is ignored there
+   (idempotent rows, :mod:`stream_apps.residency`).
+
+Clear marks survive restarts and rebalances: each source's last clears on a
+partition, with their offsets, are written to the compacted topic
+``<app id>-repartition-source-clears`` and read back when the partition is
+assigned. An event's mark is the latest clear *before its offset*, so a
+replayed event gets the mark it got the first time.
+
+Undecodable or contract-breaking records go to ``kv-events-dead-letter`` with
+the reason in the ``kvstream-error`` header and the original bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable
+
+from aiokafka.partitioner import murmur2
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
+
+from kvstream.kafka_config import client_config, producer_config
+from schemas import ALL_BLOCKS_CLEARED, SOURCE_WIDE_EVENTS, AvroCodec, DecodeError
+from schemas.topics import KV_EVENTS, KV_EVENTS_DEAD_LETTER, by_ownership_topic
+from stream_apps.residency import NO_CLEAR, PRIMARY
+
+log = logging.getLogger(__name__)
+
+#: Header of a dead letter that holds the reason (the value holds the original bytes).
+ERROR_HEADER = "kvstream-error"
+#: Header of a dead letter that names where the record came from: ``<topic>/<partition>/<offset>``.
+SOURCE_HEADER = "kvstream-source"
+#: Clears kept per source and partition; a replay reaches back at most one batch (offsets are committed after
+#: every batch), so this only has to exceed the clears one source can emit within one batch.
+CLEAR_HISTORY = 8
+#: Upper bound of one ownership_batch message's payload; the re-keyed topic allows 8 MiB messages.
+MAX_BATCH_BYTES = 1 << 20
+#: Residency keys whose partition is remembered (murmur2 in Python costs ~5 µs; a block's events share its key).
+PARTITION_CACHE_SIZE = 1 << 20
+
+
+def source_clears_topic(app_id: str) -> str:
+    """The compacted topic of the repartition stage's clear history: ``<app id>-repartition-source-clears``."""
+    return f"{app_id}-repartition-source-clears"
+
+
+def repartition_group(app_id: str) -> str:
+    """Consumer group of the repartition stage (kv-events): ``<app id>-repartition``."""
+    return f"{app_id}-repartition"
+
+
+@dataclass
+class ClearHistory:
+    """The latest ``AllBlocksCleared`` copies of one source on one kv-events partition.
+
+    ``clears`` holds ``(offset, (publisher_epoch, seq, batch_index))``, oldest first.
+    """
+
+    instance_id: str
+    data_parallel_rank: int
+    partition: int
+    clears: list[tuple[int, tuple[int, int, int]]] = field(default_factory=list)
+
+    def mark_before(self, offset: int) -> tuple[int, int, int]:
+        """Position of the latest clear read before ``offset`` (:data:`NO_CLEAR` if none is kept)."""
+        for clear_offset, mark in reversed(self.clears):
+            if clear_offset < offset:
+                return mark
+        return NO_CLEAR
+
+    def add(self, offset: int, mark: tuple[int, int, int]) -> bool:
+        """Record the clear read at ``offset``; False if it is already known (a redelivery)."""
+        if any(clear_offset == offset for clear_offset, _ in self.clears):
+            return False
+        self.clears.append((offset, mark))
+        self.clears.sort()
+        del self.clears[:-CLEAR_HISTORY]
+        return True
+
+    def to_record(self) -> dict:
+        """The Avro ``SourceClears`` value (schemas/source_clears_v1.avsc)."""
+        return {"instance_id": self.instance_id, "data_parallel_rank": self.data_parallel_rank,
+                "partition": self.partition,
+                "clears": [{"offset": o, "publisher_epoch": m[0], "seq": m[1], "batch_index": m[2]}
+                           for o, m in self.clears]}
+
+    @classmethod
+    def from_record(cls, record: dict) -> "ClearHistory":
+        """Inverse of :meth:`to_record`."""
+        return cls(record["instance_id"], record["data_parallel_rank"], record["partition"],
+                   [(c["offset"], (c["publisher_epoch"], c["seq"], c["batch_index"])) for c in record["clears"]])
+
+
+def _mark_record(mark: tuple[int, int, int]) -> dict | None:
+    if mark == NO_CLEAR:
+        return None
+    return {"publisher_epoch": mark[0], "seq": mark[1], "batch_index": mark[2]}
+
+
+class Repartitioner:
+    """The repartition stage's consumer loop; :meth:`start` runs it in a daemon thread.
+
+    Args:
+        bootstrap_servers: Kafka bootstrap servers.
+        app_id: the stream app's id; names the consumer group, the re-keyed topic and the clear-history topic.
+        partitions: partitions of the re-keyed topic (the app's partition count).
+        counters: the worker's counters; ``repartitioned`` and ``dead_lettered`` move here.
+        batch_size: messages read per batch (one flush and one commit each).
+        within_s: how long a read waits for a batch to fill.
+        on_failure: called (from the thread) with the exception if the loop dies, e.g. to crash the worker.
+    """
+
+    def __init__(self, bootstrap_servers: str, app_id: str, partitions: int, counters: dict[str, int], *,
+                 batch_size: int = 10_000, within_s: float = 0.2,
+                 on_failure: Callable[[BaseException], None] | None = None) -> None:
+        self.bootstrap_servers = bootstrap_servers
+        self.app_id = app_id
+        self.partitions = partitions
+        self.counters = counters
+        self.batch_size = batch_size
+        self.within_s = within_s
+        self.on_failure = on_failure
+        self.output_topic = by_ownership_topic(app_id)
+        self.clears_topic = source_clears_topic(app_id)
+        self._event_codec = AvroCodec("kv_event")
+        self._batch_codec = AvroCodec("ownership_batch")
+        self._clears_codec = AvroCodec("source_clears")
+        #: (kv-events partition, instance, dp rank) -> clear history, for the assigned partitions.
+        self._histories: dict[tuple[int, str, int], ClearHistory] = {}
+        self._partition_of: dict[str, int] = {}
+        self._delivery_errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._consumer: Consumer | None = None
+        self._producer: Producer | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the loop in a daemon thread."""
+        self._thread = threading.Thread(target=self._run_guarded, name="kvstream-repartition", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop after the batch in hand (flushed and committed), leave the group and join the thread."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def _run_guarded(self) -> None:
+        try:
+            self.run()
+        except BaseException as exc:  # noqa: BLE001 - the worker must learn that stage 1 died
+            log.exception("the repartition stage stopped")
+            if self.on_failure is not None:
+                self.on_failure(exc)
+
+    def run(self) -> None:
+        """Consume, re-key, produce, flush, commit, until :meth:`stop`. Raises on a produce failure."""
+        config = client_config(self.bootstrap_servers, **{
+            "group.id": repartition_group(self.app_id), "enable.auto.commit": False,
+            "auto.offset.reset": "earliest", "enable.partition.eof": False, "client.id": "kvstream-repartition"})
+        self._consumer = Consumer(config)
+        self._producer = Producer(producer_config(self.bootstrap_servers, **{
+            "client.id": "kvstream-repartition", "partitioner": "murmur2_random", "linger.ms": 5,
+            "message.max.bytes": 8 << 20}))
+        self._consumer.subscribe([KV_EVENTS], on_assign=self._on_assign, on_revoke=self._on_revoke,
+                                 on_lost=self._on_revoke)
+        try:
+            while not self._stop.is_set():
+                messages = self._consumer.consume(self.batch_size, self.within_s)
+                if messages:
+                    self.process(messages)
+        finally:
+            self._consumer.close()
+
+    # -- assignment: clear histories follow their partitions ---------------------------------------------------
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        assigned = {tp.partition for tp in partitions}
+        self._histories.update(self._load_histories(assigned))
+        log.info("repartition stage assigned kv-events partitions %s", sorted(assigned))
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        revoked = {tp.partition for tp in partitions}
+        for key in [k for k in self._histories if k[0] in revoked]:
+            del self._histories[key]
+
+    def _load_histories(self, partitions: set[int]) -> dict[tuple[int, str, int], ClearHistory]:
+        """Read the clear-history topic's records of these kv-events partitions (it is small and compacted)."""
+        reader = Consumer(client_config(self.bootstrap_servers, **{
+            "group.id": f"{self.app_id}-repartition-restore", "enable.auto.commit": False,
+            "client.id": "kvstream-repartition-restore"}))
+        found: dict[tuple[int, str, int], ClearHistory] = {}
+        try:
+            ends = {}
+            for p in partitions:
+                low, high = reader.get_watermark_offsets(TopicPartition(self.clears_topic, p), timeout=10)
+                if high > low:
+                    ends[p] = high
+            if not ends:
+                return found
+            reader.assign([TopicPartition(self.clears_topic, p, OFFSET_BEGINNING) for p in ends])
+            done: set[int] = set()
+            while len(done) < len(ends):
+                for message in reader.consume(1000, 1.0):
+                    if message.error():
+                        raise KafkaException(message.error())
+                    if message.offset() + 1 >= ends[message.partition()]:
+                        done.add(message.partition())
+                    if message.value() is None:
+                        continue
+                    history = ClearHistory.from_record(self._clears_codec.decode(message.value()))
+                    found[(history.partition, history.instance_id, history.data_parallel_rank)] = history
+        finally:
+            reader.close()
+        return found
+
+    # -- the hot path -----------------------------------------------------------------------------------------
+
+    def key_partition(self, key: str) -> int:
+        """Partition of a residency key: Kafka's murmur2 of its UTF-8 bytes, remembered for recent keys."""
+        partition = self._partition_of.get(key)
+        if partition is None:
+            if len(self._partition_of) >= PARTITION_CACHE_SIZE:
+                self._partition_of.clear()
+            partition = self._partition_of[key] = (murmur2(key.encode()) & 0x7FFFFFFF) % self.partitions
+        return partition
+
+    def process(self, messages: list) -> None:
+        """Re-key one batch, produce it, wait for the broker's acks, commit the batch's offsets.
+
+        Raises:
+            RuntimeError: the broker did not acknowledge every output (the offsets are not committed, so the
+                batch is read again after the worker restarts).
+        """
+        outgoing: dict[int, list[dict]] = defaultdict(list)
+        changed_histories: dict[tuple[int, str, int], ClearHistory] = {}
+        next_offsets: dict[int, int] = {}
+        decode = self._event_codec.decode
+        histories = self._histories
+        key_partition = self.key_partition
+        for message in messages:
+            if message.error():
+                if message.error().code() != KafkaError._PARTITION_EOF:
+                    log.warning("kv-events read error: %s", message.error())
+                continue
+            partition, offset, value = message.partition(), message.offset(), message.value()
+            next_offsets[partition] = offset + 1
+            try:
+                record = decode(value)
+                kind, body = record["event"]
+                source = (partition, record["instance_id"], record["data_parallel_rank"])
+                history = histories.get(source)
+                if kind in SOURCE_WIDE_EVENTS:
+                    self._source_wide(message, record, kind, source, history, outgoing, changed_histories)
+                    continue
+                block_hash = record["block_hash"]
+                if block_hash is None or record["tier"] is None:
+                    raise DecodeError(f"{kind.rsplit('.', 1)[-1]} without block_hash or tier")
+                key = f"{body['ownership'] or PRIMARY}/{block_hash.hex()}"
+                mark = NO_CLEAR if history is None else history.mark_before(offset)
+                outgoing[key_partition(key)].append(
+                    {"key": key, "clear_mark": None if mark == NO_CLEAR else _mark_record(mark), "event": value})
+            except DecodeError as exc:
+                self._dead_letter(message, str(exc))
+        self._produce(outgoing, changed_histories)
+        self._producer.flush()
+        if self._delivery_errors:
+            errors, self._delivery_errors = self._delivery_errors, []
+            raise RuntimeError(f"{len(errors)} re-keyed batches not acknowledged, first: {errors[0]}")
+        self.counters["repartitioned"] += len(messages)
+        if next_offsets:
+            try:
+                self._consumer.commit(offsets=[TopicPartition(KV_EVENTS, p, o) for p, o in next_offsets.items()],
+                                      asynchronous=False)
+            except KafkaException as exc:  # e.g. a rebalance took the partitions: they are read again elsewhere
+                log.warning("repartition commit failed (%s); the batch will be redelivered", exc)
+
+    def _source_wide(self, message, record: dict, kind: str, source: tuple[int, str, int],
+                     history: ClearHistory | None, outgoing: dict[int, list[dict]],
+                     changed: dict[tuple[int, str, int], ClearHistory]) -> None:
+        """A clear (recorded in the source's history), PublisherRestarted or SourceStale: same partition number."""
+        partition, offset = source[0], message.offset()
+        if kind == ALL_BLOCKS_CLEARED:
+            if history is None:
+                history = self._histories[source] = ClearHistory(source[1], source[2], partition)
+            mark = (record["publisher_epoch"], record["seq"], record["batch_index"])
+            if history.add(offset, mark):
+                changed[source] = history
+        else:
+            mark = NO_CLEAR if history is None else history.mark_before(offset)
+        name = kind.rsplit(".", 1)[-1]
+        outgoing[partition].append({"key": f"{name}/{record['instance_id']}/{record['data_parallel_rank']}",
+                                    "clear_mark": _mark_record(mark), "event": message.value()})
+
+    def _produce(self, outgoing: dict[int, list[dict]], changed: dict[tuple[int, str, int], ClearHistory]) -> None:
+        produce = self._producer.produce
+        for partition, items in outgoing.items():
+            chunk: list[dict] = []
+            size = 0
+            for item in items:
+                item_size = len(item["event"]) + len(item["key"]) + 32
+                if chunk and size + item_size > MAX_BATCH_BYTES:
+                    self._send(produce, self.output_topic, None, self._batch_codec.encode({"events": chunk}), partition)
+                    chunk, size = [], 0
+                chunk.append(item)
+                size += item_size
+            self._send(produce, self.output_topic, None, self._batch_codec.encode({"events": chunk}), partition)
+        for (partition, instance, dp_rank), history in changed.items():
+            self._send(produce, self.clears_topic, f"{partition}/{instance}/{dp_rank}".encode(),
+                       self._clears_codec.encode(history.to_record()), partition)
+
+    def _send(self, produce, topic: str, key: bytes | None, value: bytes, partition: int) -> None:
+        while True:
+            try:
+                produce(topic, value=value, key=key, partition=partition, on_delivery=self._on_delivery)
+                return
+            except BufferError:
+                self._producer.poll(0.05)
+
+    def _on_delivery(self, error, message) -> None:
+        if error is not None:
+            self._delivery_errors.append(f"{message.topic()}[{message.partition()}]: {error}")
+
+    def _dead_letter(self, message, reason: str) -> None:
+        """Send a record's original key and bytes to the dead-letter topic with the reason; move the counter."""
+        self.counters["dead_lettered"] += 1
+        log.warning("dead-lettering %s[%s]@%s: %s", message.topic(), message.partition(), message.offset(), reason)
+        headers = [(ERROR_HEADER, reason.encode()[:1000]),
+                   (SOURCE_HEADER, f"{message.topic()}/{message.partition()}/{message.offset()}".encode())]
+        while True:
+            try:
+                self._producer.produce(KV_EVENTS_DEAD_LETTER, key=message.key(), value=message.value(),
+                                       headers=headers, on_delivery=self._on_delivery)
+                return
+            except BufferError:
+                self._producer.poll(0.05)
