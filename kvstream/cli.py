@@ -320,8 +320,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: %(default)s; env KVSTREAM_WEB_HOST)")
     p.add_argument("--data-dir", type=Path, default=Path(".kvstream/worker"),
                    help="local state directory (default: %(default)s)")
-    p.add_argument("--store", default="memory://", choices=["memory://", "rocksdb://"],
-                   help="table store (default: %(default)s; memory rebuilds tables from the changelog at start)")
+    p.add_argument("--store", default="rocksdb://", choices=["memory://", "rocksdb://"],
+                   help="table store (default: %(default)s, kept on disk in --data-dir, so a restarted worker "
+                        "reads only the changelog written since; memory:// rebuilds every table from the "
+                        "changelog at start and holds it in RAM)")
     p.add_argument("--partitions", type=_positive_int, default=DEFAULT_PARTITIONS,
                    help="partitions of kv-events and the app's topics (default: %(default)s)")
     p.add_argument("--clear-scope", type=_validated_by_source_settings("clear_scope"), default="gpu", metavar="gpu|all[,INSTANCE=gpu|all...]",

@@ -47,8 +47,9 @@ class WorkerOptions:
     web_host: str = "127.0.0.1"
     #: Local state directory (RocksDB stores, Faust's own files).
     data_dir: Path = Path(".kvstream/worker")
-    #: Table store: ``memory://`` (rebuilt from the changelog at start) or ``rocksdb://``.
-    store: str = "memory://"
+    #: Table store: ``rocksdb://`` (the default for deployments: on disk in ``data_dir``, a restart reads only
+    #: the changelog written since) or ``memory://`` (rebuilt from the whole changelog at start, held in RAM).
+    store: str = "rocksdb://"
     #: Partitions of kv-events and of the app's topics and tables.
     partitions: int = DEFAULT_PARTITIONS
     #: Tiers an AllBlocksCleared removes: ``gpu`` (default, vLLM semantics) or ``all``, then per-instance

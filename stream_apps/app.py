@@ -162,15 +162,25 @@ class _TableType:
 _STR_KEY = _TableType("raw", decode=lambda data: data.decode() if isinstance(data, bytes) else data)
 
 
-def _avro_table(name: str, codec_name: str, help: str, table=None):
-    """A table with UTF-8 string keys and Avro values (DESIGN.md: the codec on every table, read path included)."""
+#: The in-memory store for the small tables. Not plain ``memory://``: Faust picks a table's own store with
+#: ``table._store or app.conf.store``, and yarl's URL('memory://') is falsy (no host, no path).
+SMALL_TABLE_STORE = "memory://local"
+
+
+def _avro_table(name: str, codec_name: str, help: str, table=None, store: str | None = SMALL_TABLE_STORE):
+    """A table with UTF-8 string keys and Avro values (DESIGN.md: the codec on every table, read path included).
+
+    ``store``: the small tables (per source or per partition) stay in memory and are rebuilt from their
+    changelogs at start; only ``residency`` (one row per block) takes the configured store (``None``).
+    """
     factory = table or app.Table
-    return factory(name, key_type=_STR_KEY, value_type=_TableType(codec_name), partitions=PARTITIONS, help=help)
+    return factory(name, key_type=_STR_KEY, value_type=_TableType(codec_name), partitions=PARTITIONS, help=help,
+                   store=store)
 
 
 #: '<ownership or primary>/<block hash hex>' -> ResidencyEntry (schemas/residency_v1.avsc).
 residency = _avro_table("residency", "kv_residency",
-                        "Where each block of each ownership is resident, one row per residency identity.")
+                        "Where each block of each ownership is resident, one row per residency identity.", store=None)
 #: '<by-ownership partition>/<instance>/<dp rank>' -> latest clear applied on that partition.
 clear_watermarks = _avro_table("clear-watermarks", "kv_clear_watermark",
                                "Latest AllBlocksCleared applied per source and partition.")
@@ -342,7 +352,11 @@ class _ResidencyStore:
 
     @property
     def _memory(self) -> bool:
-        return isinstance(self.table.data, faust.stores.memory.Store)
+        # the store exists once the app has started; an isinstance check per write showed up in profiles
+        memory = self.__dict__.get("_memory_store")
+        if memory is None:
+            memory = self.__dict__["_memory_store"] = isinstance(self.table.data, faust.stores.memory.Store)
+        return memory
 
     def get(self, key: str) -> dict | None:
         """The entry under ``key`` in this worker's store, or None."""

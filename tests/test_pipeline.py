@@ -294,7 +294,11 @@ def test_a_publisher_restart_retires_its_earlier_epoch_and_a_late_join_marks_the
     assert rows(0xAC) == [("engine-r", "GPU", 1)] and rows(0xBB) == [("engine-s", "GPU", 1)]
     sources = {s["instance_id"]: s for s in _get(f"{pipeline['url']}/sources/")["sources"]}
     assert sources["engine-r"]["restarts"] == 1 and sources["engine-r"]["stale"] is False
-    assert sources["engine-r"]["events_applied"] == 4 and sources["engine-r"]["last_event_ts"] == 1767230000.0
+    # an old-epoch event that reaches its partition after the restart's copy there is retired late, not applied;
+    # which of the three do depends on how the partitions interleave, but each of the four is counted once
+    retired_late = _get(f"{pipeline['url']}/stats/")["retired_late"]
+    assert sources["engine-r"]["events_applied"] + retired_late == 4 and retired_late <= 3
+    assert sources["engine-r"]["last_event_ts"] == 1767230000.0
     assert sources["engine-s"]["stale"] is True
     assert (sources["engine-s"]["first_lost_seq"], sources["engine-s"]["last_lost_seq"]) == (0, 2)
     assert sources["engine-s"]["gaps"] == 1 and sources["engine-r"]["gaps"] == 0
