@@ -1,9 +1,13 @@
 """Kafka client configuration shared by every client of the project, in one place.
 
 Producers (confluent-kafka), the admin helpers and the tools build their
-settings here, so a setting such as the bootstrap servers or (later) security
-is given once. The Faust stream app takes the same bootstrap servers through
-``kvstream worker --bootstrap-servers``.
+settings here, so a setting such as the bootstrap servers or security is given
+once. The Faust stream app takes the same bootstrap servers through
+``kvstream worker --bootstrap-servers`` and the same security settings through
+:func:`aiokafka_security` (``stream_apps.app._broker_credentials``).
+
+Security settings come from the environment only (:data:`SECURITY_ENVIRONMENT`),
+are read at each call and are never logged or put on a command line.
 """
 
 from __future__ import annotations
@@ -54,32 +58,75 @@ SECURITY_ENVIRONMENT = {
     "KVSTREAM_SSL_CA_LOCATION": "ssl.ca.location",  # CA certificate (PEM) that signed the brokers'
     "KVSTREAM_SSL_CERTIFICATE_LOCATION": "ssl.certificate.location",  # client certificate (PEM), for mTLS
     "KVSTREAM_SSL_KEY_LOCATION": "ssl.key.location",  # client key (PEM), for mTLS
+    "KVSTREAM_SSL_KEY_PASSWORD": "ssl.key.password",  # password of an encrypted client key
 }
+
+#: The values KVSTREAM_SECURITY_PROTOCOL may take (any case).
+SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 
 
 def security_config() -> dict:
     """The security settings given in the environment (:data:`SECURITY_ENVIRONMENT`), as librdkafka settings.
 
     Read at each call, never logged. Empty when none is set (PLAINTEXT).
+
+    Returns:
+        librdkafka setting -> value (strings); ``security.protocol`` upper-cased.
+
+    Raises:
+        ValueError: KVSTREAM_SECURITY_PROTOCOL is not one of :data:`SECURITY_PROTOCOLS`, or a
+            ``KVSTREAM_SSL_*_LOCATION`` names no readable file (the message names the variable and the
+            path, never a password), or only one of the client certificate and key is given.
     """
-    return {key: os.environ[name] for name, key in SECURITY_ENVIRONMENT.items() if os.environ.get(name)}
+    settings = {key: os.environ[name] for name, key in SECURITY_ENVIRONMENT.items() if os.environ.get(name)}
+    if "security.protocol" in settings:
+        settings["security.protocol"] = settings["security.protocol"].upper()
+        if settings["security.protocol"] not in SECURITY_PROTOCOLS:
+            raise ValueError(f"KVSTREAM_SECURITY_PROTOCOL={os.environ['KVSTREAM_SECURITY_PROTOCOL']!r} is not one of "
+                             f"{', '.join(SECURITY_PROTOCOLS)}")
+    for name, key in SECURITY_ENVIRONMENT.items():
+        if key.endswith(".location") and key in settings and not os.access(settings[key], os.R_OK):
+            raise ValueError(f"{name}={settings[key]!r}: no such readable file")
+    if ("ssl.certificate.location" in settings) != ("ssl.key.location" in settings):
+        raise ValueError("KVSTREAM_SSL_CERTIFICATE_LOCATION and KVSTREAM_SSL_KEY_LOCATION go together "
+                         "(a client certificate needs its key)")
+    return settings
 
 
 def aiokafka_security() -> dict:
-    """The same security settings as keyword arguments of aiokafka clients."""
+    """The same security settings as keyword arguments of aiokafka clients (and of Faust's credentials).
+
+    Returns:
+        ``security_protocol``; with SASL ``sasl_mechanism``, ``sasl_plain_username``,
+        ``sasl_plain_password``; with SSL or SASL_SSL an ``ssl_context`` made by aiokafka's
+        ``create_ssl_context`` (hostname checked; the CA file, else the system's CAs; the client
+        certificate and key, decrypted with the key password, when given). Empty for PLAINTEXT.
+
+    Raises:
+        ValueError: as :func:`security_config`; or the client certificate and key do not load
+            (wrong key password, key not matching the certificate).
+    """
     settings = security_config()
     kwargs: dict = {}
     if "security.protocol" in settings:
-        kwargs["security_protocol"] = settings["security.protocol"].upper()
+        kwargs["security_protocol"] = settings["security.protocol"]
     if "sasl.mechanism" in settings:
         kwargs.update(sasl_mechanism=settings["sasl.mechanism"], sasl_plain_username=settings.get("sasl.username"),
                       sasl_plain_password=settings.get("sasl.password"))
     if kwargs.get("security_protocol", "").endswith("SSL"):
+        import ssl
+
         from aiokafka.helpers import create_ssl_context
 
-        kwargs["ssl_context"] = create_ssl_context(cafile=settings.get("ssl.ca.location"),
-                                                   certfile=settings.get("ssl.certificate.location"),
-                                                   keyfile=settings.get("ssl.key.location"))
+        try:
+            kwargs["ssl_context"] = create_ssl_context(cafile=settings.get("ssl.ca.location"),
+                                                       certfile=settings.get("ssl.certificate.location"),
+                                                       keyfile=settings.get("ssl.key.location"),
+                                                       password=settings.get("ssl.key.password"))
+        except ssl.SSLError as exc:
+            raise ValueError(f"the TLS settings do not load ({exc}): KVSTREAM_SSL_CA_LOCATION and "
+                             "KVSTREAM_SSL_CERTIFICATE_LOCATION must be PEM certificates, KVSTREAM_SSL_KEY_PASSWORD "
+                             "must decrypt KVSTREAM_SSL_KEY_LOCATION, and that key must match the certificate") from None
     return kwargs
 
 
