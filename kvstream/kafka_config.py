@@ -126,8 +126,32 @@ def aiokafka_security() -> dict:
         except ssl.SSLError as exc:
             raise ValueError(f"the TLS settings do not load ({exc}): KVSTREAM_SSL_CA_LOCATION and "
                              "KVSTREAM_SSL_CERTIFICATE_LOCATION must be PEM certificates, KVSTREAM_SSL_KEY_PASSWORD "
-                             "must decrypt KVSTREAM_SSL_KEY_LOCATION, and that key must match the certificate") from None
+                             "must decrypt KVSTREAM_SSL_KEY_LOCATION, and that key must match the certificate"
+                             ) from None
     return kwargs
+
+
+def unreachable(client, bootstrap_servers: str, exc: Exception) -> RuntimeError:
+    """The error to raise when a confluent-kafka ``client`` got no answer from ``bootstrap_servers``.
+
+    librdkafka hands its log lines (e.g. ``SSL handshake failed: ... certificate verify failed``,
+    ``SASL authentication error``) to :data:`LIBRDKAFKA_LOG` only when the client is polled; this polls
+    ``client`` once, so the reason is logged before the error is raised.
+
+    Args:
+        client: the Producer, Consumer or AdminClient that failed (not subscribed: polling consumes nothing).
+        exc: the KafkaException it raised.
+
+    Returns:
+        A RuntimeError naming the servers and pointing at the security settings.
+    """
+    try:
+        client.poll(0.2)
+    except Exception:  # a closed client: the reason is lost, the error still stands
+        pass
+    return RuntimeError(f"Kafka at {bootstrap_servers} did not answer: {exc} (if the reason logged above is a TLS "
+                        f"or SASL error, check KVSTREAM_SECURITY_PROTOCOL and the KVSTREAM_SASL_*, "
+                        f"KVSTREAM_SSL_* settings)")
 
 
 def client_config(bootstrap_servers: str = DEFAULT_BOOTSTRAP_SERVERS, **overrides) -> dict:
@@ -181,7 +205,7 @@ def ensure_topics(bootstrap_servers: str, topics: dict[str, int], *, timeout_s: 
             break
         except KafkaException as exc:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"Kafka at {bootstrap_servers} did not answer: {exc}") from None
+                raise unreachable(admin, bootstrap_servers, exc) from None
     for name, partitions in topics.items():
         existing = metadata.topics.get(name)
         if existing is not None and not existing.error and len(existing.partitions) != partitions:
@@ -210,7 +234,7 @@ def topic_partitions(bootstrap_servers: str, topic: str, timeout_s: float = 10.0
     try:
         metadata = admin.list_topics(topic, timeout=timeout_s)
     except KafkaException as exc:
-        raise RuntimeError(f"Kafka at {bootstrap_servers} did not answer: {exc}") from None
+        raise unreachable(admin, bootstrap_servers, exc) from None
     info = metadata.topics.get(topic)
     if info is None or info.error or not info.partitions:
         raise RuntimeError(f"topic {topic} does not exist on {bootstrap_servers}")

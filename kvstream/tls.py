@@ -12,7 +12,8 @@ Layout of a TLS directory written by :func:`generate_tls_material` (all PEM)::
     ca-key.pem              CA private key (unencrypted; only needed to sign more certificates)
     broker.pem              broker certificate, SAN DNS:localhost and IP:127.0.0.1, signed by the CA
     broker-key.pem          broker private key, unencrypted PKCS#8 (Kafka reads it inline, without a password)
-    client.pem              client certificate (CN kvstream-client), for mutual TLS (KVSTREAM_SSL_CERTIFICATE_LOCATION)
+    client.pem              client certificate (CN kvstream-client), for mutual TLS
+                            (KVSTREAM_SSL_CERTIFICATE_LOCATION)
     client-key.pem          client private key, PKCS#8 encrypted with the password below (KVSTREAM_SSL_KEY_LOCATION)
     client-key.password     that password, one line (KVSTREAM_SSL_KEY_PASSWORD)
 

@@ -28,7 +28,7 @@ from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 
 from kvstream import broker
-from kvstream.kafka_config import aiokafka_security, client_config, ensure_topics
+from kvstream.kafka_config import aiokafka_security, client_config, ensure_topics, topic_partitions
 from kvstream.tail import tail
 from kvstream.tls import TlsMaterial, generate_tls_material
 from kvstream.worker import WorkerOptions, spawn_worker, stop_worker, wait_until_consumed
@@ -142,6 +142,10 @@ def test_clients_with_the_wrong_settings_are_refused_with_a_clear_reason(secured
             with pytest.raises(KafkaConnectionError), caplog.at_level(logging.ERROR, logger="aiokafka"):
                 asyncio.run(bootstrap_aiokafka())
         assert "CERTIFICATE_VERIFY_FAILED" in caplog.text
+        with pytest.MonkeyPatch.context() as env:  # the project's own error points at the settings
+            env.delenv("KVSTREAM_SSL_CA_LOCATION")
+            with pytest.raises(RuntimeError, match="did not answer.*KVSTREAM_SSL_"):
+                topic_partitions(secured.bootstrap, KV_EVENTS, timeout_s=2)
     if client_auth:
         reasons = _refusal_reasons(secured.bootstrap, KVSTREAM_SSL_CERTIFICATE_LOCATION=None,
                                    KVSTREAM_SSL_KEY_LOCATION=None, KVSTREAM_SSL_KEY_PASSWORD=None)

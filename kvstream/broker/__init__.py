@@ -417,8 +417,9 @@ def start(
     Raises:
         BrokerError: Java/Maven missing or jar download failed; ``port`` is
             taken by another process; this data dir's broker already runs on a
-            different port or with another security protocol; storage formatting failed; the broker died during
-            start-up or did not answer within ``timeout_s`` (it is then stopped).
+            different port or with another security protocol; storage formatting
+            failed; the broker died during start-up or did not answer within
+            ``timeout_s`` (it is then stopped).
             Messages include the tail of the relevant log.
         ValueError: ``require_client_certificate`` without ``tls``.
 
@@ -519,7 +520,7 @@ def _properties_value(text: str) -> str:
 
 def _secure_client_listener(props: Path, port: int, *, scram: bool, tls: TlsMaterial | None,
                             require_client_certificate: bool) -> None:
-    """Make the client listener on ``port`` SASL_PLAINTEXT, SSL or SASL_SSL; brokers use a PLAINTEXT listener of their own.
+    """Make the client listener on ``port`` SASL_PLAINTEXT, SSL or SASL_SSL; brokers get a PLAINTEXT one of their own.
 
     SASL means SCRAM-SHA-512 (users come from the storage format, see :func:`_format_storage`). TLS uses
     PEM material inline (``ssl.keystore.type=PEM``: no keytool, no keystore password; the file is made
@@ -803,7 +804,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
                    "then need KVSTREAM_SECURITY_PROTOCOL=SSL and KVSTREAM_SSL_CA_LOCATION=DIR/ca.pem")
     p.add_argument("--tls-client-auth", action="store_true",
                    help="with --tls-dir: require client certificates signed by DIR/ca.pem (mutual TLS); clients "
-                   "also need KVSTREAM_SSL_CERTIFICATE_LOCATION, KVSTREAM_SSL_KEY_LOCATION, KVSTREAM_SSL_KEY_PASSWORD")
+                   "also need KVSTREAM_SSL_CERTIFICATE_LOCATION, KVSTREAM_SSL_KEY_LOCATION, "
+                   "KVSTREAM_SSL_KEY_PASSWORD")
     p.set_defaults(func=_cli_start)
 
     p = sub.add_parser(
