@@ -1,9 +1,13 @@
 """Kafka client configuration shared by every client of the project, in one place.
 
 Producers (confluent-kafka), the admin helpers and the tools build their
-settings here, so a setting such as the bootstrap servers or (later) security
-is given once. The Faust stream app takes the same bootstrap servers through
-``kvstream worker --bootstrap-servers``.
+settings here, so a setting such as the bootstrap servers or security is given
+once. The Faust stream app takes the same bootstrap servers through
+``kvstream worker --bootstrap-servers`` and the same security settings through
+:func:`aiokafka_security` (``stream_apps.app._broker_credentials``).
+
+Security settings come from the environment only (:data:`SECURITY_ENVIRONMENT`),
+are read at each call and are never logged or put on a command line.
 """
 
 from __future__ import annotations
@@ -54,33 +58,100 @@ SECURITY_ENVIRONMENT = {
     "KVSTREAM_SSL_CA_LOCATION": "ssl.ca.location",  # CA certificate (PEM) that signed the brokers'
     "KVSTREAM_SSL_CERTIFICATE_LOCATION": "ssl.certificate.location",  # client certificate (PEM), for mTLS
     "KVSTREAM_SSL_KEY_LOCATION": "ssl.key.location",  # client key (PEM), for mTLS
+    "KVSTREAM_SSL_KEY_PASSWORD": "ssl.key.password",  # password of an encrypted client key
 }
+
+#: The values KVSTREAM_SECURITY_PROTOCOL may take (any case).
+SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 
 
 def security_config() -> dict:
     """The security settings given in the environment (:data:`SECURITY_ENVIRONMENT`), as librdkafka settings.
 
     Read at each call, never logged. Empty when none is set (PLAINTEXT).
+
+    Returns:
+        librdkafka setting -> value (strings); ``security.protocol`` upper-cased.
+
+    Raises:
+        ValueError: KVSTREAM_SECURITY_PROTOCOL is not one of :data:`SECURITY_PROTOCOLS`, or a
+            ``KVSTREAM_SSL_*_LOCATION`` names no readable file (the message names the variable and the
+            path, never a password), or only one of the client certificate and key is given.
     """
-    return {key: os.environ[name] for name, key in SECURITY_ENVIRONMENT.items() if os.environ.get(name)}
+    settings = {key: os.environ[name] for name, key in SECURITY_ENVIRONMENT.items() if os.environ.get(name)}
+    if "security.protocol" in settings:
+        settings["security.protocol"] = settings["security.protocol"].upper()
+        if settings["security.protocol"] not in SECURITY_PROTOCOLS:
+            raise ValueError(f"KVSTREAM_SECURITY_PROTOCOL={os.environ['KVSTREAM_SECURITY_PROTOCOL']!r} is not one of "
+                             f"{', '.join(SECURITY_PROTOCOLS)}")
+    for name, key in SECURITY_ENVIRONMENT.items():
+        if key.endswith(".location") and key in settings and not os.access(settings[key], os.R_OK):
+            raise ValueError(f"{name}={settings[key]!r}: no such readable file")
+    if ("ssl.certificate.location" in settings) != ("ssl.key.location" in settings):
+        raise ValueError("KVSTREAM_SSL_CERTIFICATE_LOCATION and KVSTREAM_SSL_KEY_LOCATION go together "
+                         "(a client certificate needs its key)")
+    return settings
 
 
 def aiokafka_security() -> dict:
-    """The same security settings as keyword arguments of aiokafka clients."""
+    """The same security settings as keyword arguments of aiokafka clients (and of Faust's credentials).
+
+    Returns:
+        ``security_protocol``; with SASL ``sasl_mechanism``, ``sasl_plain_username``,
+        ``sasl_plain_password``; with SSL or SASL_SSL an ``ssl_context`` made by aiokafka's
+        ``create_ssl_context`` (hostname checked; the CA file, else the system's CAs; the client
+        certificate and key, decrypted with the key password, when given). Empty for PLAINTEXT.
+
+    Raises:
+        ValueError: as :func:`security_config`; or the client certificate and key do not load
+            (wrong key password, key not matching the certificate).
+    """
     settings = security_config()
     kwargs: dict = {}
     if "security.protocol" in settings:
-        kwargs["security_protocol"] = settings["security.protocol"].upper()
+        kwargs["security_protocol"] = settings["security.protocol"]
     if "sasl.mechanism" in settings:
         kwargs.update(sasl_mechanism=settings["sasl.mechanism"], sasl_plain_username=settings.get("sasl.username"),
                       sasl_plain_password=settings.get("sasl.password"))
     if kwargs.get("security_protocol", "").endswith("SSL"):
+        import ssl
+
         from aiokafka.helpers import create_ssl_context
 
-        kwargs["ssl_context"] = create_ssl_context(cafile=settings.get("ssl.ca.location"),
-                                                   certfile=settings.get("ssl.certificate.location"),
-                                                   keyfile=settings.get("ssl.key.location"))
+        try:
+            kwargs["ssl_context"] = create_ssl_context(cafile=settings.get("ssl.ca.location"),
+                                                       certfile=settings.get("ssl.certificate.location"),
+                                                       keyfile=settings.get("ssl.key.location"),
+                                                       password=settings.get("ssl.key.password"))
+        except ssl.SSLError as exc:
+            raise ValueError(f"the TLS settings do not load ({exc}): KVSTREAM_SSL_CA_LOCATION and "
+                             "KVSTREAM_SSL_CERTIFICATE_LOCATION must be PEM certificates, KVSTREAM_SSL_KEY_PASSWORD "
+                             "must decrypt KVSTREAM_SSL_KEY_LOCATION, and that key must match the certificate"
+                             ) from None
     return kwargs
+
+
+def unreachable(client, bootstrap_servers: str, exc: Exception) -> RuntimeError:
+    """The error to raise when a confluent-kafka ``client`` got no answer from ``bootstrap_servers``.
+
+    librdkafka hands its log lines (e.g. ``SSL handshake failed: ... certificate verify failed``,
+    ``SASL authentication error``) to :data:`LIBRDKAFKA_LOG` only when the client is polled; this polls
+    ``client`` once, so the reason is logged before the error is raised.
+
+    Args:
+        client: the Producer, Consumer or AdminClient that failed (not subscribed: polling consumes nothing).
+        exc: the KafkaException it raised.
+
+    Returns:
+        A RuntimeError naming the servers and pointing at the security settings.
+    """
+    try:
+        client.poll(0.2)
+    except Exception:  # a closed client: the reason is lost, the error still stands
+        pass
+    return RuntimeError(f"Kafka at {bootstrap_servers} did not answer: {exc} (if the reason logged above is a TLS "
+                        f"or SASL error, check KVSTREAM_SECURITY_PROTOCOL and the KVSTREAM_SASL_*, "
+                        f"KVSTREAM_SSL_* settings)")
 
 
 def client_config(bootstrap_servers: str = DEFAULT_BOOTSTRAP_SERVERS, **overrides) -> dict:
@@ -134,7 +205,7 @@ def ensure_topics(bootstrap_servers: str, topics: dict[str, int], *, timeout_s: 
             break
         except KafkaException as exc:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"Kafka at {bootstrap_servers} did not answer: {exc}") from None
+                raise unreachable(admin, bootstrap_servers, exc) from None
     for name, partitions in topics.items():
         existing = metadata.topics.get(name)
         if existing is not None and not existing.error and len(existing.partitions) != partitions:
@@ -163,7 +234,7 @@ def topic_partitions(bootstrap_servers: str, topic: str, timeout_s: float = 10.0
     try:
         metadata = admin.list_topics(topic, timeout=timeout_s)
     except KafkaException as exc:
-        raise RuntimeError(f"Kafka at {bootstrap_servers} did not answer: {exc}") from None
+        raise unreachable(admin, bootstrap_servers, exc) from None
     info = metadata.topics.get(topic)
     if info is None or info.error or not info.partitions:
         raise RuntimeError(f"topic {topic} does not exist on {bootstrap_servers}")

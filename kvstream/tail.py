@@ -17,7 +17,7 @@ from typing import Any, TextIO
 
 from confluent_kafka import Consumer, KafkaException
 
-from kvstream.kafka_config import client_config
+from kvstream.kafka_config import client_config, unreachable
 from schemas import AvroCodec, DecodeError
 from schemas.topics import KV_EVENTS, KV_EVENTS_BY_OWNERSHIP, KV_RESIDENCY_CHANGES, KV_TIER_OCCUPANCY
 
@@ -97,7 +97,7 @@ def tail(bootstrap_servers: str, topic: str, *, from_beginning: bool, max_messag
         try:
             metadata = consumer.list_topics(topic, timeout=10)
         except KafkaException as exc:
-            raise RuntimeError(f"Kafka at {bootstrap_servers} did not answer: {exc}") from None
+            raise unreachable(consumer, bootstrap_servers, exc) from None
         if topic not in metadata.topics or metadata.topics[topic].error:
             raise RuntimeError(f"topic {topic} does not exist on {bootstrap_servers}")
         consumer.subscribe([topic])

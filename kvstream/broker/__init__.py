@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, overload
 
+from kvstream.tls import TlsMaterial, generate_tls_material, load_tls_material
+
 __all__ = [
     "KAFKA_VERSION",
     "TOOLS",
@@ -121,13 +123,15 @@ class BrokerStatus:
         running: True if the broker JVM of this data dir is alive (it may still
             be booting; :func:`start` only returns once it answers requests).
         pid: Process id of the broker JVM, or None if not running.
-        port: PLAINTEXT listener port (TCP, on 127.0.0.1) from the last
+        port: client listener port (TCP, on 127.0.0.1) from the last
             generated server.properties, or None if never started.
         bootstrap_servers: ``"127.0.0.1:<port>"`` for Kafka clients, or None.
         data_dir: Absolute path of the broker data directory.
         log_file: Absolute path of the broker's stdout/stderr log
             (``<data_dir>/logs/broker.out``; may not exist yet).
         kafka_version: Kafka version of the jars, e.g. ``"4.1.2"``.
+        security_protocol: Protocol of the client listener on ``port``
+            (``PLAINTEXT``, ``SASL_PLAINTEXT``, ``SSL`` or ``SASL_SSL``), or None.
     """
 
     running: bool
@@ -137,6 +141,8 @@ class BrokerStatus:
     data_dir: Path
     log_file: Path
     kafka_version: str
+    # Security protocol of the client listener: PLAINTEXT, SASL_PLAINTEXT, SSL or SASL_SSL (None if never started).
+    security_protocol: str | None = None
 
 
 # --------------------------------------------------------------------------- jars
@@ -296,12 +302,13 @@ def _running_pid(data_dir: Path) -> int | None:
     return pid
 
 
-def _configured_port(props: Path) -> int | None:
+def _configured_listener(props: Path) -> tuple[str, int] | None:
+    """(security protocol, port) of the client listener in the last generated server.properties, or None."""
     try:
-        m = re.search(r"^advertised\.listeners=(?:SASL_)?PLAINTEXT://[^:]+:(\d+)", props.read_text(), re.M)
+        m = re.search(r"^advertised\.listeners=((?:SASL_)?(?:PLAINTEXT|SSL))://[^:]+:(\d+)", props.read_text(), re.M)
     except OSError:
         return None
-    return int(m.group(1)) if m else None
+    return (m.group(1), int(m.group(2))) if m else None
 
 
 def _free_port() -> int:
@@ -359,7 +366,8 @@ def status(data_dir: Path = DEFAULT_DATA_DIR) -> BrokerStatus:
     """
     d, props, _, log_file = _paths(data_dir)
     pid = _running_pid(d)
-    port = _configured_port(props)
+    listener = _configured_listener(props)
+    port = listener[1] if listener else None
     return BrokerStatus(
         running=pid is not None,
         pid=pid,
@@ -368,6 +376,7 @@ def status(data_dir: Path = DEFAULT_DATA_DIR) -> BrokerStatus:
         data_dir=d,
         log_file=log_file,
         kafka_version=KAFKA_VERSION,
+        security_protocol=listener[0] if listener else None,
     )
 
 
@@ -377,6 +386,8 @@ def start(
     timeout_s: float = 90,
     heap: str = "-Xms512m -Xmx1g",
     scram_user: tuple[str, str] | None = None,
+    tls: TlsMaterial | None = None,
+    require_client_certificate: bool = False,
 ) -> BrokerStatus:
     """Start the broker of ``data_dir`` on 127.0.0.1:``port`` and wait until it answers.
 
@@ -392,6 +403,11 @@ def start(
             ``port`` (SASL_PLAINTEXT); the user is created when the storage is formatted (a data dir
             formatted without it keeps no user). Brokers talk to each other on a PLAINTEXT listener of
             their own.
+        tls: serve TLS on ``port`` with this material (:func:`kvstream.tls.generate_tls_material`):
+            the listener is ``SSL``, or ``SASL_SSL`` together with ``scram_user``. The broker presents
+            ``tls.broker_certificate`` (its key is written inline into server.properties, mode 0600).
+        require_client_certificate: with ``tls``: clients must also present a certificate signed by
+            ``tls.ca_certificate`` (mutual TLS, ``ssl.client.auth=required``).
 
     Returns:
         The broker's :class:`BrokerStatus`. If the broker of this data dir is
@@ -401,14 +417,19 @@ def start(
     Raises:
         BrokerError: Java/Maven missing or jar download failed; ``port`` is
             taken by another process; this data dir's broker already runs on a
-            different port; storage formatting failed; the broker died during
-            start-up or did not answer within ``timeout_s`` (it is then stopped).
+            different port or with another security protocol; storage formatting
+            failed; the broker died during start-up or did not answer within
+            ``timeout_s`` (it is then stopped).
             Messages include the tail of the relevant log.
+        ValueError: ``require_client_certificate`` without ``tls``.
 
     The broker runs in its own session (it survives the caller) with
     stdout/stderr in ``<data_dir>/logs/broker.out``; stop it with :func:`stop`.
     """
+    if require_client_certificate and tls is None:
+        raise ValueError("require_client_certificate needs tls (the client certificates are checked against its CA)")
     d, props, pid_file, log_file = _paths(data_dir)
+    probe = _probe_client(scram_user, tls, require_client_certificate)
     libs = ensure_jars()
     _java()  # fail early and clearly if Java is missing
     bootstrap = f"127.0.0.1:{port}"
@@ -420,8 +441,13 @@ def start(
                     f"The broker of {d} is already running on port {current.port} (pid {current.pid}), "
                     f"not on {port}. Stop it first: kvstream broker stop --data-dir {d}"
                 )
-            _wait_until_ready(current.pid, bootstrap, log_file, timeout_s, proc=None,
-                              client=_scram_client(scram_user))
+            wanted = probe.get("security.protocol", "PLAINTEXT")
+            if current.security_protocol != wanted:
+                raise BrokerError(
+                    f"The broker of {d} is already running with security protocol {current.security_protocol} "
+                    f"(pid {current.pid}), not {wanted}. Stop it first: kvstream broker stop --data-dir {d}"
+                )
+            _wait_until_ready(current.pid, bootstrap, log_file, timeout_s, proc=None, client=probe)
             return status(d)
         pid_file.unlink(missing_ok=True)
 
@@ -435,8 +461,9 @@ def start(
             while controller_port == port:
                 controller_port = _free_port()
             _write_server_properties(props, port, controller_port, d / "data")
-            if scram_user is not None:
-                _require_scram(props, port)
+            if scram_user is not None or tls is not None:
+                _secure_client_listener(props, port, scram=scram_user is not None, tls=tls,
+                                        require_client_certificate=require_client_certificate)
             _format_storage(libs, props, d, scram_user)
             log_file.parent.mkdir(parents=True, exist_ok=True)
             with open(log_file, "ab") as out:
@@ -454,8 +481,7 @@ def start(
                 )
             pid_file.write_text(f"{proc.pid}\n")
             try:
-                _wait_until_ready(proc.pid, bootstrap, log_file, timeout_s, proc=proc,
-                                  client=_scram_client(scram_user))
+                _wait_until_ready(proc.pid, bootstrap, log_file, timeout_s, proc=proc, client=probe)
                 return status(d)
             except BrokerError as exc:
                 pid_file.unlink(missing_ok=True)
@@ -471,35 +497,65 @@ def _write_server_properties(props: Path, port: int, controller_port: int, log_d
     props.write_text(template.substitute(port=port, controller_port=controller_port, log_dirs=log_dirs))
 
 
-def _scram_client(scram_user: tuple[str, str] | None) -> dict:
-    """librdkafka settings that authenticate as ``scram_user`` (none for a PLAINTEXT broker)."""
-    if scram_user is None:
-        return {}
-    return {"security.protocol": "SASL_PLAINTEXT", "sasl.mechanism": "SCRAM-SHA-512",
-            "sasl.username": scram_user[0], "sasl.password": scram_user[1]}
+def _probe_client(scram_user: tuple[str, str] | None, tls: TlsMaterial | None,
+                  require_client_certificate: bool) -> dict:
+    """librdkafka settings that reach the client listener :func:`start` configures (none for PLAINTEXT)."""
+    client: dict = {}
+    if scram_user is not None:
+        client.update({"security.protocol": "SASL_PLAINTEXT", "sasl.mechanism": "SCRAM-SHA-512",
+                       "sasl.username": scram_user[0], "sasl.password": scram_user[1]})
+    if tls is not None:
+        client.update({"security.protocol": "SASL_SSL" if scram_user is not None else "SSL",
+                       "ssl.ca.location": str(tls.ca_certificate)})
+        if require_client_certificate:
+            client.update({"ssl.certificate.location": str(tls.client_certificate),
+                           "ssl.key.location": str(tls.client_key), "ssl.key.password": tls.client_key_password})
+    return client
 
 
-def _require_scram(props: Path, port: int) -> None:
-    """Make the client listener SASL_PLAINTEXT with SCRAM-SHA-512; brokers use a PLAINTEXT listener of their own."""
+def _properties_value(text: str) -> str:
+    """``text`` escaped as a java.util.Properties value on one line (PEM blocks keep their newlines)."""
+    return text.strip().replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def _secure_client_listener(props: Path, port: int, *, scram: bool, tls: TlsMaterial | None,
+                            require_client_certificate: bool) -> None:
+    """Make the client listener on ``port`` SASL_PLAINTEXT, SSL or SASL_SSL; brokers get a PLAINTEXT one of their own.
+
+    SASL means SCRAM-SHA-512 (users come from the storage format, see :func:`_format_storage`). TLS uses
+    PEM material inline (``ssl.keystore.type=PEM``: no keytool, no keystore password; the file is made
+    readable by its owner only) and trusts ``tls.ca_certificate`` for client certificates.
+    """
+    protocol = ("SASL_" if scram else "") + ("SSL" if tls is not None else "PLAINTEXT")
     internal_port = _free_port()
     lines = []
     for line in props.read_text().splitlines():
         if line.startswith("listeners="):
             line = line.replace(f"PLAINTEXT://127.0.0.1:{port}",
-                                f"SASL_PLAINTEXT://127.0.0.1:{port},INTERNAL://127.0.0.1:{internal_port}")
+                                f"{protocol}://127.0.0.1:{port},INTERNAL://127.0.0.1:{internal_port}")
         elif line.startswith("advertised.listeners="):
-            line = (f"advertised.listeners=SASL_PLAINTEXT://127.0.0.1:{port},"
-                    f"INTERNAL://127.0.0.1:{internal_port}")
+            line = f"advertised.listeners={protocol}://127.0.0.1:{port},INTERNAL://127.0.0.1:{internal_port}"
         elif line.startswith("inter.broker.listener.name="):
             line = "inter.broker.listener.name=INTERNAL"
         elif line.startswith("listener.security.protocol.map="):
-            line = ("listener.security.protocol.map=CONTROLLER:PLAINTEXT,INTERNAL:PLAINTEXT,"
-                    "SASL_PLAINTEXT:SASL_PLAINTEXT")
+            line = f"listener.security.protocol.map=CONTROLLER:PLAINTEXT,INTERNAL:PLAINTEXT,{protocol}:{protocol}"
         lines.append(line)
-    lines.append("sasl.enabled.mechanisms=SCRAM-SHA-512")
-    # the server side of SCRAM needs a login module but no credentials of its own (brokers use INTERNAL)
-    lines.append("listener.name.sasl_plaintext.scram-sha-512.sasl.jaas.config="
-                 "org.apache.kafka.common.security.scram.ScramLoginModule required;")
+    if scram:
+        lines.append("sasl.enabled.mechanisms=SCRAM-SHA-512")
+        # the server side of SCRAM needs a login module but no credentials of its own (brokers use INTERNAL)
+        lines.append(f"listener.name.{protocol.lower()}.scram-sha-512.sasl.jaas.config="
+                     "org.apache.kafka.common.security.scram.ScramLoginModule required;")
+    if tls is not None:
+        chain = tls.broker_certificate.read_text().strip() + "\n" + tls.ca_certificate.read_text().strip()
+        lines += [
+            "ssl.keystore.type=PEM",
+            f"ssl.keystore.certificate.chain={_properties_value(chain)}",
+            f"ssl.keystore.key={_properties_value(tls.broker_key.read_text())}",
+            "ssl.truststore.type=PEM",
+            f"ssl.truststore.location={tls.ca_certificate}",
+            f"ssl.client.auth={'required' if require_client_certificate else 'none'}",
+        ]
+    props.chmod(0o600)
     props.write_text("\n".join(lines) + "\n")
 
 
@@ -640,17 +696,40 @@ def _print_status(st: BrokerStatus) -> None:
     state = f"running (pid {st.pid})" if st.running else "not running"
     print(f"Kafka {st.kafka_version} broker: {state}")
     print(f"  bootstrap servers: {st.bootstrap_servers or '-'}")
+    print(f"  security protocol: {st.security_protocol or '-'}")
     print(f"  data dir:          {st.data_dir}")
     print(f"  log file:          {st.log_file}")
 
 
+def _cli_tls_material(tls_dir: Path) -> TlsMaterial:
+    """The material of ``tls_dir``: loaded if it has a CA certificate, else generated there."""
+    if (tls_dir / "ca.pem").exists():
+        return load_tls_material(tls_dir)
+    material = generate_tls_material(tls_dir)
+    print(f"Generated a throwaway CA, a broker certificate (localhost, 127.0.0.1) and a client certificate "
+          f"in {material.ca_certificate.parent}")
+    return material
+
+
 def _cli_start(args: argparse.Namespace) -> int:
+    if args.tls_client_auth and args.tls_dir is None:
+        print("error: --tls-client-auth needs --tls-dir", file=sys.stderr)
+        return 2
     try:
-        st = start(port=args.port, data_dir=args.data_dir, timeout_s=args.timeout, heap=args.heap)
-    except BrokerError as exc:
+        tls = _cli_tls_material(args.tls_dir) if args.tls_dir is not None else None
+        st = start(port=args.port, data_dir=args.data_dir, timeout_s=args.timeout, heap=args.heap, tls=tls,
+                   require_client_certificate=args.tls_client_auth)
+    except (BrokerError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     _print_status(st)
+    if tls is not None:  # what a client needs; the key password stays in its file
+        print("  clients need:")
+        print(f"    export KVSTREAM_SECURITY_PROTOCOL=SSL KVSTREAM_SSL_CA_LOCATION={tls.ca_certificate}")
+        if args.tls_client_auth:
+            print(f"    export KVSTREAM_SSL_CERTIFICATE_LOCATION={tls.client_certificate}")
+            print(f"    export KVSTREAM_SSL_KEY_LOCATION={tls.client_key}")
+            print(f"    export KVSTREAM_SSL_KEY_PASSWORD=\"$(cat {tls.client_key_password_file})\"")
     return 0
 
 
@@ -718,6 +797,15 @@ def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     add_data_dir(p)
     p.add_argument("--timeout", type=float, default=90, metavar="SECONDS", help="start-up timeout (default: 90)")
     p.add_argument("--heap", default="-Xms512m -Xmx1g", metavar="JVM_OPTS", help="JVM heap (default: %(default)s)")
+    p.add_argument("--tls-dir", type=Path, metavar="DIR",
+                   help="serve TLS (security protocol SSL) on --port with the PEM files of DIR: ca.pem, broker.pem, "
+                   "broker-key.pem, client.pem, client-key.pem, client-key.password; if DIR has no ca.pem, a "
+                   "throwaway CA and certificates for localhost/127.0.0.1 are generated there first. Clients "
+                   "then need KVSTREAM_SECURITY_PROTOCOL=SSL and KVSTREAM_SSL_CA_LOCATION=DIR/ca.pem")
+    p.add_argument("--tls-client-auth", action="store_true",
+                   help="with --tls-dir: require client certificates signed by DIR/ca.pem (mutual TLS); clients "
+                   "also need KVSTREAM_SSL_CERTIFICATE_LOCATION, KVSTREAM_SSL_KEY_LOCATION, "
+                   "KVSTREAM_SSL_KEY_PASSWORD")
     p.set_defaults(func=_cli_start)
 
     p = sub.add_parser(
