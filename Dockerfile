@@ -15,8 +15,7 @@ COPY schemas/ schemas/
 COPY producers/ producers/
 COPY stream_apps/ stream_apps/
 COPY kvstream/ kvstream/
-# The rocksdb extra installs rocksdict for `kvstream worker --store rocksdb://`.
-RUN pip install '.[rocksdb]' \
+RUN pip install '.' \
     && useradd --system --uid 10001 --home-dir /data --shell /usr/sbin/nologin kvstream \
     && mkdir -p /data \
     && chown kvstream /data

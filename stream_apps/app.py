@@ -343,12 +343,22 @@ class _ResidencyStore:
     A RocksDB store also gets the changelog offset it has applied (Faust reads on from there at start).
     """
 
+    #: Decoded entries kept in front of a RocksDB store (a read decodes Avro, ~18 µs; a block's events come
+    #: close together). Written through; emptied when partitions are revoked.
+    CACHE_ENTRIES = int(os.environ.get("KVSTREAM_RESIDENCY_CACHE", "100000"))
+
     def __init__(self, table) -> None:
         self.table = table
         self.codec = AvroCodec("residency")
         self.topic = table.changelog_topic.get_topic_name()
         #: Highest changelog offset acknowledged per partition since the last :meth:`persist_offsets`.
         self._acked: dict[int, int] = {}
+        #: Key -> decoded entry (None: known absent), oldest first; RocksDB stores only.
+        self._cache: dict[str, dict | None] = {}
+
+    def forget(self) -> None:
+        """Drop the cache (partitions were revoked: another worker may write their keys now)."""
+        self._cache.clear()
 
     @property
     def _memory(self) -> bool:
@@ -359,8 +369,30 @@ class _ResidencyStore:
         return memory
 
     def get(self, key: str) -> dict | None:
-        """The entry under ``key`` in this worker's store, or None."""
+        """The entry under ``key`` for the agent applying a batch of its partition (remembered in the cache)."""
+        if self._memory:
+            return self.table.data.data.get(key)
+        cache = self._cache
+        if key in cache:
+            return cache[key]
+        entry = self.table.data.get(key)
+        self._remember(key, entry)
+        return entry
+
+    def lookup(self, key: str) -> dict | None:
+        """The entry under ``key`` for a query. Never fills the cache: a query can come while a partition is
+        still being recovered (Faust writes recovered entries to the store directly)."""
+        if self._memory:
+            return self.table.data.data.get(key)
+        if key in self._cache:
+            return self._cache[key]
         return self.table.data.get(key)
+
+    def _remember(self, key: str, entry: dict | None) -> None:
+        cache = self._cache
+        if len(cache) >= self.CACHE_ENTRIES:
+            del cache[next(iter(cache))]
+        cache[key] = entry
 
     def put(self, partition: int, key: str, entry: dict | None) -> None:
         """Write ``entry`` (None: delete) to the store and its changelog record to ``partition``."""
@@ -379,6 +411,8 @@ class _ResidencyStore:
                 store._del(raw_key)
             else:
                 store._set(raw_key, value)
+            self._cache.pop(key, None)
+            self._remember(key, entry)
             outputs.produce(self.topic, raw_key, value, partition, on_delivery=self._on_delivery)
 
     def _on_delivery(self, error, message) -> None:
@@ -405,6 +439,16 @@ class _ResidencyStore:
 
 
 residency_store = _ResidencyStore(residency)
+
+
+@app.on_partitions_revoked.connect
+async def _forget_cached_entries_on_revoke(app, revoked, **kwargs) -> None:
+    residency_store.forget()
+
+
+@app.on_partitions_assigned.connect
+async def _forget_cached_entries_on_assign(app, assigned, **kwargs) -> None:
+    residency_store.forget()
 
 
 @app.agent(kv_events_by_ownership, name="materialize-residency")
@@ -670,7 +714,7 @@ def _row_json(ownership: str | None, row: dict) -> dict:
 
 def entry_json(key: str) -> list[dict]:
     """Resident rows of one local residency key, as JSON-ready dicts."""
-    entry = residency_store.get(key)
+    entry = residency_store.lookup(key)
     if entry is None:
         return []
     return [_row_json(entry["ownership"], row) for row in entry["rows"] if row["copies"] > 0]
