@@ -474,7 +474,7 @@ async def materialize_residency(stream):
         for item in batch["events"]:
             try:
                 applier.apply(item, event_codec.decode(item["event"]))
-            except DecodeError as exc:
+            except (DecodeError, InvalidRecord) as exc:
                 await _dead_letter(event, str(exc), key=item["key"].encode(), value=item["event"])
             except Exception as exc:  # a record this code cannot apply: keep it, say why, go on
                 log.exception("could not apply %s", item["key"])
@@ -483,6 +483,10 @@ async def materialize_residency(stream):
         applier.finish()
         outputs.flush()
         residency_store.persist_offsets()
+
+
+class InvalidRecord(ValueError):
+    """A decodable kv_event that cannot be applied as routed (the message says why; it is dead-lettered)."""
 
 
 class _BatchApplier:
@@ -560,6 +564,11 @@ class _BatchApplier:
             stats.retired_late += 1
             return
         key = item["key"]
+        block_hash = record["block_hash"]
+        if block_hash is None or key != f"{body['ownership'] or PRIMARY}/{block_hash.hex()}":
+            # routed by its kvstream-ownership header (stream_apps/repartition.py), which the record contradicts
+            raise InvalidRecord(f"routed as {key!r}, but the record's ownership is {body['ownership']!r} and its "
+                                f"block hash {None if block_hash is None else block_hash.hex()}")
         touched = self.touched
         if key in touched:
             entry = touched[key]

@@ -43,6 +43,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 
 from kvstream.kafka_config import client_config, producer_config
 from schemas import ALL_BLOCKS_CLEARED, SOURCE_WIDE_EVENTS, AvroCodec, DecodeError
+from schemas.codec import schema_versions
 from schemas.topics import KV_EVENTS, KV_EVENTS_DEAD_LETTER, by_ownership_topic
 from stream_apps.residency import NO_CLEAR, PRIMARY
 
@@ -57,6 +58,11 @@ SOURCE_HEADER = "kvstream-source"
 CLEAR_HISTORY = 8
 #: Upper bound of one ownership_batch message's payload; the re-keyed topic allows 8 MiB messages.
 MAX_BATCH_BYTES = 1 << 20
+#: Optional header of a kv-events record, written by the project's producers: the event's ownership in UTF-8
+#: (empty: the primary tiers). With it this stage routes a block event without decoding it (decoding is
+#: most of this stage's cost); the materializing agent decodes every event anyway and dead-letters one
+#: whose ownership disagrees with the key it was routed by. Records without the header are decoded here.
+OWNERSHIP_HEADER = "kvstream-ownership"
 #: Residency keys whose partition is remembered (murmur2 in Python costs ~5 µs; a block's events share its key).
 PARTITION_CACHE_SIZE = 1 << 20
 
@@ -82,6 +88,7 @@ class ClearHistory:
     data_parallel_rank: int
     partition: int
     clears: list[tuple[int, tuple[int, int, int]]] = field(default_factory=list)
+    _newest_encoded: bytes | None = field(default=None, repr=False, compare=False)
 
     def mark_before(self, offset: int) -> tuple[int, int, int]:
         """Position of the latest clear read before ``offset`` (:data:`NO_CLEAR` if none is kept)."""
@@ -90,6 +97,14 @@ class ClearHistory:
                 return mark
         return NO_CLEAR
 
+    def encoded_mark_before(self, offset: int) -> bytes:
+        """:func:`encode_mark` of :meth:`mark_before` (the common case, the newest clear, is encoded once)."""
+        if self.clears and self.clears[-1][0] < offset:
+            if self._newest_encoded is None:
+                self._newest_encoded = encode_mark(self.clears[-1][1])
+            return self._newest_encoded
+        return encode_mark(self.mark_before(offset))
+
     def add(self, offset: int, mark: tuple[int, int, int]) -> bool:
         """Record the clear read at ``offset``; False if it is already known (a redelivery)."""
         if any(clear_offset == offset for clear_offset, _ in self.clears):
@@ -97,6 +112,7 @@ class ClearHistory:
         self.clears.append((offset, mark))
         self.clears.sort()
         del self.clears[:-CLEAR_HISTORY]
+        self._newest_encoded = None
         return True
 
     def to_record(self) -> dict:
@@ -113,10 +129,78 @@ class ClearHistory:
                    [(c["offset"], (c["publisher_epoch"], c["seq"], c["batch_index"])) for c in record["clears"]])
 
 
-def _mark_record(mark: tuple[int, int, int]) -> dict | None:
-    if mark == NO_CLEAR:
+def source_of(value: bytes, fingerprints: frozenset[bytes]) -> tuple[str, int] | None:
+    """``(instance_id, data_parallel_rank)`` read from the first two fields of a single-object kv_event.
+
+    Both are at the front of every kv_event version (an Avro string, then an int), so they are read without
+    decoding the rest. Returns None for other framings, unknown fingerprints or bytes that end too soon.
+    """
+    if value[:2] != b"\xc3\x01" or value[2:10] not in fingerprints:
         return None
-    return {"publisher_epoch": mark[0], "seq": mark[1], "batch_index": mark[2]}
+    try:
+        length, pos = _read_long(value, 10)
+        end = pos + length
+        instance = value[pos:end].decode()
+        dp_rank, last = _read_long(value, end)
+    except (IndexError, UnicodeDecodeError):
+        return None
+    return (instance, dp_rank) if length >= 0 and last <= len(value) else None
+
+
+def _read_long(data: bytes, pos: int) -> tuple[int, int]:
+    """Avro zig-zag varint at ``pos``: (value, position after it)."""
+    byte = data[pos]
+    result, shift = byte & 0x7F, 7
+    pos += 1
+    while byte & 0x80:
+        byte = data[pos]
+        result |= (byte & 0x7F) << shift
+        shift += 7
+        pos += 1
+    return (result >> 1) ^ -(result & 1), pos
+
+
+def _write_long(value: int) -> bytes:
+    """Avro zig-zag varint of ``value``."""
+    value = (value << 1) ^ (value >> 63)
+    out = bytearray()
+    while value & ~0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+#: Avro varints of 0 .. 2**14 - 1, the lengths of almost every key and event.
+_SMALL_LONGS = tuple(_write_long(n) for n in range(1 << 14))
+
+
+def _long(value: int) -> bytes:
+    return _SMALL_LONGS[value] if 0 <= value < (1 << 14) else _write_long(value)
+
+
+def encode_mark(mark: tuple[int, int, int]) -> bytes:
+    """The Avro ``["null", ClearMark]`` union value of a clear position (branch 0 for :data:`NO_CLEAR`)."""
+    if mark == NO_CLEAR:
+        return b"\x00"
+    return b"\x02" + _write_long(mark[0]) + _write_long(mark[1]) + _write_long(mark[2])
+
+
+def encode_keyed_event(key: str, mark: bytes, event: bytes) -> bytes:
+    """One ``KeyedEvent`` of schemas/ownership_batch_v1.avsc in Avro binary (``mark`` from :func:`encode_mark`).
+
+    Written by hand because this stage writes one per event and fastavro's generic writer costs several times
+    more; tests check the bytes against fastavro's.
+    """
+    raw_key = key.encode()
+    return _long(len(raw_key)) + raw_key + mark + _long(len(event)) + event
+
+
+def encode_ownership_batch(header: bytes, items: list[bytes]) -> bytes:
+    """A single-object ``OwnershipBatch`` (``header``: magic and fingerprint) of encoded KeyedEvents."""
+    if not items:
+        return header + b"\x00"
+    return b"".join((header, _write_long(len(items)), *items, b"\x00"))
 
 
 class Repartitioner:
@@ -147,6 +231,8 @@ class Repartitioner:
         self._event_codec = AvroCodec("kv_event")
         self._batch_codec = AvroCodec("ownership_batch")
         self._clears_codec = AvroCodec("source_clears")
+        #: Fingerprints of the kv_event versions whose first fields :func:`source_of` reads.
+        self._fingerprints = frozenset(v.fingerprint for v in schema_versions("kv_event"))
         #: (kv-events partition, instance, dp rank) -> clear history, for the assigned partitions.
         self._histories: dict[tuple[int, str, int], ClearHistory] = {}
         self._partition_of: dict[str, int] = {}
@@ -256,7 +342,7 @@ class Repartitioner:
             RuntimeError: the broker did not acknowledge every output (the offsets are not committed, so the
                 batch is read again after the worker restarts).
         """
-        outgoing: dict[int, list[dict]] = defaultdict(list)
+        outgoing: dict[int, list[bytes]] = defaultdict(list)
         changed_histories: dict[tuple[int, str, int], ClearHistory] = {}
         next_offsets: dict[int, int] = {}
         decode = self._event_codec.decode
@@ -269,6 +355,15 @@ class Repartitioner:
                 continue
             partition, offset, value = message.partition(), message.offset(), message.value()
             next_offsets[partition] = offset + 1
+            block_hash = message.key()
+            if block_hash is not None and value is not None:
+                route = self._route(message, value, partition)
+                if route is not None:  # routed by the ownership header, not decoded (see OWNERSHIP_HEADER)
+                    ownership, history = route
+                    key = f"{ownership or PRIMARY}/{block_hash.hex()}"
+                    mark = b"\x00" if history is None else history.encoded_mark_before(offset)
+                    outgoing[key_partition(key)].append(encode_keyed_event(key, mark, value))
+                    continue
             try:
                 record = decode(value)
                 kind, body = record["event"]
@@ -281,9 +376,8 @@ class Repartitioner:
                 if block_hash is None or record["tier"] is None:
                     raise DecodeError(f"{kind.rsplit('.', 1)[-1]} without block_hash or tier")
                 key = f"{body['ownership'] or PRIMARY}/{block_hash.hex()}"
-                mark = NO_CLEAR if history is None else history.mark_before(offset)
-                outgoing[key_partition(key)].append(
-                    {"key": key, "clear_mark": None if mark == NO_CLEAR else _mark_record(mark), "event": value})
+                mark = b"\x00" if history is None else history.encoded_mark_before(offset)
+                outgoing[key_partition(key)].append(encode_keyed_event(key, mark, value))
             except DecodeError as exc:
                 self._dead_letter(message, str(exc))
         self._produce(outgoing, changed_histories)
@@ -299,8 +393,27 @@ class Repartitioner:
             except KafkaException as exc:  # e.g. a rebalance took the partitions: they are read again elsewhere
                 log.warning("repartition commit failed (%s); the batch will be redelivered", exc)
 
+    def _route(self, message, value: bytes, partition: int) -> tuple[str, ClearHistory | None] | None:
+        """(ownership, the source's clear history) from the ownership header and the record's first fields."""
+        headers = message.headers()
+        if not headers:
+            return None
+        for name, ownership in headers:
+            if name == OWNERSHIP_HEADER:
+                break
+        else:
+            return None
+        source = source_of(value, self._fingerprints)
+        if source is None or ownership is None:
+            return None
+        try:
+            text = ownership.decode()
+        except UnicodeDecodeError:
+            return None
+        return text, self._histories.get((partition, source[0], source[1]))
+
     def _source_wide(self, message, record: dict, kind: str, source: tuple[int, str, int],
-                     history: ClearHistory | None, outgoing: dict[int, list[dict]],
+                     history: ClearHistory | None, outgoing: dict[int, list[bytes]],
                      changed: dict[tuple[int, str, int], ClearHistory]) -> None:
         """A clear (recorded in the source's history), PublisherRestarted or SourceStale: same partition number."""
         partition, offset = source[0], message.offset()
@@ -313,22 +426,22 @@ class Repartitioner:
         else:
             mark = NO_CLEAR if history is None else history.mark_before(offset)
         name = kind.rsplit(".", 1)[-1]
-        outgoing[partition].append({"key": f"{name}/{record['instance_id']}/{record['data_parallel_rank']}",
-                                    "clear_mark": _mark_record(mark), "event": message.value()})
+        outgoing[partition].append(encode_keyed_event(f"{name}/{record['instance_id']}/{record['data_parallel_rank']}",
+                                                      encode_mark(mark), message.value()))
 
-    def _produce(self, outgoing: dict[int, list[dict]], changed: dict[tuple[int, str, int], ClearHistory]) -> None:
+    def _produce(self, outgoing: dict[int, list[bytes]], changed: dict[tuple[int, str, int], ClearHistory]) -> None:
         produce = self._producer.produce
+        header = self._batch_codec._header
         for partition, items in outgoing.items():
-            chunk: list[dict] = []
+            chunk: list[bytes] = []
             size = 0
             for item in items:
-                item_size = len(item["event"]) + len(item["key"]) + 32
-                if chunk and size + item_size > MAX_BATCH_BYTES:
-                    self._send(produce, self.output_topic, None, self._batch_codec.encode({"events": chunk}), partition)
+                if chunk and size + len(item) > MAX_BATCH_BYTES:
+                    self._send(produce, self.output_topic, None, encode_ownership_batch(header, chunk), partition)
                     chunk, size = [], 0
                 chunk.append(item)
-                size += item_size
-            self._send(produce, self.output_topic, None, self._batch_codec.encode({"events": chunk}), partition)
+                size += len(item)
+            self._send(produce, self.output_topic, None, encode_ownership_batch(header, chunk), partition)
         for (partition, instance, dp_rank), history in changed.items():
             self._send(produce, self.clears_topic, f"{partition}/{instance}/{dp_rank}".encode(),
                        self._clears_codec.encode(history.to_record()), partition)

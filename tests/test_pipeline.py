@@ -105,6 +105,15 @@ def _removal_without_hash() -> bytes:
     return AvroCodec("kv_event").encode({**record, "block_hash": None})
 
 
+LIAR_HASH = bytes.fromhex("5a5a5a5a5a5a5a5a")
+
+
+def _primary_store(block_hash: bytes) -> bytes:
+    """A valid BlockStored of the primary tiers (ownership null)."""
+    record = split_event(Publisher("liar"), 0, 0.0, 0, _gpu(int.from_bytes(block_hash, "big")))[0]
+    return AvroCodec("kv_event").encode(record)
+
+
 def _get(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=30) as response:
         return json.loads(response.read())
@@ -120,6 +129,9 @@ def pipeline(kafka_bootstrap, tmp_path_factory):
     garbage = Producer(client_config(kafka_bootstrap))
     garbage.produce(KV_EVENTS, key=b"bad-key", value=GARBAGE, partition=0)
     garbage.produce(KV_EVENTS, key=b"no-hash", value=_removal_without_hash(), partition=0)
+    garbage.produce(KV_EVENTS, key=LIAR_HASH, value=_primary_store(LIAR_HASH),
+                    partition=(murmur2(LIAR_HASH) & 0x7FFFFFFF) % PARTITIONS,
+                    headers={"kvstream-ownership": b"kvcr"})  # routed as kvcr by its header, then caught
     garbage.flush(30)
     work = tmp_path_factory.mktemp("worker")
     options = WorkerOptions(kafka_bootstrap, web_port=free_port(), data_dir=work / "data", partitions=PARTITIONS,
@@ -245,6 +257,7 @@ def test_keys_sit_on_the_murmur2_partition_and_clears_on_every_partition(pipelin
 
 
 def test_bad_records_go_to_the_dead_letter_topic_with_their_reasons(pipeline, kafka_bootstrap):
+    liar_key = f"kvcr/{LIAR_HASH.hex()}".encode()
     consumer = Consumer(client_config(kafka_bootstrap, **{"group.id": "test-dead-letter",
                                                           "auto.offset.reset": "earliest"}))
     consumer.subscribe([KV_EVENTS_DEAD_LETTER])
@@ -252,17 +265,22 @@ def test_bad_records_go_to_the_dead_letter_topic_with_their_reasons(pipeline, ka
         messages = []
         for _ in range(30):  # other tests of the session dead-letter too: keep this module's records
             messages += [m for m in consumer.consume(100, timeout=1.0)
-                         if not m.error() and m.key() in (b"bad-key", b"no-hash")]
-            if len(messages) >= 2:
+                         if not m.error() and m.key() in (b"bad-key", b"no-hash", liar_key)]
+            if len(messages) >= 3:
                 break
     finally:
         consumer.close()
-    assert [m.key() for m in messages] == [b"bad-key", b"no-hash"]
+    messages.sort(key=lambda m: [b"bad-key", b"no-hash", liar_key].index(m.key()))  # two stages write them
+    assert [m.key() for m in messages] == [b"bad-key", b"no-hash", liar_key]
     assert messages[0].value() == GARBAGE and messages[1].value() == _removal_without_hash()
+    assert messages[2].value() == _primary_store(LIAR_HASH)
     reasons = [dict(m.headers())["kvstream-error"] for m in messages]
     assert b"unknown kv_event schema fingerprint" in reasons[0]
     assert reasons[1] == b"BlockRemoved without block_hash or tier"
-    assert _get(f"{pipeline['url']}/stats/")["dead_lettered"] == 2
+    assert reasons[2] == (f"routed as 'kvcr/{LIAR_HASH.hex()}', but the record's ownership is None and its block "
+                          f"hash {LIAR_HASH.hex()}").encode()
+    assert _get(f"{pipeline['url']}/stats/")["dead_lettered"] == 3
+    assert _rows(pipeline, LIAR_HASH) == []
 
 
 def test_tail_prints_decoded_json_lines_of_events_changelog_and_dead_letters(pipeline, kafka_bootstrap):
