@@ -40,7 +40,7 @@ import zmq
 from prometheus_client import CollectorRegistry, Counter
 
 from producers.engine_decode import BatchDecodeError, decode_batch
-from producers.split import InvalidEvent, Publisher, source_event, split_event
+from producers.split import InvalidEvent, Publisher, source_event
 from schemas import PUBLISHER_RESTARTED, SOURCE_STALE
 
 log = logging.getLogger(__name__)
@@ -167,14 +167,12 @@ class KafkaBatchSink:
         for index, event, raw in decoded.events:
             self.metrics.events_received.labels(*labels).inc()
             try:
-                records = split_event(publisher, seq, decoded.ts, index, event)
+                produced = self.producer.send_event(publisher, seq, decoded.ts, index, event)
             except InvalidEvent as exc:
                 self.producer.dead_letter(raw, str(exc), f"{where} event {index}")
                 self.metrics.dead_lettered.labels(*labels).inc()
                 continue
-            for record in records:
-                self.producer.send(record)
-            self.metrics.events_produced.labels(*labels).inc(len(records))
+            self.metrics.events_produced.labels(*labels).inc(produced)
 
 
 @dataclass
