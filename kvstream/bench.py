@@ -384,7 +384,7 @@ class Bench:
         self.work = options.work_dir.resolve()
         self.results: dict = {
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "mode": "quick" if options.quick else "full",
+            "mode": "quick" if options.quick else ("full" if _is_full(options) else "custom"),
             "machine": _machine(),
             "figures": {k: {"value": None, **{f: DEFINITIONS[k][f] for f in ("unit", "target", "better")},
                             "baseline": DEFINITIONS[k]["baseline"], "definition": DEFINITIONS[k]["definition"]}
@@ -960,6 +960,14 @@ STEP_HELP = {
     "rss": "worker peak RSS at --rows resident rows (rocksdb store), then recovery of them",
     "rss-large": "worker peak RSS at --rows-large resident rows",
 }
+
+
+def _is_full(options: BenchOptions) -> bool:
+    """True when every size is the full run's (the whole trace, 1M and 10M rows, 30 s at 10,000/s)."""
+    full = BenchOptions()
+    return (options.only is None and options.requests is None and options.stream_requests is None
+            and (options.rows, options.rows_large, options.latency_rate, options.latency_s, options.memory_rows)
+            == (full.rows, full.rows_large, full.latency_rate, full.latency_s, full.memory_rows))
 
 
 def _deep_copy(value):
