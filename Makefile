@@ -1,18 +1,19 @@
 # Two commands do all the set-up on a fresh machine (CPython 3.11, Java 17 and Maven needed):
 #   make demo   - the whole pipeline on the embedded Kafka broker and the Mooncake trace
 #   make test   - unit tests and integration tests against a real broker
+#   make bench  - the benchmark (bench/results.json, bench/results.png)
 PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test broker-start broker-stop clean
+.PHONY: install demo test bench broker-start broker-stop clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found (set PYTHON=...)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,bench]'
 	@touch $(STAMP)
 
 install: $(STAMP)
@@ -22,6 +23,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# every benchmark figure into bench/results.json and bench/results.png; BENCH_ARGS="--quick" for a smoke run
+bench: $(STAMP)
+	$(VENV)/bin/kvstream bench $(BENCH_ARGS)
 
 broker-start: $(STAMP)
 	$(VENV)/bin/kvstream broker start

@@ -1,6 +1,6 @@
 """``kvstream``: one command line for the whole pipeline.
 
-Subcommands: ``demo`` (everything, on the embedded broker), ``broker`` (the
+Subcommands: ``demo`` (everything, on the embedded broker), ``bench`` (every benchmark figure), ``broker`` (the
 embedded Kafka broker and Kafka's CLI tools), ``simulate`` (replay the trace
 into kv-events), ``worker`` (the Faust stream app), ``tail`` (print a topic
 decoded), ``query`` (ask a worker's HTTP views). Every subcommand that talks to Kafka takes ``--bootstrap-servers``.
@@ -78,6 +78,29 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(DemoOptions(port=args.port, web_port=args.web_port, work_dir=args.work_dir, trace=args.trace,
                                 requests=args.requests, partitions=args.partitions, instances=args.instances,
                                 keep_running=args.keep_running, timeout_s=args.timeout))
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import signal
+
+    from kvstream.bench import STEPS, BenchOptions, run_bench
+
+    def terminate(signum, frame):  # stop the bench's broker and workers, as on Ctrl-C
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminate)
+    only = None
+    if args.only:
+        only = tuple(name.strip() for name in args.only.split(",") if name.strip())
+        unknown = [name for name in only if name not in STEPS]
+        if unknown:
+            raise ValueError(f"unknown step(s) {', '.join(unknown)}; steps: {', '.join(STEPS)}")
+    options = BenchOptions(output_dir=args.output_dir, work_dir=args.work_dir, quick=args.quick,
+                           requests=args.requests, stream_requests=args.stream_requests, rows=args.rows, rows_large=args.rows_large,
+                           latency_rate=args.latency_rate, latency_s=args.latency_seconds,
+                           memory_rows=args.memory_rows, partitions=args.partitions, timeout_s=args.timeout,
+                           only=only)
+    return run_bench(options)
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
@@ -289,6 +312,59 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_demo)
 
     broker.register_cli(sub)
+
+    p = sub.add_parser("bench", help="measure every stage (producer, bridge, stream app, latency, memory, "
+                                     "recovery) against its target; writes bench/results.json and a plot",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Start a broker of its own on a free port (data under --work-dir, emptied "
+                                   "first), then run each step and write its figures to "
+                                   "<output-dir>/results.json as soon as they are measured, a table at the end "
+                                   "and <output-dir>/results.png. Steps, in order:\n  "
+                                   + "\n  ".join(f"{name:<15} {text}" for name, text in (
+                                       ("baselines", "fastavro decode/encode of the simulator's records"),
+                                       ("memory", "bytes per resident row: memory and RocksDB stores"),
+                                       ("producer", "simulator events -> split -> Avro -> Kafka, acked"),
+                                       ("plain-consumer", "kv-events -> decode -> residency dict, no Faust"),
+                                       ("bridge", "ZMQ publisher process -> bridge -> Kafka, acked"),
+                                       ("stream-1w", "one worker end to end"),
+                                       ("latency", "steady rate into that worker: event-to-table delay"),
+                                       ("stream-2w", "two workers end to end"),
+                                       ("rss", "peak RSS at --rows rows (rocksdb store), then recovery"),
+                                       ("rss-large", "peak RSS at --rows-large rows"))),
+                       epilog="Definitions of every figure: README, 'Benchmarks', and results.json. A failed step "
+                              "is recorded under 'errors' and the others still run (exit code 1). The full run "
+                              "takes long (the 10M-row step alone writes and consumes over 10 million events); "
+                              "--quick takes a few minutes.")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 3000 requests for the producer and bridge, 600 for the stream app, 60,000 "
+                        "rows, 5 s of latency, no 10M-row step")
+    p.add_argument("--requests", type=_positive_int, default=None, metavar="N",
+                   help="trace requests replayed by the producer and bridge steps (default: the whole trace, "
+                        "12,031)")
+    p.add_argument("--stream-requests", type=_positive_int, default=None, metavar="N",
+                   help="trace requests written to kv-events for the plain-consumer and stream-app steps "
+                        "(default: as --requests; --quick: 600)")
+    p.add_argument("--rows", type=_positive_int, default=1_000_000, metavar="N",
+                   help="resident rows of the RSS and recovery step (default: %(default)s)")
+    p.add_argument("--rows-large", type=int, default=10_000_000, metavar="N",
+                   help="resident rows of the large RSS step; 0 skips it (default: %(default)s; --quick: 0)")
+    p.add_argument("--latency-rate", type=_positive_int, default=10_000, metavar="EVENTS_PER_S",
+                   help="steady produce rate of the latency step (default: %(default)s)")
+    p.add_argument("--latency-seconds", type=float, default=30.0, metavar="S",
+                   help="duration of the latency step (default: %(default)s)")
+    p.add_argument("--memory-rows", type=_positive_int, default=200_000, metavar="N",
+                   help="rows of the bytes-per-row step (default: %(default)s)")
+    p.add_argument("--partitions", type=_positive_int, default=DEFAULT_PARTITIONS,
+                   help="partitions of kv-events and the app's topics (default: %(default)s)")
+    p.add_argument("--only", default=None, metavar="STEP[,STEP...]",
+                   help="run only these steps (stream-1w is needed for latency)")
+    p.add_argument("--output-dir", type=Path, default=Path("bench"), metavar="DIR",
+                   help="where results.json and results.png go (default: %(default)s)")
+    p.add_argument("--work-dir", type=Path, default=Path(".kvstream/bench"), metavar="DIR",
+                   help="broker data, worker state and logs; emptied at start (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=7200.0, metavar="S",
+                   help="longest any one wait may take (default: %(default)s)")
+    p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("simulate", help="replay a trace through the simulated fleet into kv-events",
                        description="Route each request of a Mooncake-format trace to a simulated instance by prefix "

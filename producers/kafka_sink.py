@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from confluent_kafka import KafkaError, Producer
 
 from kvstream.kafka_config import DEFAULT_BOOTSTRAP_SERVERS, producer_config, topic_partitions
-from producers.split import ParentTracker
+from producers.split import BlockEncoder, ParentTracker, Publisher
 from schemas import AvroCodec
+from schemas.codec import KvEventWriter
 from schemas.topics import KV_EVENTS, KV_EVENTS_DEAD_LETTER
 
 
@@ -29,7 +30,8 @@ class ProduceStats:
 
     #: Messages handed to the client (a clear counts once per partition).
     sent: int = 0
-    #: Messages the broker acknowledged.
+    #: Messages the broker acknowledged, as of the last :meth:`KvEventProducer.flush` (librdkafka reports
+    #: only failures, see ``delivery.report.only.error``; the rest are counted when flush finds none left).
     acked: int = 0
     #: Messages that failed for good.
     failed: int = 0
@@ -50,8 +52,9 @@ class KvEventProducer:
             :func:`kvstream.kafka_config.producer_config`.
         codec: the Avro codec (default: newest ``kv_event`` schema, single-object framing).
 
-    Use :meth:`send` per record, then :meth:`flush`, which raises
-    :class:`ProduceError` if any message was not acknowledged.
+    Use :meth:`send_event` per engine event (the fast path: split and encoded in one step, see
+    :class:`producers.split.BlockEncoder`) or :meth:`send` per record, then :meth:`flush`, which raises
+    :class:`ProduceError` if any message was not acknowledged. Not thread-safe.
     """
 
     def __init__(self, bootstrap_servers: str = DEFAULT_BOOTSTRAP_SERVERS, topic: str = KV_EVENTS, *,
@@ -61,23 +64,32 @@ class KvEventProducer:
         self.partitions = topic_partitions(bootstrap_servers, topic)
         self.stats = ProduceStats()
         self.parents = ParentTracker()
-        self._producer = Producer(producer_config(bootstrap_servers, **(config_overrides or {})))
+        self._polled_at = 0
+        try:
+            self._writer = KvEventWriter(self.codec)
+        except ValueError:  # another schema version: fastavro's generic writer
+            self._writer = None
+        self._blocks = BlockEncoder(self._writer, self.parents) if self._writer else None
+        # Delivery reports of failures only: a report per acknowledged message would cost a Python call
+        # (and a copy of its key and value) per message.
+        self._producer = Producer(producer_config(bootstrap_servers, **{
+            "delivery.report.only.error": True, "on_delivery": self._on_delivery, **(config_overrides or {})}))
 
     def _on_delivery(self, err: KafkaError | None, _msg) -> None:
-        if err is None:
-            self.stats.acked += 1
-        else:
-            self.stats.failed += 1
-            if self.stats.first_error is None:
-                self.stats.first_error = str(err)
+        if err is None:  # only with delivery.report.only.error overridden to False
+            return
+        self.stats.failed += 1
+        if self.stats.first_error is None:
+            self.stats.first_error = str(err)
 
     def _produce(self, value: bytes, key: bytes | None, partition: int | None) -> None:
-        kwargs = {"value": value, "key": key, "on_delivery": self._on_delivery}
-        if partition is not None:
-            kwargs["partition"] = partition
+        produce = self._producer.produce
         while True:
             try:
-                self._producer.produce(self.topic, **kwargs)
+                if partition is None:
+                    produce(self.topic, value, key)
+                else:
+                    produce(self.topic, value, key, partition)
                 break
             except BufferError:  # local queue full: let librdkafka drain, then retry
                 self._producer.poll(0.05)
@@ -89,15 +101,51 @@ class KvEventProducer:
         BlockStored records get ``parent_known`` (see :class:`producers.split.ParentTracker`).
         """
         self.parents.note(record)
-        value = self.codec.encode(record)
+        value = self._writer.encode(record) if self._writer else self.codec.encode(record)
         key = record["block_hash"]
         if key is None:
             for partition in range(self.partitions):
                 self._produce(value, None, partition)
         else:
             self._produce(value, key, None)
-        if self.stats.sent & 0x3FF == 0:
+        if self.stats.sent - self._polled_at > 4096:
+            self._polled_at = self.stats.sent
             self._producer.poll(0)
+
+    def send_event(self, publisher: Publisher, seq: int, ts: float, batch_index: int, event: dict) -> int:
+        """Split one engine event per block, encode and enqueue its records; returns the number of records.
+
+        Produces exactly what ``for r in split_event(...): send(r)`` produces (arguments as
+        :func:`producers.split.split_event`), with fewer Python calls.
+
+        Raises:
+            producers.split.InvalidEvent: the event cannot become block records (nothing was sent).
+        """
+        if self._blocks is None:
+            from producers.split import split_event
+
+            records = split_event(publisher, seq, ts, batch_index, event)
+            for record in records:
+                self.send(record)
+            return len(records)
+        pairs = self._blocks.encode_event(publisher, seq, ts, batch_index, event)
+        produce, topic = self._producer.produce, self.topic
+        for key, value in pairs:
+            if key is None:
+                for partition in range(self.partitions):
+                    self._produce(value, None, partition)
+                continue
+            try:
+                produce(topic, value, key)
+            except BufferError:
+                self._producer.poll(0.05)
+                self._produce(value, key, None)
+                continue
+            self.stats.sent += 1
+        if self.stats.sent - self._polled_at > 4096:
+            self._polled_at = self.stats.sent
+            self._producer.poll(0)
+        return len(pairs)
 
     def dead_letter(self, value: bytes, reason: str, source: str, key: bytes | None = None) -> None:
         """Send bytes that could not become records to the dead-letter topic, with the reason in a header.
@@ -110,13 +158,17 @@ class KvEventProducer:
         self.stats.dead_lettered += 1
         while True:
             try:
-                self._producer.produce(KV_EVENTS_DEAD_LETTER, value=value, key=key, on_delivery=self._on_delivery,
+                self._producer.produce(KV_EVENTS_DEAD_LETTER, value=value, key=key,
                                        headers={"kvstream-error": reason[:1000].encode(),
                                                 "kvstream-source": source[:500].encode()})
                 break
             except BufferError:
                 self._producer.poll(0.05)
         self.stats.sent += 1
+
+    def poll(self, timeout_s: float = 0.0) -> None:
+        """Let librdkafka serve delivery reports (failures) and queue space; waits up to ``timeout_s``."""
+        self._producer.poll(timeout_s)
 
     def flush(self, timeout_s: float = 120.0) -> ProduceStats:
         """Wait until every message is acknowledged.
@@ -125,6 +177,8 @@ class KvEventProducer:
             ProduceError: messages failed, or were still unacknowledged after ``timeout_s``.
         """
         remaining = self._producer.flush(timeout_s)
+        self._producer.poll(0)  # serve the last failure reports
+        self.stats.acked = self.stats.sent - self.stats.failed - remaining
         if remaining or self.stats.failed:
             raise ProduceError(
                 f"{self.stats.failed} messages failed and {remaining} were unacknowledged after {timeout_s}s "

@@ -22,6 +22,9 @@ import msgspec
 
 from schemas import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED, InvalidBlockHash, canonical_block_hash, tier_of
 from schemas.block_hash import original_block_hash
+from schemas.codec import AVRO_NULL, KvEventWriter, avro_double, avro_bytes, avro_int_array, avro_long
+
+_BRANCH_1 = b"\x02"
 
 _encode_msgpack = msgspec.msgpack.Encoder().encode
 _decode_msgpack = msgspec.msgpack.Decoder().decode
@@ -100,6 +103,93 @@ def _int_list(value: Any, name: str) -> list[int]:
     return list(value)
 
 
+@dataclass(slots=True)
+class _ParsedEvent:
+    """One engine event, validated: what every block record of it is built from."""
+
+    #: Full Avro branch name (BLOCK_STORED, BLOCK_REMOVED, ALL_BLOCKS_CLEARED).
+    kind: str
+    #: Canonical block hashes, in run order (empty for a clear).
+    hashes: list[bytes]
+    #: HashEncoding symbol of the event's hashes.
+    encoding: str = "UINT64"
+    #: Canonical tier; None for a clear.
+    tier: str | None = None
+    #: The body fields every block shares (BlockStored without the per-block ones; BlockRemoved whole).
+    common: dict | None = None
+    #: BlockStored only: parent of the first block, all tokens, extra keys and lookahead per block.
+    parent: bytes | None = None
+    tokens: list[int] | None = None
+    extra_keys: Any = None
+    lookahead: list[list[int]] | None = None
+
+
+def _parse_event(event: dict) -> _ParsedEvent:
+    """Validate one engine event (vLLM map form) and canonicalize its hashes and tier.
+
+    Raises:
+        InvalidEvent: see :func:`split_event`.
+    """
+    if not isinstance(event, dict):
+        raise InvalidEvent(f"event is a {type(event).__name__}, not a map")
+    kind = event.get("type")
+    if kind == "AllBlocksCleared":
+        return _ParsedEvent(ALL_BLOCKS_CLEARED, [])
+    if kind not in ("BlockStored", "BlockRemoved"):
+        raise InvalidEvent(f"unknown event type {kind!r}")
+    if "block_hashes" not in event:
+        raise InvalidEvent(f"{kind} has no block_hashes")
+    raw_hashes = event["block_hashes"]
+    hashes = _hashes(raw_hashes, "block_hashes")
+    medium = _opt_str(event, "medium")
+    tier = tier_of(medium)
+    group_idx = _opt_int(event, "group_idx")
+    locality = _opt_str(event, "locality")
+    ownership = _opt_str(event, "ownership")
+    count = len(hashes)
+
+    if kind == "BlockRemoved":
+        return _ParsedEvent(BLOCK_REMOVED, hashes, _encoding(raw_hashes), tier,
+                            {"medium": medium, "group_idx": group_idx, "locality": locality, "ownership": ownership})
+
+    parent_raw = event.get("parent_block_hash")
+    parent = None if parent_raw is None else _hashes([parent_raw], "parent_block_hash")[0]
+    encoding = _encoding(raw_hashes if parent_raw is None else [*raw_hashes, parent_raw])
+    if "token_ids" not in event or "block_size" not in event:
+        raise InvalidEvent("BlockStored needs token_ids and block_size")
+    tokens = _int_list(event["token_ids"], "token_ids")
+    block_size = _opt_int(event, "block_size")
+    if block_size is None or block_size < 0:
+        raise InvalidEvent("block_size must be a non-negative integer")
+    extra_keys = event.get("extra_keys")
+    if extra_keys is not None and (not isinstance(extra_keys, (list, tuple)) or len(extra_keys) != count):
+        raise InvalidEvent(f"extra_keys must hold one entry per block hash ({count})")
+    lookahead = event.get("lookahead_token_ids")
+    if lookahead is not None and (not isinstance(lookahead, (list, tuple)) or len(lookahead) != count):
+        raise InvalidEvent(f"lookahead_token_ids must hold one list per block hash ({count})")
+    if lookahead is not None:
+        lookahead = [_int_list(tokens_i, "lookahead_token_ids") for tokens_i in lookahead]
+    common = {
+        "block_size": block_size,
+        "lora_id": _opt_int(event, "lora_id", bounds=(-(1 << 63), (1 << 63) - 1)),
+        "medium": medium,
+        "lora_name": _opt_str(event, "lora_name"),
+        "group_idx": group_idx,
+        "kv_cache_spec_kind": _opt_str(event, "kv_cache_spec_kind"),
+        "kv_cache_spec_sliding_window": _opt_int(event, "kv_cache_spec_sliding_window"),
+        "locality": locality,
+        "ownership": ownership,
+        "session_id": _opt_str(event, "session_id"),
+    }
+    return _ParsedEvent(BLOCK_STORED, hashes, encoding, tier, common, parent, tokens, extra_keys, lookahead)
+
+
+def _block_tokens(tokens: list[int], block_size: int, i: int, count: int) -> list[int]:
+    """Block ``i``'s tokens: ``block_size`` of them; the last block also takes any beyond the full blocks."""
+    start = i * block_size
+    return tokens[start:] if i == count - 1 else tokens[start:start + block_size]
+
+
 def split_event(publisher: Publisher, seq: int, ts: float, batch_index: int, event: dict) -> list[dict]:
     """Turn one engine event into its block-level ``kv_event`` records.
 
@@ -117,9 +207,7 @@ def split_event(publisher: Publisher, seq: int, ts: float, batch_index: int, eve
     Raises:
         InvalidEvent: unknown ``type``, missing or ill-typed fields, bad hashes.
     """
-    if not isinstance(event, dict):
-        raise InvalidEvent(f"event is a {type(event).__name__}, not a map")
-    kind = event.get("type")
+    parsed = _parse_event(event)
     envelope = {
         "instance_id": publisher.instance_id,
         "data_parallel_rank": publisher.data_parallel_rank,
@@ -131,64 +219,25 @@ def split_event(publisher: Publisher, seq: int, ts: float, batch_index: int, eve
         "batch_index": batch_index,
         "ts": ts,
     }
-    if kind == "AllBlocksCleared":
+    if parsed.kind == ALL_BLOCKS_CLEARED:
         return [{**envelope, "block_hash": None, "hash_encoding": "UINT64", "block_index": 0, "block_count": 1,
                  "tier": None, "event": (ALL_BLOCKS_CLEARED, {})}]
-    if kind not in ("BlockStored", "BlockRemoved"):
-        raise InvalidEvent(f"unknown event type {kind!r}")
-    if "block_hashes" not in event:
-        raise InvalidEvent(f"{kind} has no block_hashes")
-    raw_hashes = event["block_hashes"]
-    hashes = _hashes(raw_hashes, "block_hashes")
-    medium = _opt_str(event, "medium")
-    tier = tier_of(medium)
-    group_idx = _opt_int(event, "group_idx")
-    locality = _opt_str(event, "locality")
-    ownership = _opt_str(event, "ownership")
+    hashes, encoding, tier = parsed.hashes, parsed.encoding, parsed.tier
     count = len(hashes)
-
-    if kind == "BlockRemoved":
-        encoding = _encoding(raw_hashes)
-        body = {"medium": medium, "group_idx": group_idx, "locality": locality, "ownership": ownership}
+    if parsed.kind == BLOCK_REMOVED:
+        body = parsed.common
         return [{**envelope, "block_hash": h, "hash_encoding": encoding, "block_index": i, "block_count": count,
-                 "tier": tier, "event": (BLOCK_REMOVED, body)} for i, h in enumerate(hashes)]
+                 "tier": tier, "event": (BLOCK_REMOVED, dict(body))} for i, h in enumerate(hashes)]
 
-    parent_raw = event.get("parent_block_hash")
-    parent = None if parent_raw is None else _hashes([parent_raw], "parent_block_hash")[0]
-    encoding = _encoding(raw_hashes if parent_raw is None else [*raw_hashes, parent_raw])
-    if "token_ids" not in event or "block_size" not in event:
-        raise InvalidEvent("BlockStored needs token_ids and block_size")
-    tokens = _int_list(event["token_ids"], "token_ids")
-    block_size = _opt_int(event, "block_size")
-    if block_size is None or block_size < 0:
-        raise InvalidEvent("block_size must be a non-negative integer")
-    extra_keys = event.get("extra_keys")
-    if extra_keys is not None and (not isinstance(extra_keys, (list, tuple)) or len(extra_keys) != count):
-        raise InvalidEvent(f"extra_keys must hold one entry per block hash ({count})")
-    lookahead = event.get("lookahead_token_ids")
-    if lookahead is not None and (not isinstance(lookahead, (list, tuple)) or len(lookahead) != count):
-        raise InvalidEvent(f"lookahead_token_ids must hold one list per block hash ({count})")
-    common = {
-        "block_size": block_size,
-        "lora_id": _opt_int(event, "lora_id", bounds=(-(1 << 63), (1 << 63) - 1)),
-        "medium": medium,
-        "lora_name": _opt_str(event, "lora_name"),
-        "group_idx": group_idx,
-        "kv_cache_spec_kind": _opt_str(event, "kv_cache_spec_kind"),
-        "kv_cache_spec_sliding_window": _opt_int(event, "kv_cache_spec_sliding_window"),
-        "locality": locality,
-        "ownership": ownership,
-        "session_id": _opt_str(event, "session_id"),
-    }
+    common, extra_keys, lookahead = parsed.common, parsed.extra_keys, parsed.lookahead
+    block_size = common["block_size"]
     records = []
     for i, h in enumerate(hashes):
-        start = i * block_size
-        block_tokens = tokens[start:] if i == count - 1 else tokens[start:start + block_size]
         body = {
-            "parent_block_hash": parent if i == 0 else hashes[i - 1],
-            "token_ids": block_tokens,
+            "parent_block_hash": parsed.parent if i == 0 else hashes[i - 1],
+            "token_ids": _block_tokens(parsed.tokens, block_size, i, count),
             "extra_keys": None if extra_keys is None else _encode_msgpack(extra_keys[i]),
-            "lookahead_token_ids": None if lookahead is None else _int_list(lookahead[i], "lookahead_token_ids"),
+            "lookahead_token_ids": None if lookahead is None else lookahead[i],
             "parent_known": None,
             **common,
         }
@@ -226,6 +275,100 @@ class ParentTracker:
         stored.move_to_end(record["block_hash"])
         if len(stored) > self.capacity:
             stored.popitem(last=False)
+
+
+    def note_run(self, source: tuple, parent: bytes | None, hashes: list[bytes]) -> bool | None:
+        """:meth:`note` for a whole BlockStored run at once: returns the first block's ``parent_known``.
+
+        Args:
+            source: ``(instance_id, data_parallel_rank, worker_rank, publisher_epoch)``.
+            parent: the run's parent hash (None: ``parent_known`` stays None).
+            hashes: the run's block hashes, in order.
+        """
+        stored = self._stored.get(source)
+        if stored is None:
+            stored = self._stored[source] = OrderedDict()
+        known = None if parent is None else parent in stored
+        for h in hashes:
+            if h in stored:
+                stored.move_to_end(h)
+            else:
+                stored[h] = None
+        while len(stored) > self.capacity:
+            stored.popitem(last=False)
+        return known
+
+
+class BlockEncoder:
+    """Split an engine event and encode its block records in one step, without building record dicts.
+
+    The bytes are exactly those of :func:`split_event`, then :meth:`ParentTracker.note` and
+    :meth:`schemas.codec.AvroCodec.encode` on each record (tests/test_split.py checks it); the parts
+    that every block of an event shares are encoded once per event.
+
+    Args:
+        writer: the ``kv_event`` v2 writer (:class:`schemas.codec.KvEventWriter`).
+        parents: tracker that sets ``parent_known``; None leaves it null.
+    """
+
+    def __init__(self, writer: KvEventWriter, parents: ParentTracker | None = None) -> None:
+        self.writer = writer
+        self.parents = parents
+        self._stored_branch = writer.branch[BLOCK_STORED]
+        self._removed_branch = writer.branch[BLOCK_REMOVED]
+        self._cleared = writer.branch[ALL_BLOCKS_CLEARED]
+
+    def encode_event(self, publisher: Publisher, seq: int, ts: float, batch_index: int,
+                     event: dict) -> list[tuple[bytes | None, bytes]]:
+        """One engine event's block records as ``(key, value)``: key = block hash, None for a clear.
+
+        Arguments as :func:`split_event`.
+
+        Raises:
+            InvalidEvent: as :func:`split_event`.
+        """
+        parsed = _parse_event(event)
+        w = self.writer
+        head = b"".join((w.prefix(publisher.instance_id, publisher.data_parallel_rank, publisher.worker_rank,
+                                  publisher.world_size, publisher.aggregation, publisher.publisher_epoch),
+                         avro_long(seq), avro_long(batch_index), avro_double(ts)))
+        if parsed.kind == ALL_BLOCKS_CLEARED:
+            return [(None, b"".join((head, AVRO_NULL, w.hash_encoding["UINT64"], avro_long(0), avro_long(1),
+                                     w.tier[None], self._cleared)))]
+        hashes = parsed.hashes
+        count = len(hashes)
+        encoding = w.hash_encoding[parsed.encoding]
+        after_index = b"".join((avro_long(count), w.tier[parsed.tier]))
+        if parsed.kind == BLOCK_REMOVED:
+            tail = after_index + self._removed_branch + w.removed_body(parsed.common)
+            return [(h, b"".join((head, _BRANCH_1, avro_bytes(h), encoding, avro_long(i), tail)))
+                    for i, h in enumerate(hashes)]
+
+        common = parsed.common
+        after_index += self._stored_branch
+        middle = w.stored_middle(common)
+        tail = w.stored_tail(common)
+        block_size, tokens, extra_keys, lookahead = common["block_size"], parsed.tokens, parsed.extra_keys, \
+            parsed.lookahead
+        parent_known = None
+        if self.parents is not None:
+            parent_known = self.parents.note_run((publisher.instance_id, publisher.data_parallel_rank,
+                                                  publisher.worker_rank, publisher.publisher_epoch),
+                                                 parsed.parent, hashes)
+        no_tokens = b"\x00" if not tokens else None
+        out = []
+        parent = parsed.parent
+        for i, h in enumerate(hashes):
+            encoded_hash = avro_bytes(h)
+            out.append((h, b"".join((
+                head, _BRANCH_1, encoded_hash, encoding, avro_long(i), after_index,
+                AVRO_NULL if parent is None else _BRANCH_1 + avro_bytes(parent),
+                no_tokens or avro_int_array(_block_tokens(tokens, block_size, i, count)), middle,
+                AVRO_NULL if extra_keys is None else _BRANCH_1 + avro_bytes(_encode_msgpack(extra_keys[i])), tail,
+                AVRO_NULL if lookahead is None else _BRANCH_1 + avro_int_array(lookahead[i]),
+                AVRO_NULL if i or parent_known is None else (b"\x02\x01" if parent_known else b"\x02\x00")))))
+            parent = h
+        return out
 
 
 def source_event(publisher: Publisher, kind: str, body: dict, seq: int, ts: float) -> dict:

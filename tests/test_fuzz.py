@@ -7,12 +7,14 @@ a dead-letter record with a reason; an escaping exception would crash them inste
 from __future__ import annotations
 
 import msgspec
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from producers.engine_decode import BatchDecodeError, decode_batch
-from producers.split import InvalidEvent, Publisher, split_event
+from producers.split import BlockEncoder, InvalidEvent, Publisher, split_event
 from schemas import AvroCodec, DecodeError
+from schemas.codec import KvEventWriter
 from tests.test_split import VLLM_PAYLOAD
 
 FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -74,14 +76,20 @@ def test_random_events_split_or_raise_invalid_event(batch_events, rank):
         return
     good = 0
     for index, event, _ in batch.events:
+        encoder = BlockEncoder(KvEventWriter(AvroCodec("kv_event")))
         try:
             records = split_event(PUBLISHER, 0, batch.ts, index, event)
         except InvalidEvent:
+            with pytest.raises(InvalidEvent):  # the producer's fast path rejects the same events
+                encoder.encode_event(PUBLISHER, 0, batch.ts, index, event)
             continue
         good += 1
         codec = AvroCodec("kv_event")
         for record in records:  # what split_event accepts, the contract can carry
             assert codec.decode(codec.encode(record)) == record
+        # and the fast path writes the same bytes
+        assert encoder.encode_event(PUBLISHER, 0, batch.ts, index, event) == [
+            (r["block_hash"], codec.encode(r)) for r in records]
     assert good + len(batch.failures) <= len(batch_events)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from producers.split import InvalidEvent, Publisher, rebuild_event, split_event
+from producers.split import InvalidEvent, ParentTracker, Publisher, rebuild_event, split_event
 from schemas import ALL_BLOCKS_CLEARED, BLOCK_STORED, AvroCodec
 
 #: A real vLLM 0.33.0 KVEventBatch as published by its ZmqEventPublisher (research/vllm-kv-events.md, section 8):
@@ -100,3 +100,58 @@ def test_parent_tracker_marks_a_parent_the_source_never_stored():
     assert store([0xD6], 0xD4, Publisher("other")) == [False]  # another source stored nothing
     assert store([0xD7], 0xD3) == [False]  # capacity 2 per source: 0xD3 has been forgotten
     assert store([0xD8], None) == [None]
+
+
+def _simulated_events(requests: int = 400):
+    from producers.simulator import ClusterSimulator, load_trace
+
+    for batch in ClusterSimulator().run(load_trace(limit=requests)):
+        for index, event in enumerate(batch.events):
+            yield batch.publisher, batch.seq, batch.ts, index, event
+
+
+def _reference(events) -> list[tuple[bytes | None, bytes]]:
+    """What split_event + ParentTracker.note + AvroCodec.encode (fastavro) write, record by record."""
+    codec, parents, out = AvroCodec("kv_event"), ParentTracker(), []
+    for args in events:
+        for record in split_event(*args):
+            parents.note(record)
+            out.append((record["block_hash"], codec.encode(record)))
+    return out
+
+
+def test_block_encoder_writes_the_bytes_of_split_event_and_fastavro():
+    from producers.split import BlockEncoder
+    from schemas.codec import KvEventWriter
+
+    _, events, _ = msgspec.msgpack.decode(VLLM_PAYLOAD)
+    odd = {"type": "BlockStored", "block_hashes": [-5, 7, b"\x01" * 32], "parent_block_hash": -9,
+           "token_ids": list(range(10)) + [-(1 << 31), (1 << 31) - 1], "block_size": 4, "lora_id": -(1 << 63),
+           "medium": "CPU_PINNED", "lora_name": "adäpter", "extra_keys": [["adapter", ["mm", 0]], None, 3],
+           "group_idx": 1, "kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 128,
+           "locality": "LOCAL", "ownership": "kvcr", "session_id": "s", "lookahead_token_ids": [[9], [], [1, 2]]}
+    publishers = [PUBLISHER, Publisher("sim-1", 3, worker_rank=1, world_size=2, aggregation="SHARDED",
+                                       publisher_epoch=(1 << 62))]
+    events = [*_simulated_events(),
+              *((p, seq, 1767225600.25, i, e) for p in publishers for seq in (0, 5000, 1 << 40)
+                for i, e in enumerate([*events, odd, {**odd, "parent_block_hash": 7}]))]
+    encoder = BlockEncoder(KvEventWriter(AvroCodec("kv_event")), ParentTracker())
+    fast = [pair for args in events for pair in encoder.encode_event(*args)]
+    assert fast == _reference(events)
+
+
+def test_kv_event_writer_encodes_every_event_type_like_fastavro():
+    from producers.split import source_event
+    from schemas import PUBLISHER_RESTARTED, SOURCE_STALE
+    from schemas.codec import KvEventWriter
+
+    codec = AvroCodec("kv_event")
+    writer = KvEventWriter(codec)
+    publisher = Publisher("x", 1, 2, 3, "SHARDED", 5)
+    records = [source_event(publisher, PUBLISHER_RESTARTED, {"previous_epoch": 3}, -1, 1.5),
+               source_event(publisher, PUBLISHER_RESTARTED, {"previous_epoch": None}, -1, 1.5),
+               source_event(publisher, SOURCE_STALE, {"first_lost_seq": 3, "last_lost_seq": 1 << 50}, 9, 1.5),
+               *(r for args in _simulated_events(60) for r in split_event(*args))]
+    assert [writer.encode(r) for r in records] == [codec.encode(r) for r in records]
+    with pytest.raises(ValueError, match="kv_event v2"):
+        KvEventWriter(AvroCodec("kv_event", version=1))

@@ -1,0 +1,1082 @@
+"""``kvstream bench``: every figure of the pipeline's benchmark, measured in one run on a broker of its own.
+
+Steps (each writes its figures into ``bench/results.json`` as soon as it has them, so a failed or
+interrupted step leaves the others):
+
+1. baselines that need no broker: fastavro's raw decode (and encode) rate of the simulator's
+   ``kv_event`` records on one core;
+2. memory per resident row: the in-memory store (tracemalloc over the entry dicts) and a RocksDB store
+   (rocksdict with Faust's options; bytes on disk after flush and compaction);
+3. the producer path: the simulator's engine events through per-block split, Avro encode, produce and
+   acknowledgement into ``kv-events`` (the simulation runs first and is timed apart);
+4. the plain-consumer baseline: ``kv-events`` consumed in batches, decoded and applied with
+   :func:`stream_apps.residency.apply_block_event` into a dict (no Faust, no changelog);
+5. the bridge: a local ZMQ publisher (another process) sends the simulator's batches at full speed;
+6. the stream app with one worker, then event-to-table latency at a steady rate on that worker;
+7. the stream app with two workers;
+8. peak RSS of a worker (RocksDB store) at 1 million resident rows, then recovery of those rows by a
+   fresh worker with an empty data dir; optionally the same peak RSS at 10 million rows.
+
+Definitions of every figure are in :data:`DEFINITIONS` (written into results.json) and in the
+README's "Benchmarks" section.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import io
+import itertools
+import json
+import math
+import multiprocessing
+import os
+import platform
+import shutil
+import socket
+import statistics
+import sys
+import threading
+import time
+import tracemalloc
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+from tqdm import tqdm
+
+#: Target, unit and definition of every figure, and which figure (if any) is its baseline.
+DEFINITIONS: dict[str, dict] = {
+    "producer_events_per_s": {
+        "unit": "block events/s", "target": 150_000, "better": "higher", "baseline": "fastavro_encode_per_s",
+        "definition": "Simulator engine events (generated beforehand, not timed) through per-block split, Avro "
+                      "encode and produce to kv-events, until the broker acknowledged all (flush). Baseline: "
+                      "fastavro's schemaless_writer alone on the same records, one core."},
+    "bridge_events_per_s": {
+        "unit": "block events/s", "target": 150_000, "better": "higher", "baseline": "producer_events_per_s",
+        "definition": "A local ZMQ PUB publisher (another process) sends the simulator's batches as vLLM msgpack "
+                      "at full speed; the bridge decodes, splits, encodes and produces them. From the first "
+                      "batch received to the last message acknowledged."},
+    "stream_events_per_s_1w": {
+        "unit": "events/s", "target": 30_000, "better": "higher", "baseline": "plain_consumer_events_per_s",
+        "definition": "One worker, kv-events pre-filled with the producer step's events: kv-events messages "
+                      "divided by the time from the worker's first materialized event (GET /stats/) to the "
+                      "consumer group having committed everything in kv-events and the re-keyed topic. "
+                      "'including_startup_s' counts from the worker's start."},
+    "stream_events_per_s_2w": {
+        "unit": "events/s", "target": "1.6 x stream_events_per_s_1w", "better": "higher",
+        "baseline": "stream_events_per_s_1w",
+        "definition": "As stream_events_per_s_1w with two workers of one app id (separate web ports and data "
+                      "dirs), from the first materialized event on either worker to everything committed."},
+    "latency_p50_ms": {
+        "unit": "ms", "target": None, "better": "lower", "baseline": None,
+        "definition": "Event-to-table delay while kv-events receives a steady 10,000 block events/s (fresh "
+                      "blocks, ts = wall clock at produce) and one caught-up worker runs: for every record of "
+                      "kv-residency-changes caused by those events, its Kafka timestamp (set when the worker "
+                      "produced it, right after applying the event to the table) minus the event's ts. Includes "
+                      "the producer's linger and the worker's batching."},
+    "latency_p99_ms": {
+        "unit": "ms", "target": 500, "better": "lower", "baseline": None,
+        "definition": "99th percentile of the delays of latency_p50_ms."},
+    "bytes_per_row_memory": {
+        "unit": "bytes/row", "target": None, "better": "lower", "baseline": None,
+        "definition": "tracemalloc's traced memory of a dict {residency key: entry} built with "
+                      "apply_block_event from the simulator's stores (one resident row per entry), divided by "
+                      "rows: what the memory:// store holds per row."},
+    "bytes_per_row_rocksdb": {
+        "unit": "bytes/row", "target": 250, "better": "lower", "baseline": "bytes_per_row_memory",
+        "definition": "The same rows in a RocksDB store opened with Faust's rocksdict options (raw UTF-8 key, "
+                      "Avro 'residency' value with single-object framing): size of the database directory after "
+                      "flush and full compaction, divided by rows."},
+    "rss_peak_mib_1m_rows": {
+        "unit": "MiB", "target": None, "better": "lower", "baseline": None,
+        "definition": "Peak RSS (sampled every 0.5 s, psutil) of a worker process tree with store rocksdb:// "
+                      "while it materializes everything in kv-events, which holds at least 1 million resident "
+                      "rows (the Mooncake trace repeated through an eviction-free fleet, block ids shifted per "
+                      "repetition)."},
+    "rss_peak_mib_10m_rows": {
+        "unit": "MiB", "target": 1536, "better": "lower", "baseline": "rss_peak_mib_1m_rows",
+        "definition": "As rss_peak_mib_1m_rows with at least 10 million resident rows (--rows-large)."},
+    "recovery_s_1m_rows": {
+        "unit": "s", "target": 60, "better": "lower", "baseline": None,
+        "definition": "A fresh worker (same app id, empty data dir, store rocksdb://) after the 1 million rows "
+                      "run: seconds from its start until Faust logs 'Recovery complete' (tables rebuilt from "
+                      "their changelogs)."},
+    "fastavro_encode_per_s": {
+        "unit": "records/s", "target": None, "better": "higher", "baseline": None,
+        "definition": "fastavro.schemaless_writer over the simulator's kv_event records, one core, no Kafka: the "
+                      "producer path's baseline."},
+    "fastavro_decode_per_s": {
+        "unit": "records/s", "target": None, "better": "higher", "baseline": None,
+        "definition": "fastavro.schemaless_reader over the encoded kv_event bodies of the simulator's records, "
+                      "one core, no Kafka: the limit of any consumer that decodes every event."},
+    "plain_consumer_events_per_s": {
+        "unit": "events/s", "target": None, "better": "higher", "baseline": "fastavro_decode_per_s",
+        "definition": "confluent-kafka consumer over kv-events (batches of 10,000), Avro decode, "
+                      "apply_block_event / apply_clear into a dict: the stream app's aggregation without Faust "
+                      "and without changelogs, from the first message to the last."},
+}
+
+#: The keys results.json always holds (value null when a step was skipped or failed); fastavro_encode_per_s is
+#: an extra, the producer path's baseline.
+FIGURES = tuple(DEFINITIONS)
+
+_DEFAULT_OUTPUT = Path("bench")
+
+
+@dataclass
+class BenchOptions:
+    """Options of ``kvstream bench`` (see its ``--help``)."""
+
+    #: Where results.json and results.png go.
+    output_dir: Path = _DEFAULT_OUTPUT
+    #: Broker, workers and temporary stores (emptied at start).
+    work_dir: Path = Path(".kvstream/bench")
+    #: Short smoke run: small sizes, no 10M-row step.
+    quick: bool = False
+    #: Trace requests replayed by the producer and bridge steps (None: the whole trace; quick: 3000).
+    requests: int | None = None
+    #: Trace requests written to kv-events for the plain-consumer and stream-app steps (None: as ``requests``;
+    #: quick: 600).
+    stream_requests: int | None = None
+    #: Resident rows of the RSS step (quick: 60,000) and of the optional large step (0: skip).
+    rows: int = 1_000_000
+    rows_large: int = 10_000_000
+    #: Steady rate and duration of the latency step.
+    latency_rate: int = 10_000
+    latency_s: float = 30.0
+    #: Rows of the memory step.
+    memory_rows: int = 200_000
+    partitions: int = 8
+    #: Seconds any one wait (a worker consuming, a broker starting) may take.
+    timeout_s: float = 7200.0
+    #: Steps to run (None: all); names as in :data:`STEPS`.
+    only: tuple[str, ...] | None = None
+
+    def apply_quick(self) -> None:
+        """Shrink every size for a smoke run (--requests and --stream-requests given explicitly are kept)."""
+        self.requests = self.requests or 3000
+        self.stream_requests = self.stream_requests or min(600, self.requests)
+        self.rows = min(self.rows, 60_000)
+        self.rows_large = 0
+        self.latency_s = min(self.latency_s, 5.0)
+        self.memory_rows = min(self.memory_rows, 20_000)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+# --------------------------------------------------------------------------- trace helpers
+
+def _fleet_batches(requests, fleet=None, epoch_offset: int = 0):
+    """The simulator's batches for ``requests`` (the simulation is run here, all at once)."""
+    from producers.simulator import TRACE_START_TS, ClusterSimulator
+
+    sim = ClusterSimulator(fleet, publisher_epoch=int(TRACE_START_TS * 1000) + epoch_offset)
+    return list(sim.run(requests)), sim
+
+
+def _shifted(requests, repetition: int):
+    """The requests with block ids shifted past every earlier repetition: distinct blocks, same shape."""
+    from producers.simulator import Request
+
+    if repetition == 0:
+        return requests
+    offset = repetition * (1 << 40)
+    return [Request(r.timestamp_ms, tuple(h + offset for h in r.hash_ids)) for r in requests]
+
+
+def _eviction_free_fleet():
+    """A fleet whose tiers never evict, so every stored block stays resident (for the row-count steps)."""
+    from producers.simulator import FleetConfig
+
+    big = 1 << 40
+    return FleetConfig(gpu_blocks=big, cpu_blocks=big, kvcr_blocks=big, clear_instance=None)
+
+
+def _records(batches) -> Iterator[dict]:
+    """The block records of ``batches``, one at a time (a whole trace's records as dicts take gigabytes)."""
+    from producers.split import split_event
+
+    for b in batches:
+        for i, e in enumerate(b.events):
+            yield from split_event(b.publisher, b.seq, b.ts, i, e)
+
+
+# --------------------------------------------------------------------------- worker helpers
+
+def _http_json(url: str, timeout_s: float = 10.0):
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        return json.loads(response.read())
+
+
+def _stats(port: int) -> dict | None:
+    try:
+        return _http_json(f"http://127.0.0.1:{port}/stats/", 5)
+    except (OSError, ValueError):
+        return None
+
+
+class _Peak:
+    """Samples the RSS of a process and its children every ``every_s`` in a thread; ``peak`` in bytes."""
+
+    def __init__(self, pids: Callable[[], list[int]], every_s: float = 0.5) -> None:
+        self.peak = 0
+        self._pids = pids
+        self._every = every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            total = 0
+            for pid in self._pids():
+                try:
+                    proc = psutil.Process(pid)
+                    total += proc.memory_info().rss
+                    total += sum(c.memory_info().rss for c in proc.children(recursive=True))
+                except psutil.Error:
+                    pass
+            self.peak = max(self.peak, total)
+            self._stop.wait(self._every)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+@dataclass
+class _Workers:
+    """Workers of one app id started by the bench, with their ports and logs."""
+
+    bootstrap: str
+    app_id: str
+    work: Path
+    store: str = "memory://"
+    partitions: int = 8
+    processes: list = field(default_factory=list)
+    ports: list = field(default_factory=list)
+    logs: list = field(default_factory=list)
+
+    def start(self, count: int = 1, fresh_dirs: bool = True) -> None:
+        from kvstream.worker import WorkerOptions, spawn_worker
+
+        for _ in range(count):
+            index = len(self.processes)
+            port = _free_port()
+            data_dir = self.work / f"{self.app_id}-{index}-{port}"
+            if fresh_dirs:
+                shutil.rmtree(data_dir, ignore_errors=True)
+            log = self.work / f"{self.app_id}-{index}.log"
+            options = WorkerOptions(self.bootstrap, web_port=port, data_dir=data_dir, store=self.store,
+                                    partitions=self.partitions, app_id=self.app_id, log_level="info")
+            self.processes.append(spawn_worker(options, log))
+            self.ports.append(port)
+            self.logs.append(log)
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes if p.poll() is None]
+
+    def materialized(self) -> int:
+        return sum((_stats(port) or {}).get("materialized", 0) for port in self.ports)
+
+    def resident_rows(self) -> int:
+        total = 0
+        for port in self.ports:
+            s = _stats(port) or {}
+            total += s.get("became_resident", 0) - s.get("stopped_resident", 0)
+        return total
+
+    def check_alive(self) -> None:
+        for process, log in zip(self.processes, self.logs):
+            if process.poll() is not None:
+                tail = log.read_text(errors="replace").splitlines()[-15:]
+                raise RuntimeError(f"worker exited with code {process.returncode}; last lines of {log}:\n  "
+                                   + "\n  ".join(tail))
+
+    def wait_first_event(self, timeout_s: float) -> float:
+        """Wait until a worker has materialized an event; returns the perf_counter time it was seen."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.check_alive()
+            if self.materialized() > 0:
+                return time.perf_counter()
+            time.sleep(0.1)
+        raise TimeoutError(f"workers of {self.app_id} materialized nothing within {timeout_s:.0f}s")
+
+    def wait_consumed(self, total: int, timeout_s: float, label: str) -> float:
+        """Wait until the group has committed everything; returns the perf_counter time it was seen."""
+        from kvstream.worker import wait_until_consumed
+
+        with tqdm(total=total, unit="ev", desc=label, leave=False, disable=None) as bar:
+            def show(_progress):
+                bar.n = min(self.materialized(), total)
+                bar.refresh()
+
+            process = self.processes[0]
+            try:
+                wait_until_consumed(self.bootstrap, self.app_id, process, timeout_s=timeout_s, on_progress=show,
+                                    poll_s=0.25)
+            except RuntimeError:
+                self.check_alive()
+                raise
+        self.check_alive()
+        return time.perf_counter()
+
+    def stop(self) -> None:
+        from kvstream.worker import stop_worker
+
+        for process in self.processes:
+            stop_worker(process)
+
+
+# --------------------------------------------------------------------------- the publisher of the bridge step
+
+def _publish_process(port: int, payloads: list[bytes], start, done) -> None:
+    """Child process: bind PUB on 127.0.0.1:port, wait for ``start``, send every payload, set ``done``."""
+    import zmq
+
+    context = zmq.Context()
+    pub = context.socket(zmq.PUB)
+    pub.setsockopt(zmq.SNDHWM, 0)  # never drop: the bridge's receive buffer is the bound
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    start.wait()
+    for seq, payload in enumerate(payloads):
+        pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+    done.set()
+    pub.close(linger=-1)
+    context.term()
+
+
+def _vllm_payloads(batches) -> list[bytes]:
+    """Each simulator batch as vLLM 0.33 publishes it: msgpack ``[ts, [event maps], dp_rank]``."""
+    import msgspec
+
+    encode = msgspec.msgpack.Encoder().encode
+    return [encode([b.ts, b.events, 0]) for b in batches]
+
+
+# --------------------------------------------------------------------------- the bench
+
+class Bench:
+    """One benchmark run: owns the broker, the workers and ``results.json``.
+
+    Args:
+        options: what to run and how big.
+
+    Use :meth:`run`; figures land in :attr:`results` and in ``<output_dir>/results.json``.
+    """
+
+    def __init__(self, options: BenchOptions) -> None:
+        self.o = options
+        self.work = options.work_dir.resolve()
+        self.results: dict = {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "mode": "quick" if options.quick else ("full" if _is_full(options) else "custom"),
+            "machine": _machine(),
+            "figures": {k: {"value": None, **{f: DEFINITIONS[k][f] for f in ("unit", "target", "better")},
+                            "baseline": DEFINITIONS[k]["baseline"], "definition": DEFINITIONS[k]["definition"]}
+                        for k in FIGURES},
+            "details": {},
+            "errors": {},
+        }
+        self.bootstrap: str | None = None
+        self._trace = None
+        self._batches = None
+        self._kv_events_messages = 0
+
+    # ---- bookkeeping
+
+    def _set(self, key: str, value: float | None, **details) -> None:
+        self.results["figures"][key]["value"] = None if value is None else round(float(value), 3)
+        if details:
+            self.results["details"][key] = details
+        self._write()
+
+    def _write(self) -> None:
+        self.o.output_dir.mkdir(parents=True, exist_ok=True)
+        for figure in self.results["figures"].values():
+            base = figure["baseline"]
+            if isinstance(base, str):
+                figure["baseline_value"] = self.results["figures"][base]["value"]
+        path = self.o.output_dir / "results.json"
+        path.write_text(json.dumps(self.results, indent=1) + "\n")
+
+    def _trace_requests(self):
+        if self._trace is None:
+            from producers.simulator import load_trace
+
+            self._trace = load_trace(limit=self.o.requests)
+        return self._trace
+
+    def _sim_batches(self):
+        if self._batches is None:
+            t0 = time.perf_counter()
+            self._batches, _ = _fleet_batches(self._trace_requests())
+            self.results["details"]["simulation"] = {"batches": len(self._batches),
+                                                     "seconds": round(time.perf_counter() - t0, 3)}
+        return self._batches
+
+    # ---- steps
+
+    def step_baselines(self) -> None:
+        """fastavro decode (and encode) of the simulator's kv_event records, one core."""
+        import fastavro
+
+        from schemas import AvroCodec
+
+        codec = AvroCodec("kv_event")
+        records = list(itertools.islice(_records(self._sim_batches()), 200_000))
+        parsed = codec.schema.parsed
+        t0 = time.perf_counter()
+        bodies = []
+        for record in records:
+            out = io.BytesIO()
+            fastavro.schemaless_writer(out, parsed, record)
+            bodies.append(out.getvalue())
+        encode_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for body in bodies:
+            fastavro.schemaless_reader(io.BytesIO(body), parsed, None, return_record_name=True,
+                                       return_record_name_override=True)
+        decode_s = time.perf_counter() - t0
+        self._set("fastavro_encode_per_s", len(records) / encode_s)
+        self._set("fastavro_decode_per_s", len(records) / decode_s, records=len(records),
+                  mean_body_bytes=round(sum(map(len, bodies)) / len(bodies), 1))
+        _say(f"      fastavro on {len(records):,} records: encode {len(records) / encode_s:,.0f}/s, "
+             f"decode {len(records) / decode_s:,.0f}/s")
+
+    def _row_entries(self, count: int) -> Iterator[tuple[str, dict]]:
+        """``count`` (key, entry) pairs as the residency table holds them, one resident row each."""
+        from stream_apps.residency import NO_CLEAR, ApplyStats, apply_block_event, residency_key
+
+        stats = ApplyStats()
+        made = 0
+        repetition = 0
+        while True:
+            batches, _ = _fleet_batches(_shifted(self._trace_requests(), repetition), _eviction_free_fleet(),
+                                        repetition)
+            entries: dict[str, dict] = {}
+            for record in _records(batches):
+                kind, body = record["event"]
+                if record["block_hash"] is None:
+                    continue
+                key = residency_key(body["ownership"], record["block_hash"])
+                if key in entries:
+                    continue  # one row per entry: the figure is per row
+                entry, _, _ = apply_block_event(None, record, NO_CLEAR, NO_CLEAR, frozenset({"GPU"}), stats)
+                if entry is None:
+                    continue
+                entries[key] = entry
+                yield key, entry
+                made += 1
+                if made >= count:
+                    return
+            repetition += 1
+
+    def step_memory(self) -> None:
+        """Bytes per resident row in the memory store (tracemalloc) and in a RocksDB store (disk)."""
+        from faust.stores.rocksdb import RocksDBOptions
+
+        from schemas import AvroCodec
+
+        rows = self.o.memory_rows
+        pairs = list(tqdm(self._row_entries(rows), total=rows, unit="row", desc="rows", leave=False,
+                          disable=None))
+        # memory: rebuild the dict from fresh copies under tracemalloc (keys and values allocated inside)
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        table = {}
+        for key, entry in pairs:
+            table[(key + " ")[:-1]] = _deep_copy(entry)
+        memory = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+        del table
+        self._set("bytes_per_row_memory", memory / rows, rows=rows)
+
+        codec = AvroCodec("residency")
+        path = self.work / "rocksdb-bytes-per-row"
+        shutil.rmtree(path, ignore_errors=True)
+        from rocksdict import Rdict
+
+        options = RocksDBOptions()
+        db = Rdict(str(path), options=options.as_options())
+        value_bytes = 0
+        for key, entry in pairs:
+            value = codec.encode(entry)
+            value_bytes += len(value)
+            db[key.encode()] = value
+        db.flush()
+        db.compact_range(None, None)
+        db.close()
+        disk = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        sst = sum(f.stat().st_size for f in path.rglob("*.sst"))
+        self._set("bytes_per_row_rocksdb", disk / rows, rows=rows, sst_bytes_per_row=round(sst / rows, 1),
+                  avro_value_bytes_per_row=round(value_bytes / rows, 1), directory_bytes=disk)
+        _say(f"      {rows:,} rows: memory store {memory / rows:,.0f} B/row; RocksDB {disk / rows:,.0f} B/row on "
+             f"disk ({sst / rows:,.0f} in SST files; Avro value {value_bytes / rows:,.0f} B)")
+        shutil.rmtree(path, ignore_errors=True)
+
+    def step_producer(self) -> None:
+        """The producer path into a topic of its own (``bench-producer``, partitioned as kv-events)."""
+        from kvstream.kafka_config import ensure_topics
+        from producers.kafka_sink import KvEventProducer
+
+        batches = self._sim_batches()
+        gc.freeze()  # the pre-generated batches are the harness's, not the path's: keep them out of GC passes
+        ensure_topics(self.bootstrap, {"bench-producer": self.o.partitions})
+        producer = KvEventProducer(self.bootstrap, "bench-producer")
+        records = 0
+        t0 = time.perf_counter()
+        for batch in tqdm(batches, unit="batch", desc="produce", leave=False, disable=None):
+            for index, event in enumerate(batch.events):
+                records += producer.send_event(batch.publisher, batch.seq, batch.ts, index, event)
+        stats = producer.flush()
+        seconds = time.perf_counter() - t0
+        sim_s = self.results["details"]["simulation"]["seconds"]
+        self._set("producer_events_per_s", records / seconds, block_events=records, messages=stats.acked,
+                  seconds=round(seconds, 3), engine_events=sum(len(b.events) for b in batches),
+                  with_simulation_events_per_s=round(records / (seconds + sim_s)))
+        _say(f"      {records:,} block events ({stats.acked:,} messages) in {seconds:.2f}s: "
+             f"{records / seconds:,.0f} events/s ({records / (seconds + sim_s):,.0f}/s with the simulation)")
+        del producer
+
+    def _stream_input(self) -> None:
+        """Write the simulator's events for ``stream_requests`` into kv-events once (not timed)."""
+        if self._kv_events_messages:
+            return
+        from producers.kafka_sink import KvEventProducer
+        from producers.simulator import load_trace
+        from schemas.topics import KV_EVENTS
+
+        requests = self._trace_requests()
+        if self.o.stream_requests is not None and self.o.stream_requests != len(requests):
+            requests = load_trace(limit=self.o.stream_requests)
+        batches, _ = _fleet_batches(requests)
+        producer = KvEventProducer(self.bootstrap, KV_EVENTS)
+        for batch in batches:
+            for index, event in enumerate(batch.events):
+                producer.send_event(batch.publisher, batch.seq, batch.ts, index, event)
+        self._kv_events_messages += producer.flush().acked
+        self.results["details"]["kv_events_input"] = {"requests": len(requests),
+                                                      "messages": self._kv_events_messages}
+        _say(f"      kv-events: {self._kv_events_messages:,} messages from {len(requests):,} trace requests")
+
+    def step_plain_consumer(self) -> None:
+        """The aggregation as a plain confluent-kafka consumer loop over kv-events."""
+        self._stream_input()
+        import uuid
+
+        from confluent_kafka import Consumer, TopicPartition
+
+        from kvstream.kafka_config import client_config
+        from schemas import ALL_BLOCKS_CLEARED, SOURCE_WIDE_EVENTS, AvroCodec
+        from schemas.topics import KV_EVENTS
+        from stream_apps.residency import (NO_CLEAR, ApplyStats, SourceSettings, apply_block_event, apply_clear,
+                                           residency_key)
+
+        codec = AvroCodec("kv_event")
+        settings = SourceSettings()
+        consumer = Consumer(client_config(self.bootstrap, **{
+            "group.id": f"bench-plain-{uuid.uuid4()}", "enable.auto.commit": False,
+            "auto.offset.reset": "earliest", "fetch.max.bytes": 64 << 20,
+            "max.partition.fetch.bytes": 16 << 20}))
+        ends = {}
+        for p in range(self.o.partitions):
+            low, high = consumer.get_watermark_offsets(TopicPartition(KV_EVENTS, p), timeout=10)
+            if high > low:
+                ends[p] = high
+        consumer.assign([TopicPartition(KV_EVENTS, p, 0) for p in ends])
+        table: dict[str, dict] = {}
+        marks: dict[tuple, tuple] = {}
+        stats = ApplyStats()
+        events = 0
+        t0 = None
+        deadline = time.monotonic() + self.o.timeout_s
+        try:
+            while ends:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("plain consumer did not reach the end of kv-events")
+                for message in consumer.consume(10_000, timeout=1.0):
+                    if message.error():
+                        continue
+                    if t0 is None:
+                        t0 = time.perf_counter()
+                    events += 1
+                    record = codec.decode(message.value())
+                    kind, _ = record["event"]
+                    source = (message.partition(), record["instance_id"], record["data_parallel_rank"])
+                    if kind in SOURCE_WIDE_EVENTS:
+                        if kind == ALL_BLOCKS_CLEARED:
+                            mark = (record["publisher_epoch"], record["seq"], record["batch_index"])
+                            marks[source] = mark
+                            tiers = settings.clear_tiers(record["instance_id"])
+                            for key in list(table):
+                                entry, _, changed = apply_clear(table[key], record["instance_id"],
+                                                                record["data_parallel_rank"], mark, tiers, stats)
+                                if changed:
+                                    if entry is None:
+                                        del table[key]
+                                    else:
+                                        table[key] = entry
+                    else:
+                        mark = marks.get(source, NO_CLEAR)
+                        key = residency_key(record["event"][1]["ownership"], record["block_hash"])
+                        entry, _, _ = apply_block_event(table.get(key), record, mark, mark,
+                                                        settings.clear_tiers(record["instance_id"]), stats)
+                        if entry is None:
+                            table.pop(key, None)
+                        else:
+                            table[key] = entry
+                    p = message.partition()
+                    if p in ends and message.offset() + 1 >= ends[p]:
+                        del ends[p]
+        finally:
+            consumer.close()
+        seconds = time.perf_counter() - (t0 or time.perf_counter())
+        resident = sum(1 for e in table.values() for r in e["rows"] if r["copies"] > 0)
+        self._set("plain_consumer_events_per_s", events / seconds if seconds else None, events=events,
+                  seconds=round(seconds, 3), resident_rows=resident)
+        _say(f"      {events:,} events in {seconds:.2f}s: {events / seconds:,.0f} events/s; {resident:,} resident rows")
+
+    def step_bridge(self) -> None:
+        """The bridge fed by a local publisher process at full speed."""
+        from kvstream.kafka_config import ensure_topics
+        from producers.bridge import Bridge, BridgeMetrics, KafkaBatchSink, PublisherEndpoint
+        from producers.kafka_sink import KvEventProducer
+
+        topic = "bench-bridge"
+        ensure_topics(self.bootstrap, {topic: self.o.partitions})
+        payloads = _vllm_payloads(self._sim_batches())
+        gc.freeze()  # as in the producer step: the harness's data stays out of GC passes
+        port = _free_port()
+        context = multiprocessing.get_context("spawn")
+        start, done = context.Event(), context.Event()
+        publisher = context.Process(target=_publish_process, args=(port, payloads, start, done), daemon=True)
+        publisher.start()
+        producer = KvEventProducer(self.bootstrap, topic)
+        metrics = BridgeMetrics()
+        bridge = Bridge([PublisherEndpoint(f"tcp://127.0.0.1:{port}", None, "bench-0")],
+                        KafkaBatchSink(producer, metrics), metrics=metrics, receive_hwm=0)
+        try:
+            time.sleep(1.0)  # let the subscription reach the publisher (ZMQ's slow joiner)
+            start.set()
+            handled = 0
+            t0 = None
+            deadline = time.monotonic() + self.o.timeout_s
+            with tqdm(total=len(payloads), unit="batch", desc="bridge", leave=False, disable=None) as bar:
+                while handled < len(payloads):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"the bridge received {handled} of {len(payloads)} batches")
+                    # one poll drains everything that has arrived (and produces it): the clock starts before
+                    # the poll that gets the first batch, and polls wait at most 1 ms for data
+                    before = time.perf_counter()
+                    n = bridge.poll(1)
+                    if n and t0 is None:
+                        t0 = before
+                    handled += n
+                    bar.update(n)
+            stats = producer.flush()
+            seconds = time.perf_counter() - t0
+        finally:
+            bridge.close()
+            publisher.join(10)
+            if publisher.is_alive():
+                publisher.terminate()
+        records = stats.acked
+        self._set("bridge_events_per_s", records / seconds, messages=records, batches=len(payloads),
+                  seconds=round(seconds, 3), dead_lettered=stats.dead_lettered)
+        _say(f"      {records:,} messages from {len(payloads):,} batches in {seconds:.2f}s: "
+             f"{records / seconds:,.0f} events/s")
+
+    def _stream(self, workers: int, key: str, keep: bool = False) -> _Workers | None:
+        self._stream_input()
+        group = _Workers(self.bootstrap, f"bench-{workers}w", self.work, partitions=self.o.partitions)
+        t_start = time.perf_counter()
+        group.start(workers)
+        try:
+            t_first = group.wait_first_event(self.o.timeout_s)
+            t_done = group.wait_consumed(self._kv_events_messages, self.o.timeout_s, f"{workers} worker(s)")
+        except BaseException:
+            group.stop()
+            raise
+        events = self._kv_events_messages
+        seconds = t_done - t_first
+        self._set(key, events / seconds, events=events, seconds=round(seconds, 3),
+                  including_startup_s=round(t_done - t_start, 3),
+                  including_startup_events_per_s=round(events / (t_done - t_start)))
+        _say(f"      {events:,} events in {seconds:.1f}s from the first event ({t_done - t_start:.1f}s from start): "
+             f"{events / seconds:,.0f} events/s")
+        if keep:
+            return group
+        group.stop()
+        return None
+
+    def step_stream_1w(self) -> None:
+        """One worker end to end; then the latency step on the same (caught-up) worker."""
+        group = self._stream(1, "stream_events_per_s_1w", keep="latency" in self._steps)
+        if group is not None:
+            try:
+                self._latency(group)
+            finally:
+                group.stop()
+
+    def step_stream_2w(self) -> None:
+        """Two workers of one app id end to end."""
+        self._stream(2, "stream_events_per_s_2w")
+
+    def _latency(self, group: _Workers) -> None:
+        """Steady produce of fresh blocks at ``latency_rate``; delays from kv-residency-changes."""
+        from confluent_kafka import Consumer, TopicPartition
+
+        from kvstream.kafka_config import client_config
+        from producers.kafka_sink import KvEventProducer
+        from schemas import AvroCodec
+        from schemas.topics import KV_EVENTS, KV_RESIDENCY_CHANGES
+
+        _say(f"[latency] {self.o.latency_rate:,} events/s for {self.o.latency_s:.0f}s into a running worker")
+        total = int(self.o.latency_rate * self.o.latency_s)
+        events = []
+        repetition = 1000
+        while len(events) < total:  # fresh blocks: the trace shifted, through the normal fleet
+            batches, _ = _fleet_batches(_shifted(self._trace_requests(), repetition), None, repetition)
+            events += [(b.publisher, b.seq, i, e) for b in batches for i, e in enumerate(b.events)]
+            repetition += 1
+        consumer = Consumer(client_config(self.bootstrap, **{"group.id": "bench-latency",
+                                                             "enable.auto.commit": False}))
+        starts = [TopicPartition(KV_RESIDENCY_CHANGES, p,
+                                 consumer.get_watermark_offsets(TopicPartition(KV_RESIDENCY_CHANGES, p))[1])
+                  for p in range(self.o.partitions)]
+        producer = KvEventProducer(self.bootstrap, KV_EVENTS)
+        sent = 0
+        t0 = time.perf_counter()
+        began = time.time()
+        index = 0
+        with tqdm(total=total, unit="ev", desc="steady", leave=False, disable=None) as bar:
+            while sent < total:
+                due = int((time.perf_counter() - t0) * self.o.latency_rate)
+                while sent < min(due, total) and index < len(events):
+                    publisher, seq, batch_index, event = events[index]
+                    index += 1
+                    sent += producer.send_event(publisher, seq, time.time(), batch_index, event)
+                producer.poll()
+                bar.n = sent
+                bar.refresh()
+                time.sleep(0.002)
+        produced_s = time.perf_counter() - t0
+        stats = producer.flush()
+        self._kv_events_messages += stats.acked
+        group.wait_consumed(self._kv_events_messages, self.o.timeout_s, "catch up")
+        codec = AvroCodec("residency_change")
+        consumer.assign(starts)
+        ends = {p: consumer.get_watermark_offsets(TopicPartition(KV_RESIDENCY_CHANGES, p))[1]
+                for p in range(self.o.partitions)}
+        ends = {p: end for p, end in ends.items() if end > starts[p].offset}
+        delays = []
+        while ends:
+            for message in consumer.consume(10_000, timeout=2.0):
+                if message.error():
+                    continue
+                change = codec.decode(message.value())
+                if change["ts"] >= began:
+                    delays.append(message.timestamp()[1] - change["ts"] * 1000.0)
+                if message.offset() + 1 >= ends.get(message.partition(), 0):
+                    ends.pop(message.partition(), None)
+        consumer.close()
+        if not delays:
+            raise RuntimeError("no kv-residency-changes records from the steady-rate events")
+        delays.sort()
+        p50 = delays[len(delays) // 2]
+        p99 = delays[min(len(delays) - 1, math.ceil(len(delays) * 0.99) - 1)]
+        details = {"samples": len(delays), "events": sent, "seconds": round(produced_s, 2),
+                   "achieved_rate": round(sent / produced_s), "max_ms": round(delays[-1], 1),
+                   "mean_ms": round(statistics.fmean(delays), 1)}
+        self._set("latency_p50_ms", p50, **details)
+        self._set("latency_p99_ms", p99, **details)
+        _say(f"      {sent:,} events at {sent / produced_s:,.0f}/s; {len(delays):,} table changes: "
+             f"p50 {p50:,.0f} ms, p99 {p99:,.0f} ms, max {delays[-1]:,.0f} ms")
+
+    def _fill_rows(self, rows_wanted: int, label: str) -> int:
+        """Append eviction-free repetitions of the trace to kv-events until it holds ``rows_wanted`` more
+        resident rows; returns the rows added."""
+        from producers.kafka_sink import KvEventProducer
+        from schemas.topics import KV_EVENTS
+
+        producer = KvEventProducer(self.bootstrap, KV_EVENTS)
+        added = 0
+        repetition = self.results["details"].setdefault("_next_repetition", 1)
+        with tqdm(total=rows_wanted, unit="row", desc=label, leave=False, disable=None) as bar:
+            while added < rows_wanted:
+                batches, sim = _fleet_batches(_shifted(self._trace_requests(), repetition),
+                                              _eviction_free_fleet(), repetition)
+                for batch in batches:
+                    for index, event in enumerate(batch.events):
+                        producer.send_event(batch.publisher, batch.seq, batch.ts, index, event)
+                rows = len(sim.ground_truth())
+                added += rows
+                bar.update(rows)
+                repetition += 1
+        self.results["details"]["_next_repetition"] = repetition
+        stats = producer.flush()
+        self._kv_events_messages += stats.acked
+        return added
+
+    def _rss(self, rows: int, key: str, app_id: str, recovery: bool) -> None:
+        self._stream_input()
+        have = self.results["details"].get("_rows_in_kv_events", 0)
+        if have < rows:
+            _say(f"      writing {rows - have:,}+ resident rows into kv-events")
+            have += self._fill_rows(rows - have, "rows")
+            self.results["details"]["_rows_in_kv_events"] = have
+        group = _Workers(self.bootstrap, app_id, self.work, store="rocksdb://", partitions=self.o.partitions)
+        group.start(1)
+        peak = _Peak(group.pids)
+        try:
+            t0 = time.perf_counter()
+            group.wait_consumed(self._kv_events_messages, self.o.timeout_s, f"{app_id}")
+            seconds = time.perf_counter() - t0
+            resident = group.resident_rows()
+        finally:
+            peak_bytes = peak.stop()
+            group.stop()
+        self._set(key, peak_bytes / (1 << 20), resident_rows=resident, events=self._kv_events_messages,
+                  consume_seconds=round(seconds, 1))
+        _say(f"      {resident:,} resident rows; peak RSS {peak_bytes / (1 << 20):,.0f} MiB "
+             f"({self._kv_events_messages:,} events in {seconds:.0f}s)")
+        if recovery:
+            self._recovery(app_id, resident)
+
+    def _recovery(self, app_id: str, rows: int) -> None:
+        group = _Workers(self.bootstrap, app_id, self.work / "recovery", store="rocksdb://",
+                         partitions=self.o.partitions)
+        t0 = time.perf_counter()
+        group.start(1)
+        try:
+            deadline = time.monotonic() + self.o.timeout_s
+            while True:
+                group.check_alive()
+                if "Recovery complete" in group.logs[0].read_text(errors="replace"):
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the recovering worker did not log 'Recovery complete'")
+                time.sleep(0.1)
+            seconds = time.perf_counter() - t0
+        finally:
+            group.stop()
+        self._set("recovery_s_1m_rows", seconds, resident_rows=rows,
+                  rows_per_s=round(rows / seconds) if seconds else None)
+        _say(f"      fresh worker recovered {rows:,} rows in {seconds:.1f}s (from its start)")
+
+    def step_rss(self) -> None:
+        """Peak RSS at ``rows`` resident rows, then recovery of those rows."""
+        self._rss(self.o.rows, "rss_peak_mib_1m_rows", "bench-rows", recovery=True)
+
+    def step_rss_large(self) -> None:
+        """Peak RSS at ``rows_large`` resident rows (optional)."""
+        if not self.o.rows_large:
+            self.results["details"]["rss_peak_mib_10m_rows"] = {"skipped": "--rows-large 0 (or --quick)"}
+            self._write()
+            _say("      skipped (--rows-large 0 or --quick)")
+            return
+        self._rss(self.o.rows_large, "rss_peak_mib_10m_rows", "bench-rows-large", recovery=False)
+
+    # ---- driver
+
+    @property
+    def _steps(self) -> tuple[str, ...]:
+        return tuple(step for step in STEPS if self.o.only is None or step in self.o.only)
+
+    def run(self) -> int:
+        """Run every selected step; returns 0 if all succeeded, 1 if any failed (the rest still ran)."""
+        from kvstream import broker
+        from kvstream.kafka_config import ensure_topics
+        from schemas.topics import KV_EVENTS
+
+        if self.o.quick:
+            self.o.apply_quick()
+        self.results["options"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(self.o).items()}
+        shutil.rmtree(self.work, ignore_errors=True)
+        self.work.mkdir(parents=True)
+        port = _free_port()
+        _say(f"[broker] starting Kafka on 127.0.0.1:{port} (data in {self.work / 'broker'})")
+        status = broker.start(port=port, data_dir=self.work / "broker")
+        self.bootstrap = status.bootstrap_servers
+        failed = 0
+        try:
+            ensure_topics(self.bootstrap, {KV_EVENTS: self.o.partitions})
+            for name in self._steps:
+                if name == "latency":
+                    continue  # runs inside stream-1w, on its caught-up worker
+                _say(f"[{name}] {STEP_HELP[name]}")
+                t0 = time.perf_counter()
+                try:
+                    getattr(self, "step_" + name.replace("-", "_"))()
+                except KeyboardInterrupt:
+                    raise
+                except Exception as exc:  # one failed step must not lose the others' figures
+                    failed += 1
+                    self.results["errors"][name] = f"{type(exc).__name__}: {exc}"
+                    self._write()
+                    _say(f"      FAILED: {type(exc).__name__}: {exc}")
+                self.results["details"].setdefault("step_seconds", {})[name] = round(time.perf_counter() - t0, 1)
+        finally:
+            broker.stop(self.work / "broker")
+            for k in [k for k in self.results["details"] if k.startswith("_")]:
+                del self.results["details"][k]
+            self._write()
+        print_table(self.results)
+        try:
+            plot(self.results, self.o.output_dir / "results.png")
+            _say(f"\nwrote {self.o.output_dir / 'results.json'} and {self.o.output_dir / 'results.png'}")
+        except ImportError as exc:
+            _say(f"\nwrote {self.o.output_dir / 'results.json'}; no plot ({exc}: install the 'bench' extra)")
+        return 1 if failed else 0
+
+
+#: Steps in run order (``--only`` takes these names).
+STEPS = ("baselines", "memory", "producer", "plain-consumer", "bridge", "stream-1w", "latency", "stream-2w", "rss",
+         "rss-large")
+STEP_HELP = {
+    "baselines": "fastavro decode/encode of the simulator's records, one core",
+    "memory": "bytes per resident row: memory store and RocksDB store",
+    "producer": "simulator events -> split -> Avro -> topic bench-producer, acknowledged",
+    "plain-consumer": "kv-events -> decode -> apply_block_event into a dict, no Faust",
+    "bridge": "ZMQ publisher process -> bridge -> Kafka, acknowledged",
+    "stream-1w": "one worker end to end (then the latency step on it)",
+    "latency": "steady rate into a running worker; event-to-table delay",
+    "stream-2w": "two workers end to end",
+    "rss": "worker peak RSS at --rows resident rows (rocksdb store), then recovery of them",
+    "rss-large": "worker peak RSS at --rows-large resident rows",
+}
+
+
+def _is_full(options: BenchOptions) -> bool:
+    """True when every size is the full run's (the whole trace, 1M and 10M rows, 30 s at 10,000/s)."""
+    full = BenchOptions()
+    return (options.only is None and options.requests is None and options.stream_requests is None
+            and (options.rows, options.rows_large, options.latency_rate, options.latency_s, options.memory_rows)
+            == (full.rows, full.rows_large, full.latency_rate, full.latency_s, full.memory_rows))
+
+
+def _deep_copy(value):
+    if isinstance(value, dict):
+        return {k: _deep_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_deep_copy(v) for v in value]
+    if isinstance(value, bytes):
+        return bytes(bytearray(value))
+    return value
+
+
+def _machine() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    versions = {}
+    for package in ("confluent-kafka", "fastavro", "faust-streaming", "aiokafka", "rocksdict", "pyzmq", "msgspec"):
+        try:
+            versions[package] = version(package)
+        except PackageNotFoundError:
+            versions[package] = None
+    import confluent_kafka
+
+    from kvstream.broker import KAFKA_VERSION
+
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    return {"cores": os.cpu_count(), "python": platform.python_version(), "implementation":
+            platform.python_implementation(), "platform": platform.platform(), "processor": platform.processor(),
+            "librdkafka": confluent_kafka.libversion()[0], "kafka": KAFKA_VERSION, "versions": versions,
+            "load_average_at_start": load}
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, str):
+        return value
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:,.2f}"
+
+
+def print_table(results: dict) -> None:
+    """Print every figure with its unit, target and baseline."""
+    print(f"\n{'figure':<30} {'value':>14} {'target':>24} {'baseline':>32}  unit")
+    figures = results["figures"]
+    for key, f in figures.items():
+        base = f.get("baseline")
+        base_text = f"{base}={_fmt(figures[base]['value'])}" if isinstance(base, str) else "-"
+        target = f["target"]
+        if target == "1.6 x stream_events_per_s_1w":
+            one = figures["stream_events_per_s_1w"]["value"]
+            target = f"1.6x1w={_fmt(1.6 * one)}" if one else "1.6 x 1w"
+        print(f"{key:<30} {_fmt(f['value']):>14} {_fmt(target):>24} {base_text:>32}  {f['unit']}")
+    if results.get("errors"):
+        print("\nfailed steps: " + "; ".join(f"{k}: {v}" for k, v in results["errors"].items()))
+
+
+def plot(results: dict, path: Path) -> None:
+    """One small bar chart per figure: the value, its baseline (if any) and its target (dashed line).
+
+    Raises:
+        ImportError: matplotlib is not installed (the ``bench`` extra).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures = results["figures"]
+    keys = list(figures)
+    cols = 4
+    rows = math.ceil(len(keys) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 2.8 * rows))
+    for ax, key in zip(axes.flat, keys):
+        f = figures[key]
+        labels, values, colors = ["value"], [f["value"] or 0], ["tab:blue"]
+        base = f.get("baseline")
+        if isinstance(base, str) and figures[base]["value"] is not None:
+            labels.append(base.replace("_events_per_s", "").replace("_per_s", "")[:18])
+            values.append(figures[base]["value"])
+            colors.append("tab:gray")
+        ax.bar(labels, values, color=colors)
+        target = f["target"]
+        if target == "1.6 x stream_events_per_s_1w" and figures["stream_events_per_s_1w"]["value"]:
+            target = 1.6 * figures["stream_events_per_s_1w"]["value"]
+        if isinstance(target, (int, float)):
+            ax.axhline(target, color="tab:red", linestyle="--", label=f"target {target:,.0f}")
+            ax.legend(fontsize=7)
+        ax.set_title(f"{key}\n({f['unit']}, {f['better']} is better)", fontsize=8)
+        ax.tick_params(labelsize=7)
+        if f["value"] is None:
+            ax.text(0.5, 0.5, "not measured", transform=ax.transAxes, ha="center", fontsize=8)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    machine = results["machine"]
+    fig.suptitle(f"kvstream bench ({results['mode']}), {results['date']}, {machine['cores']} cores, "
+                 f"Python {machine['python']}", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def run_bench(options: BenchOptions) -> int:
+    """Run the benchmark; returns the exit code (1 if any step failed)."""
+    return Bench(options).run()
+
+
+if __name__ == "__main__":
+    sys.exit(run_bench(BenchOptions(quick="--quick" in sys.argv)))
