@@ -17,7 +17,7 @@ from kvstream.kafka_config import DEFAULT_BOOTSTRAP_SERVERS, producer_config, to
 from producers.split import BlockEncoder, ParentTracker, Publisher
 from schemas import AvroCodec
 from schemas.codec import KvEventWriter
-from schemas.topics import KV_EVENTS, KV_EVENTS_DEAD_LETTER
+from schemas.topics import KV_EVENTS, KV_EVENTS_DEAD_LETTER, OWNERSHIP_HEADER
 
 
 class ProduceError(RuntimeError):
@@ -65,6 +65,8 @@ class KvEventProducer:
         self.stats = ProduceStats()
         self.parents = ParentTracker()
         self._polled_at = 0
+        #: ownership -> the kvstream-ownership header list of its block records
+        self._headers: dict[str | None, list[tuple[str, bytes]]] = {}
         try:
             self._writer = KvEventWriter(self.codec)
         except ValueError:  # another schema version: fastavro's generic writer
@@ -82,12 +84,20 @@ class KvEventProducer:
         if self.stats.first_error is None:
             self.stats.first_error = str(err)
 
-    def _produce(self, value: bytes, key: bytes | None, partition: int | None) -> None:
+    def _ownership_header(self, ownership: str | None) -> list[tuple[str, bytes]]:
+        """The ``kvstream-ownership`` header of a block record (:data:`schemas.topics.OWNERSHIP_HEADER`): the
+        stream app routes the record by it without decoding it."""
+        headers = self._headers.get(ownership)
+        if headers is None:
+            headers = self._headers[ownership] = [(OWNERSHIP_HEADER, (ownership or "").encode())]
+        return headers
+
+    def _produce(self, value: bytes, key: bytes | None, partition: int | None, headers=None) -> None:
         produce = self._producer.produce
         while True:
             try:
                 if partition is None:
-                    produce(self.topic, value, key)
+                    produce(self.topic, value, key, headers=headers)
                 else:
                     produce(self.topic, value, key, partition)
                 break
@@ -107,7 +117,7 @@ class KvEventProducer:
             for partition in range(self.partitions):
                 self._produce(value, None, partition)
         else:
-            self._produce(value, key, None)
+            self._produce(value, key, None, self._ownership_header(record["event"][1].get("ownership")))
         if self.stats.sent - self._polled_at > 4096:
             self._polled_at = self.stats.sent
             self._producer.poll(0)
@@ -130,16 +140,17 @@ class KvEventProducer:
             return len(records)
         pairs = self._blocks.encode_event(publisher, seq, ts, batch_index, event)
         produce, topic = self._producer.produce, self.topic
+        headers = self._ownership_header(event.get("ownership"))  # a dict: encode_event checked the event
         for key, value in pairs:
             if key is None:
                 for partition in range(self.partitions):
                     self._produce(value, None, partition)
                 continue
             try:
-                produce(topic, value, key)
+                produce(topic, value, key, headers=headers)
             except BufferError:
                 self._producer.poll(0.05)
-                self._produce(value, key, None)
+                self._produce(value, key, None, headers)
                 continue
             self.stats.sent += 1
         if self.stats.sent - self._polled_at > 4096:

@@ -21,3 +21,9 @@ KV_RESIDENCY_CHANGES = "kv-residency-changes"
 #: Compacted: resident blocks per partition, ownership, tier and instance (Avro ``tier_occupancy``); sum the
 #: partitions' latest values per (ownership, tier, instance) for the fleet's occupancy.
 KV_TIER_OCCUPANCY = "kv-tier-occupancy"
+
+#: Optional header of a block record on kv-events, written by the project's producers: the event's ownership in
+#: UTF-8, empty for the primary tiers (ownership null). The stream app's repartition stage routes a record by it
+#: without decoding it and decodes records that lack it; the materializing stage dead-letters a record whose
+#: ownership contradicts it. Other consumers can ignore it.
+OWNERSHIP_HEADER = "kvstream-ownership"

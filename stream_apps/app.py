@@ -340,7 +340,13 @@ class _ResidencyStore:
     processed) through the confluent-kafka producer of the output topics, which is flushed after each
     batch, before the batch's offset can be committed: at least once, as Faust's own table writes. Faust
     still recovers the table from that changelog, serves standbys from it and routes lookups by key.
-    A RocksDB store also gets the changelog offset it has applied (Faust reads on from there at start).
+
+    A RocksDB store is written only after the batch's changelog records are acknowledged, in one atomic
+    write batch with the changelog offset it now holds (Faust reads the changelog on from there at start).
+    So the disk never runs ahead of the changelog: a worker killed mid-batch restarts from the disk plus
+    whatever changelog records did arrive, and the redelivered events redo the rest. (Writing the disk
+    first, as Faust does, loses an update for good: the restarted worker keeps the newer value, ignores
+    the redelivered event as a duplicate, and the changelog never gets it; ``kvstream chaos`` found it.)
     """
 
     #: Decoded entries kept in front of a RocksDB store (a read decodes Avro, ~18 µs; a block's events come
@@ -355,9 +361,14 @@ class _ResidencyStore:
         self._acked: dict[int, int] = {}
         #: Key -> decoded entry (None: known absent), oldest first; RocksDB stores only.
         self._cache: dict[str, dict | None] = {}
+        #: Partition -> key -> (entry or None, Avro bytes or None): written, not yet acknowledged nor on disk.
+        self._pending: dict[int, dict[str, tuple[dict | None, bytes | None]]] = defaultdict(dict)
 
     def forget(self) -> None:
-        """Drop the cache (partitions were revoked: another worker may write their keys now)."""
+        """Drop the cache (partitions were revoked: another worker may write their keys now).
+
+        Pending entries stay: they belong to the batch in hand, which finishes before the rebalance does.
+        """
         self._cache.clear()
 
     @property
@@ -372,6 +383,9 @@ class _ResidencyStore:
         """The entry under ``key`` for the agent applying a batch of ``partition`` (remembered in the cache)."""
         if self._memory:
             return self.table.data.data.get(key)
+        pending = self._pending[partition].get(key)
+        if pending is not None:
+            return pending[0]
         cache = self._cache
         if key in cache:
             return cache[key]
@@ -386,9 +400,13 @@ class _ResidencyStore:
         to the store directly)."""
         if self._memory:
             return self.table.data.data.get(key)
+        partition = partition_of(key)
+        pending = self._pending[partition].get(key)
+        if pending is not None:
+            return pending[0]
         if key in self._cache:
             return self._cache[key]
-        db = self.table.data._dbs.get(partition_of(key))
+        db = self.table.data._dbs.get(partition)
         raw = None if db is None else db.get(key.encode())
         return None if raw is None else self.codec.decode(raw)
 
@@ -415,11 +433,7 @@ class _ResidencyStore:
             store._key_partition[key] = partition  # lets Faust drop the key when the partition is revoked
             outputs.produce(self.topic, raw_key, value, partition)
         else:
-            db = store._db_for_partition(partition)
-            if entry is None:
-                db.delete(raw_key)
-            else:
-                db.put(raw_key, value)
+            self._pending[partition][key] = (entry, value)
             self._cache.pop(key, None)
             self._remember(key, entry)
             outputs.produce(self.topic, raw_key, value, partition, on_delivery=self._on_delivery)
@@ -430,9 +444,26 @@ class _ResidencyStore:
             self._acked[partition] = max(self._acked.get(partition, -1), message.offset())
 
     def persist_offsets(self) -> None:
-        """After a flush: tell a RocksDB store which changelog offsets it holds (no-op in memory)."""
-        for partition, offset in self._acked.items():
-            self.table.data.set_persisted_offset(TP(self.topic, partition), offset)
+        """After the flush that acknowledged the batch: write a RocksDB store's pending entries and the
+        changelog offset they reach, atomically per partition (no-op in memory)."""
+        if self._memory:
+            return
+        from rocksdict import WriteBatch
+
+        store = self.table.data
+        for partition, entries in self._pending.items():
+            if not entries:
+                continue
+            batch = WriteBatch(raw_mode=True)
+            for key, (_, value) in entries.items():
+                if value is None:
+                    batch.delete(key.encode())
+                else:
+                    batch.put(key.encode(), value)
+            if partition in self._acked:
+                batch.put(store.offset_key, str(self._acked[partition]).encode())
+            store._db_for_partition(partition).write(batch)
+            entries.clear()
         self._acked.clear()
 
     def keys_of(self, partition: int) -> list[str]:
@@ -444,7 +475,8 @@ class _ResidencyStore:
         store = self.table.data
         if self._memory:
             return [key for key, p in list(store._key_partition.items()) if p == partition and key in store.data]
-        return [raw.decode() for raw in store._db_for_partition(partition).keys() if raw != store.offset_key]
+        on_disk = [raw.decode() for raw in store._db_for_partition(partition).keys() if raw != store.offset_key]
+        return list(dict.fromkeys([*on_disk, *self._pending[partition]]))
 
 
 residency_store = _ResidencyStore(residency)
@@ -794,13 +826,25 @@ def _prefix_request(body: bytes) -> list[bytes]:
         raise _BadRequest(str(exc)) from None
 
 
+async def _read_body(request, limit: int) -> bytes:
+    """The request body, or its first ``limit`` bytes if it is longer (``content.read(n)`` alone returns what
+    has arrived so far, which under load is part of the body)."""
+    body = bytearray()
+    while len(body) < limit:
+        chunk = await request.content.read(limit - len(body))
+        if not chunk:
+            break
+        body += chunk
+    return bytes(body)
+
+
 @app.page("/prefix-match/")
 class PrefixMatchView(faust.web.View):
     """``POST /prefix-match/`` with ``{"block_hashes": [hex, ...]}`` (prefix order): per (instance, dp rank)
     the longest consecutive prefix resident on each tier and a tier-weighted score, best first."""
 
     async def post(self, request):
-        body = await request.content.read(MAX_REQUEST_BYTES + 1)
+        body = await _read_body(request, MAX_REQUEST_BYTES + 1)
         try:
             hashes = _prefix_request(body)
         except _BadRequest as exc:

@@ -44,7 +44,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 from kvstream.kafka_config import client_config, producer_config
 from schemas import ALL_BLOCKS_CLEARED, SOURCE_WIDE_EVENTS, AvroCodec, DecodeError
 from schemas.codec import schema_versions
-from schemas.topics import KV_EVENTS, KV_EVENTS_DEAD_LETTER, by_ownership_topic
+from schemas.topics import KV_EVENTS, KV_EVENTS_DEAD_LETTER, OWNERSHIP_HEADER, by_ownership_topic
 from stream_apps.residency import NO_CLEAR, PRIMARY
 
 log = logging.getLogger(__name__)
@@ -58,11 +58,6 @@ SOURCE_HEADER = "kvstream-source"
 CLEAR_HISTORY = 8
 #: Upper bound of one ownership_batch message's payload; the re-keyed topic allows 8 MiB messages.
 MAX_BATCH_BYTES = 1 << 20
-#: Optional header of a kv-events record, written by the project's producers: the event's ownership in UTF-8
-#: (empty: the primary tiers). With it this stage routes a block event without decoding it (decoding is
-#: most of this stage's cost); the materializing agent decodes every event anyway and dead-letters one
-#: whose ownership disagrees with the key it was routed by. Records without the header are decoded here.
-OWNERSHIP_HEADER = "kvstream-ownership"
 #: Residency keys whose partition is remembered (murmur2 in Python costs ~5 µs; a block's events share its key).
 PARTITION_CACHE_SIZE = 1 << 20
 
@@ -358,7 +353,7 @@ class Repartitioner:
             block_hash = message.key()
             if block_hash is not None and value is not None:
                 route = self._route(message, value, partition)
-                if route is not None:  # routed by the ownership header, not decoded (see OWNERSHIP_HEADER)
+                if route is not None:  # routed by the ownership header, not decoded (schemas.topics.OWNERSHIP_HEADER)
                     ownership, history = route
                     key = f"{ownership or PRIMARY}/{block_hash.hex()}"
                     mark = b"\x00" if history is None else history.encoded_mark_before(offset)

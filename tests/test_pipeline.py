@@ -240,13 +240,16 @@ def test_keys_sit_on_the_murmur2_partition_and_clears_on_every_partition(pipelin
     try:
         for _ in range(200):
             for message in consumer.consume(5000, timeout=1.0):
-                if message.error() or message.key() in (b"bad-key", b"no-hash"):
+                if message.error() or message.key() in (b"bad-key", b"no-hash", LIAR_HASH):
                     continue
                 record = codec.decode(message.value())
                 if record["block_hash"] is None:
                     clears.add(message.partition())
                 else:
                     assert message.key() == record["block_hash"]
+                    # the ownership header the repartition stage routes by (schemas.topics.OWNERSHIP_HEADER)
+                    assert message.headers() == [("kvstream-ownership",
+                                                  (record["event"][1]["ownership"] or "").encode())]
                     assert message.partition() == (murmur2(message.key()) & 0x7FFFFFFF) % PARTITIONS
                     checked += 1
             if checked >= pipeline["result"].records - 1:
