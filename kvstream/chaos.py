@@ -110,7 +110,7 @@ CHAOS_FLEET = FleetConfig(gpu_blocks=600, cpu_blocks=900, kvcr_blocks=1200, clea
 
 #: Faust's consumer session timeout for the workers of a chaos run, in seconds (Faust's default is 60). A
 #: SIGKILLed worker never leaves its group; its partitions go to the others (or its restart) only after it.
-SESSION_TIMEOUT_S = 10
+SESSION_TIMEOUT_S = 6
 
 #: Environment of every worker a chaos run starts (Faust reads these settings from the environment).
 WORKER_ENV = {"BROKER_SESSION_TIMEOUT": str(SESSION_TIMEOUT_S), "BROKER_HEARTBEAT_INTERVAL": "1"}
@@ -139,7 +139,7 @@ class ChaosOptions:
     #: Seconds any single wait (consumption, web server, recovery) may take before the run fails.
     timeout_s: float = 300.0
     #: Records per second the live producers publish at while a worker runs.
-    live_rate: float = 3000.0
+    live_rate: float = 1500.0
 
 
 # --------------------------------------------------------------------------- workload and ground truth
@@ -607,7 +607,7 @@ class Chaos:
             split = int(len(w.records) * before)
             produced = produce_now(env.bootstrap, w.records[:split])
             worker = env.worker("worker", app_id, store=store)
-            worker.wait_ready(o.timeout_s)
+            ready_s = worker.wait_ready(o.timeout_s)
             live = PacedProducer(env.bootstrap, w.records[split:], o.live_rate)
             live.start()
             target = int(kill_at * w.messages)
@@ -639,12 +639,14 @@ class Chaos:
             produced += live.stats.acked
             consumed_s = _consume(env, worker, o.timeout_s)
             final = worker.stats() or {}
-            worker.stop()
             check = check_residency(env.bootstrap, app_id, w.ground_truth)
+            _explain(worker, check)
+            worker.stop()
             in_topic = topic_messages(env.bootstrap)
         return _run_result(run, check, produced, in_topic, time.monotonic() - started,
                            checks={"all messages in kv-events": in_topic == produced == w.messages},
-                           store=store, app_id=app_id, records_before_worker=split, kill=kill,
+                           store=store, app_id=app_id, records_before_worker=split, worker_ready_s=round(ready_s, 1),
+                           kill=kill,
                            restart_consumed_s=round(consumed_s, 1),
                            duplicates_ignored=final.get("duplicates"))
 
@@ -846,28 +848,33 @@ class Chaos:
             lost = set()
             if source.get("stale"):
                 lost = set(range(source["first_lost_seq"], source["last_lost_seq"] + 1))
-            truth = naive_residency(batches, lost)
+            # per seq: records in kv-events against the records of the batch (clears once per partition)
+            codec = AvroCodec("kv_event")
+            got = Counter()
+            source_events = 0
+            for value in values:
+                record = codec.decode(value)
+                kind = record["event"][0].rsplit(".", 1)[-1]
+                if record["seq"] in records_of and kind in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
+                    got[record["seq"]] += 1
+                else:
+                    source_events += 1
+            want = {seq: message_count(records, o.partitions) for seq, records in records_of.items()}
+            delivered = {seq for seq in want if got[seq] >= want[seq]}
+            partial = sorted(seq for seq in want if 0 < got[seq] < want[seq])
+            # the truth: every batch that reached kv-events (a batch of the reported gap may have been produced
+            # before the kill, while the state file still named an older seq)
+            truth = naive_residency(batches, set(want) - delivered)
             check = check_residency(env.bootstrap, app_id, truth)
-        # per seq: records in kv-events against the records of the batch (clears once per partition)
-        codec = AvroCodec("kv_event")
-        got = Counter()
-        source_events = 0
-        for value in values:
-            record = codec.decode(value)
-            kind = record["event"][0].rsplit(".", 1)[-1]
-            if record["seq"] in records_of and kind in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
-                got[record["seq"]] += 1
-            else:
-                source_events += 1
-        want = {seq: message_count(records, o.partitions) for seq, records in records_of.items()}
         missing = sum(max(want[s] - got[s], 0) for s in want if s not in lost)
         surplus = sum(max(got[s] - want[s], 0) for s in want)
-        in_gap = sum(want[s] for s in lost)
+        in_gap = sum(want[s] - got[s] for s in lost if s not in delivered)
         recoverable = set(range(saved_last + 1 if saved_last is not None else 0, oldest_at_restart or 0))
         checks = {
             "everything outside the reported gap is in kv-events": missing == 0,
             "a gap is reported exactly when the buffer could not cover the outage":
                 bool(lost) == bool(recoverable) and bool(lost) == small_buffer,
+            "no batch is in kv-events only in part": not partial,
         }
         if lost:
             checks["the gap starts right after the bridge's saved seq"] = min(lost) == saved_last + 1
@@ -881,6 +888,7 @@ class Chaos:
                            killed_after_batches=kill_after, state_file_last_seq=saved_last,
                            published_while_down=down_batches, oldest_buffered_at_restart=oldest_at_restart,
                            reported_gap=[min(lost), max(lost)] if lost else None, events_in_reported_gap=in_gap,
+                           gap_batches_in_kv_events=sorted(lost & delivered), partial_batches=partial[:10],
                            topic_surplus=surplus, source_events=source_events,
                            source={k: source.get(k) for k in ("stale", "first_lost_seq", "last_lost_seq", "gaps",
                                                               "restarts", "publisher_epoch", "last_seq")},
@@ -945,7 +953,7 @@ class Chaos:
                     entry = {"run": run, "matches_truth": False, "passed": False, "events_produced": 0,
                              "events_lost": 0, "duplicates_applied": 0, "seconds": round(time.monotonic() - t0, 1),
                              "error": f"{type(exc).__name__}: {exc}",
-                             "traceback": traceback.format_exc(limit=5)}
+                             "traceback": traceback.format_exc(limit=-6)}
                 entries.append(entry)
                 verdict = "matches truth" if entry["matches_truth"] else "DIFFERS from truth"
                 failed = [c for c, ok in entry.get("checks", {}).items() if not ok]
@@ -973,7 +981,7 @@ class _QueryLoad(threading.Thread):
         self.counts = {"answered": 0, "retried": 0, "failed": 0}
         self.failures: list[str] = []
         self._lock = threading.Lock()
-        self._stop = threading.Event()
+        self._done = threading.Event()
 
     def add(self, worker: Worker) -> None:
         """Ask ``worker`` too from now on."""
@@ -987,12 +995,12 @@ class _QueryLoad(threading.Thread):
 
     def stop(self) -> None:
         """End the loop and wait for it."""
-        self._stop.set()
+        self._done.set()
         self.join(60)
 
     def run(self) -> None:
         index = 0
-        while not self._stop.is_set():
+        while not self._done.is_set():
             block = self.blocks[index % len(self.blocks)]
             with self._lock:
                 targets = list(self.targets)
@@ -1018,6 +1026,21 @@ class _QueryLoad(threading.Thread):
             if len(self.failures) < 20:
                 self.failures.append(f":{worker.options.web_port} {block.hex()}: {status} {body.get('error')}")
             return
+
+
+def _explain(worker: Worker, check: RowCheck) -> None:
+    """Add the worker's own answer (``GET /residency/{hex}/``, its local table) to each difference of ``check``.
+
+    Tells a table that is right locally but whose changelog missed an update from one that is wrong itself.
+    """
+    for difference in check.examples:
+        identity = tuple(difference["row"][:6])
+        try:
+            status, body = http_json(f"{worker.url}/residency/{difference['row'][6]}/")
+        except (OSError, ValueError) as exc:
+            difference["worker_view"] = f"no answer: {exc}"
+            continue
+        difference["worker_view"] = _rows_of(body["rows"]).get(identity) if status == 200 else f"HTTP {status}"
 
 
 def _answers(url: str, blocks: list[bytes]) -> dict:
