@@ -11,8 +11,8 @@ Scenarios (:data:`SCENARIOS`):
 
 ``crash``
     A trace slice is replayed, partly before and partly while a worker runs; the
-    worker is SIGKILLed (its whole process group) once it has materialized a
-    seeded random fraction of the events, restarted on the same app id and data
+    worker is SIGKILLed (its whole process group) once the live producer has sent a
+    seeded random fraction of its records, restarted on the same app id and data
     directory (``rocksdb://`` and ``memory://`` stores alternate), and left to finish.
 ``rebalance``
     Two workers share the partitions; one is stopped (SIGTERM) mid-stream and
@@ -70,7 +70,7 @@ from producers.split import split_event
 from producers.vllm_publisher import FakeVllmPublisher
 from schemas import AvroCodec
 from schemas.tiers import tier_of
-from schemas.topics import KV_EVENTS, KV_EVENTS_DEAD_LETTER
+from schemas.topics import KV_EVENTS, KV_EVENTS_DEAD_LETTER, by_ownership_topic
 from stream_apps.snapshot import changelog_topic, read_table, resident_rows
 
 #: Scenario names, in the order they run.
@@ -97,9 +97,15 @@ DEFINITIONS = {
                               "when the bridge came back, reported as lost (SourceStale, GET /sources/ stale)",
     "topic_surplus": "messages in kv-events beyond one copy of each (bridge-restart: batches the restarted "
                      "bridge produced again because its state file lagged); the tables must ignore them",
-    "kill": "crash: the moment of the SIGKILL: target fraction of all messages materialized, what the "
-            "worker's /stats/ showed at its last poll before the kill, seconds since the worker started, "
-            "and whether the live producer was still producing",
+    "kill": "crash: the moment of the SIGKILL: the seeded fraction of the live records (those produced while "
+            "the worker runs) sent when it comes, what the worker's /stats/ showed at its last poll before the "
+            "kill, seconds since the worker started, whether the live producer was still producing, and the "
+            "offsets of kv-events the group had committed",
+    "differences_by_source": "differing rows per <instance>/<tier>/<missing|extra|below|above>",
+    "worker_view": "in 'differences': the copies the (restarted or surviving) worker itself answers for the row "
+                   "over GET /residency/{hex}/ (its local table) while the changelog says 'actual'",
+    "rekey": "for a run that differs: distinct kv-events payloads, items and distinct payloads in "
+             "<app id>-kv-events-by-ownership, and kv-events payloads never re-keyed (lost by the first agent)",
     "queries": "rebalance: GET /residency/{hex}/ lookups of known blocks; 'answered' got 200 (possibly after "
                "retries), 'retried' counts 503 answers (rebalancing: retry) that were retried, 'failed' never got a "
                "200 within 30 s or got another error",
@@ -138,8 +144,8 @@ class ChaosOptions:
     outage_s: float = 10.0
     #: Seconds any single wait (consumption, web server, recovery) may take before the run fails.
     timeout_s: float = 300.0
-    #: Records per second the live producers publish at while a worker runs.
-    live_rate: float = 1500.0
+    #: Seconds over which the live producers spread the records they publish while a worker runs.
+    live_s: float = 8.0
 
 
 # --------------------------------------------------------------------------- workload and ground truth
@@ -231,6 +237,8 @@ class RowCheck:
     above: int
     #: Up to 10 differences: {"row": [...], "expected": copies or None, "actual": copies or None}.
     examples: list = field(default_factory=list)
+    #: Differences per "<instance>/<tier>/<missing|extra|below|above>".
+    by_source: dict = field(default_factory=dict)
 
     @property
     def matches(self) -> bool:
@@ -264,6 +272,9 @@ def compare_residency(truth: dict, actual: dict) -> RowCheck:
             check.below += 1
         else:
             check.above += 1
+        kind = "missing" if got is None else "extra" if want is None else "below" if got < want else "above"
+        label = f"{identity[0]}/{identity[2]}/{kind}"
+        check.by_source[label] = check.by_source.get(label, 0) + 1
         if len(check.examples) < 10:
             check.examples.append({"row": [*identity[:6], identity[6].hex()], "expected": want, "actual": got})
     return check
@@ -273,6 +284,27 @@ def check_residency(bootstrap: str, app_id: str, truth: dict) -> RowCheck:
     """Read ``<app_id>-residency-changelog`` to its end and compare its resident rows with ``truth``."""
     table = read_table(bootstrap, changelog_topic(app_id, "residency"), "residency", timeout_s=120)
     return compare_residency(truth, resident_rows(table))
+
+
+def rekey_check(bootstrap: str, app_id: str) -> dict:
+    """Which events of kv-events never reached ``<app_id>-kv-events-by-ownership`` (the first agent's output).
+
+    Returns:
+        ``{"kv_events_distinct", "rekeyed_items", "rekeyed_distinct", "never_rekeyed"}``: distinct event
+        payloads (a clear's copies count once) in kv-events, items in the re-keyed topic, distinct payloads
+        among them, and payloads of kv-events missing from the re-keyed topic. Tells a loss in the first agent
+        (re-keying) from one in the second (materializing).
+    """
+    upstream = set(read_topic(bootstrap, KV_EVENTS))
+    codec = AvroCodec("ownership_batch")
+    items = 0
+    rekeyed = set()
+    for value in read_topic(bootstrap, by_ownership_topic(app_id)):
+        for item in codec.decode(value)["items"]:
+            items += 1
+            rekeyed.add(item["event"])
+    return {"kv_events_distinct": len(upstream), "rekeyed_items": items, "rekeyed_distinct": len(rekeyed),
+            "never_rekeyed": len(upstream - rekeyed)}
 
 
 def topic_messages(bootstrap: str, topic: str = KV_EVENTS) -> int:
@@ -561,7 +593,8 @@ def _run_result(run: int, check: RowCheck, produced: int, in_topic: int, seconds
     return {"run": run, "matches_truth": check.matches, "passed": check.matches and all(checks.values()),
             "events_produced": produced, "messages_in_topic": in_topic,
             "events_lost": missing_messages + check.lost, "duplicates_applied": check.duplicated,
-            "rows": {k: v for k, v in asdict(check).items() if k != "examples"},
+            "rows": {k: v for k, v in asdict(check).items() if k not in ("examples", "by_source")},
+            "differences_by_source": check.by_source,
             "differences": check.examples, "checks": checks, "seconds": round(seconds, 1), **detail}
 
 
@@ -600,7 +633,7 @@ class Chaos:
         rng = self.rng("crash", run)
         store = ("rocksdb://", "memory://")[run % 2]
         before = rng.uniform(0.3, 0.6)  # fraction of the records produced before the worker starts
-        kill_at = rng.uniform(0.1, 0.9)  # fraction of all messages materialized when the worker is killed
+        kill_at = rng.uniform(0.1, 0.9)  # fraction of the live records produced when the worker is killed
         app_id = _fresh_app_id("crash", run)
         started = time.monotonic()
         with self.env(f"crash-{run}") as env:
@@ -608,28 +641,29 @@ class Chaos:
             produced = produce_now(env.bootstrap, w.records[:split])
             worker = env.worker("worker", app_id, store=store)
             ready_s = worker.wait_ready(o.timeout_s)
-            live = PacedProducer(env.bootstrap, w.records[split:], o.live_rate)
+            live = PacedProducer(env.bootstrap, w.records[split:], (len(w.records) - split) / o.live_s)
             live.start()
-            target = int(kill_at * w.messages)
+            target = int(kill_at * (len(w.records) - split))
             last: dict = {}
 
-            def reached():
+            def reached():  # the live producer is that far, and the worker is consuming
                 stats = worker.stats()
                 if stats:
                     last.update(stats)
                 if not worker.alive():
                     raise RuntimeError(f"the worker exited before the kill:\n{worker.tail()}")
-                return last.get("materialized", 0) >= target
+                return live.sent_records >= target and last.get("materialized", 0) > 0
 
-            _wait_for(reached, o.timeout_s, f"worker did not materialize {target} messages", poll_s=0.05)
+            _wait_for(reached, o.timeout_s, f"the live producer did not send {target} records", poll_s=0.05)
             worker.kill()
-            kill = {"target_fraction": round(kill_at, 3), "target_messages": target,
+            kill = {"target_fraction_of_live_records": round(kill_at, 3), "live_records_sent": live.sent_records,
                     "materialized": last.get("materialized"), "repartitioned": last.get("repartitioned"),
                     "seconds_after_start": round(time.monotonic() - worker.started, 2),
                     "producer_running": live.is_alive(), "records_produced_before": live.sent_records + split}
             committed = group_progress(env.bootstrap, app_id, [KV_EVENTS])[KV_EVENTS].committed
             kill["kv_events_committed"] = committed
-            self.log(f"      killed after {kill['seconds_after_start']}s at {kill['materialized']:,} of "
+            self.log(f"      killed {kill['seconds_after_start']}s after start, {live.sent_records:,} of "
+                     f"{len(w.records) - split:,} live records sent, {kill['materialized']:,} of "
                      f"{w.messages:,} messages materialized ({committed:,} committed; producer "
                      f"{'running' if kill['producer_running'] else 'done'}); restarting ({store})")
             worker.start()
@@ -643,11 +677,12 @@ class Chaos:
             _explain(worker, check)
             worker.stop()
             in_topic = topic_messages(env.bootstrap)
+            rekey = None if check.matches else rekey_check(env.bootstrap, app_id)
         return _run_result(run, check, produced, in_topic, time.monotonic() - started,
                            checks={"all messages in kv-events": in_topic == produced == w.messages},
                            store=store, app_id=app_id, records_before_worker=split, worker_ready_s=round(ready_s, 1),
                            kill=kill,
-                           restart_consumed_s=round(consumed_s, 1),
+                           restart_consumed_s=round(consumed_s, 1), rekey=rekey,
                            duplicates_ignored=final.get("duplicates"))
 
     # ----------------------------------------------------------------- 2. rebalance
@@ -668,7 +703,7 @@ class Chaos:
             known = sorted({r["block_hash"] for r in w.records[:split] if r["block_hash"] is not None})
             queries = _QueryLoad([first, second], rng.sample(known, min(200, len(known))))
             queries.start()
-            live = PacedProducer(env.bootstrap, w.records[split:], o.live_rate / 2)
+            live = PacedProducer(env.bootstrap, w.records[split:], (len(w.records) - split) / (3 * o.live_s))
             live.start()
 
             def materialized() -> int:
@@ -699,7 +734,9 @@ class Chaos:
             duplicates = sum((x.stats() or {}).get("duplicates", 0) for x in (first, second))
             http = {x.options.web_port: _http_sample(x.url, w.ground_truth, 100, rng) for x in (first, second)}
             check = check_residency(env.bootstrap, app_id, w.ground_truth)
+            _explain(first, check)
             in_topic = topic_messages(env.bootstrap)
+            rekey = None if check.matches else rekey_check(env.bootstrap, app_id)
         counts = queries.counts
         self.log(f"      lookups: {counts['answered']:,} answered, {counts['retried']:,} 503 retries, "
                  f"{counts['failed']:,} failed")
@@ -710,7 +747,8 @@ class Chaos:
                                        h["wrong"] == 0 for h in http.values())},
                            app_id=app_id, stopped_at_materialized=stop_at, worker_2_down_s=round(down_s, 1),
                            queries=counts, query_failures=queries.failures[:5],
-                           http_sample={str(port): h for port, h in http.items()}, duplicates_ignored=duplicates)
+                           http_sample={str(port): h for port, h in http.items()}, duplicates_ignored=duplicates,
+                           rekey=rekey)
 
     # ----------------------------------------------------------------- 3. broker outage
 
@@ -1126,7 +1164,7 @@ def run_chaos(options: ChaosOptions, log=print) -> int:
                 "generated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "options": {"scenarios": list(options.scenarios), "crash_runs": options.crash_runs,
                             "requests": options.requests, "partitions": options.partitions, "seed": options.seed,
-                            "outage_s": options.outage_s, "live_rate": options.live_rate,
+                            "outage_s": options.outage_s, "live_s": options.live_s,
                             "worker_session_timeout_s": SESSION_TIMEOUT_S},
                 "seconds": round(time.monotonic() - started, 1), "all_passed": passed,
                 "definitions": DEFINITIONS, "scenarios": results}
