@@ -300,7 +300,7 @@ def rekey_check(bootstrap: str, app_id: str) -> dict:
     items = 0
     rekeyed = set()
     for value in read_topic(bootstrap, by_ownership_topic(app_id)):
-        for item in codec.decode(value)["items"]:
+        for item in codec.decode(value)["events"]:
             items += 1
             rekeyed.add(item["event"])
     return {"kv_events_distinct": len(upstream), "rekeyed_items": items, "rekeyed_distinct": len(rekeyed),
@@ -539,8 +539,7 @@ class PacedProducer(threading.Thread):
             self.sent_records += 1
             if self.rate and self.sent_records % 100 == 0:
                 ahead = self.sent_records / self.rate - (time.monotonic() - started)
-                if ahead > 0:
-                    self.producer._producer.poll(0)
+                if ahead > 0:  # librdkafka's own thread keeps sending meanwhile
                     time.sleep(ahead)
         try:
             self.producer.flush(self.flush_timeout_s)
@@ -677,7 +676,7 @@ class Chaos:
             _explain(worker, check)
             worker.stop()
             in_topic = topic_messages(env.bootstrap)
-            rekey = None if check.matches else rekey_check(env.bootstrap, app_id)
+            rekey = None if check.matches else _diagnose(rekey_check, env.bootstrap, app_id)
         return _run_result(run, check, produced, in_topic, time.monotonic() - started,
                            checks={"all messages in kv-events": in_topic == produced == w.messages},
                            store=store, app_id=app_id, records_before_worker=split, worker_ready_s=round(ready_s, 1),
@@ -736,7 +735,7 @@ class Chaos:
             check = check_residency(env.bootstrap, app_id, w.ground_truth)
             _explain(first, check)
             in_topic = topic_messages(env.bootstrap)
-            rekey = None if check.matches else rekey_check(env.bootstrap, app_id)
+            rekey = None if check.matches else _diagnose(rekey_check, env.bootstrap, app_id)
         counts = queries.counts
         self.log(f"      lookups: {counts['answered']:,} answered, {counts['retried']:,} 503 retries, "
                  f"{counts['failed']:,} failed")
@@ -1064,6 +1063,14 @@ class _QueryLoad(threading.Thread):
             if len(self.failures) < 20:
                 self.failures.append(f":{worker.options.web_port} {block.hex()}: {status} {body.get('error')}")
             return
+
+
+def _diagnose(function, *args):
+    """``function(*args)``, or the error it raised as text: a diagnosis must not lose the run's comparison."""
+    try:
+        return function(*args)
+    except Exception as exc:  # noqa: BLE001 - reported in the results instead
+        return f"diagnosis failed: {type(exc).__name__}: {exc}"
 
 
 def _explain(worker: Worker, check: RowCheck) -> None:
