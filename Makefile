@@ -2,12 +2,13 @@
 #   make demo   - the whole pipeline on the embedded Kafka broker and the Mooncake trace
 #   make test   - unit tests and integration tests against a real broker
 #   make bench  - the benchmark (bench/results.json, bench/results.png)
+#   make chaos  - the fault scenarios (worker crash, rebalance, broker outage, bridge restart, table recovery)
 PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench broker-start broker-stop clean
+.PHONY: install demo test bench chaos broker-start broker-stop clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found (set PYTHON=...)"; exit 1; }
@@ -20,6 +21,9 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/kvstream demo $(DEMO_ARGS)
+
+chaos: $(STAMP)
+	$(VENV)/bin/kvstream chaos $(CHAOS_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -96,8 +96,13 @@ def run_worker(options: WorkerOptions) -> int:
     return 0
 
 
-def spawn_worker(options: WorkerOptions, log_file: Path) -> subprocess.Popen:
-    """Start ``kvstream worker`` as a child process with its output in ``log_file``."""
+def spawn_worker(options: WorkerOptions, log_file: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``kvstream worker`` as a child process (in its own session) with its output appended to ``log_file``.
+
+    Args:
+        extra_env: variables added to this process's environment for the worker, e.g. Faust's own
+            ``BROKER_SESSION_TIMEOUT`` (seconds; default 60) that ``kvstream chaos`` shortens.
+    """
     log_file.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "kvstream.cli", "worker", "--bootstrap-servers", options.bootstrap_servers,
                "--web-port", str(options.web_port), "--web-bind", options.web_bind, "--web-host", options.web_host,
@@ -106,7 +111,8 @@ def spawn_worker(options: WorkerOptions, log_file: Path) -> subprocess.Popen:
                "--clear-scope", options.clear_scope, "--aggregation", options.aggregation, "--app-id",
                options.app_id, "--loglevel", options.log_level]
     with open(log_file, "ab") as out:
-        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        env = {**os.environ, **extra_env} if extra_env else None
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
 
 def stop_worker(process: subprocess.Popen, grace_s: float = 30.0) -> None:
