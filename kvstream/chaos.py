@@ -71,6 +71,7 @@ from producers.vllm_publisher import FakeVllmPublisher
 from schemas import AvroCodec
 from schemas.tiers import tier_of
 from schemas.topics import KV_EVENTS, KV_EVENTS_DEAD_LETTER, by_ownership_topic
+from stream_apps.repartition import repartition_group
 from stream_apps.snapshot import changelog_topic, read_table, resident_rows
 
 #: Scenario names, in the order they run.
@@ -659,7 +660,7 @@ class Chaos:
                     "materialized": last.get("materialized"), "repartitioned": last.get("repartitioned"),
                     "seconds_after_start": round(time.monotonic() - worker.started, 2),
                     "producer_running": live.is_alive(), "records_produced_before": live.sent_records + split}
-            committed = group_progress(env.bootstrap, app_id, [KV_EVENTS])[KV_EVENTS].committed
+            committed = group_progress(env.bootstrap, repartition_group(app_id), [KV_EVENTS])[KV_EVENTS].committed
             kill["kv_events_committed"] = committed
             self.log(f"      killed {kill['seconds_after_start']}s after start, {live.sent_records:,} of "
                      f"{len(w.records) - split:,} live records sent, {kill['materialized']:,} of "

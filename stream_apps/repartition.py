@@ -33,6 +33,7 @@ the reason in the ``kvstream-error`` header and the original bytes.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -260,9 +261,13 @@ class Repartitioner:
 
     def run(self) -> None:
         """Consume, re-key, produce, flush, commit, until :meth:`stop`. Raises on a produce failure."""
+        # the session timeout Faust uses (it reads BROKER_SESSION_TIMEOUT, seconds), so that after a crash
+        # both stages get their partitions back after the same wait
+        session_ms = int(float(os.environ.get("BROKER_SESSION_TIMEOUT", "45")) * 1000)
         config = client_config(self.bootstrap_servers, **{
             "group.id": repartition_group(self.app_id), "enable.auto.commit": False,
-            "auto.offset.reset": "earliest", "enable.partition.eof": False, "client.id": "kvstream-repartition"})
+            "auto.offset.reset": "earliest", "enable.partition.eof": False, "client.id": "kvstream-repartition",
+            "session.timeout.ms": session_ms, "heartbeat.interval.ms": min(3000, session_ms // 3)})
         self._consumer = Consumer(config)
         self._producer = Producer(producer_config(self.bootstrap_servers, **{
             "client.id": "kvstream-repartition", "partitioner": "murmur2_random", "linger.ms": 5,

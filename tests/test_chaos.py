@@ -58,23 +58,12 @@ def test_naive_replay_of_a_one_instance_fleet_equals_the_simulators_truth():
     assert simulate_workload(20, FleetConfig(), 4).messages > 0
 
 
-#: Known stream-app bugs these scenarios expose (README, "Known issues"); the runs still execute and report.
-CRASH_BUG = ("stream app: events redelivered after a crash are re-keyed with their source's newest clear mark "
-             "(table source-clears is ahead of the committed offsets), so stores that preceded a GPU clear are "
-             "applied again after it: GPU rows of the cleared source come back (memory:// and rocksdb://); "
-             "with rocksdb:// also, ignored duplicates never rewrite changelog records lost in the kill")
-REBALANCE_BUG = ("stream app: intermittent rows missing/extra after a worker leaves and rejoins mid-stream "
-                 "(seen once in five runs; see the run's 'rekey' and 'differences_by_source' details)")
-
-
-@pytest.mark.xfail(reason=CRASH_BUG, strict=False)
 @pytest.mark.parametrize("run", [0, 1, 2])
 def test_worker_crash_at_a_random_moment(chaos, run):
     """Runs alternate rocksdb:// (even) and memory:// (odd) stores; kill moments are seeded per run."""
     _assert_passed(chaos.crash(run), chaos, f"crash-{run}")
 
 
-@pytest.mark.xfail(reason=REBALANCE_BUG, strict=False)
 def test_rebalance_keeps_lookups_answered(chaos):
     entry = chaos.rebalance(0)
     _assert_passed(entry, chaos, "rebalance")
