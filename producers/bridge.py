@@ -117,6 +117,9 @@ class BatchSink(Protocol):
     def source_event(self, publisher: Publisher, kind: str, body: dict, seq: int) -> None:
         """An event the bridge makes itself: ``PUBLISHER_RESTARTED`` or ``SOURCE_STALE`` (schemas)."""
 
+    def flush(self) -> None:
+        """Make everything handed over so far durable (Kafka: acknowledged); raises if it cannot be."""
+
 
 class BridgeMetrics:
     """Prometheus counters per source (labels ``instance``, ``dp_rank``)."""
@@ -148,6 +151,10 @@ class KafkaBatchSink:
 
     def source_event(self, publisher: Publisher, kind: str, body: dict, seq: int) -> None:
         self.producer.send(source_event(publisher, kind, body, seq, time.time()))
+
+    def flush(self) -> None:
+        """Wait for the broker's acknowledgements (raises :class:`producers.kafka_sink.ProduceError`)."""
+        self.producer.flush()
 
     def batch(self, endpoint: PublisherEndpoint, publisher: Publisher, seq: int, payload: bytes) -> None:
         labels = (publisher.instance_id, str(publisher.data_parallel_rank))
@@ -324,9 +331,14 @@ class Bridge:
             self.save_state()
 
     def save_state(self) -> None:
-        """Write each source's epoch and last seq to the state file (atomically: temp file, then rename)."""
+        """Write each source's epoch and last seq to the state file (atomically: temp file, then rename).
+
+        The sink is flushed first, so a saved seq is always acknowledged: a bridge killed right after a save
+        replays from there and loses nothing (saving first could skip batches still in the producer's queue).
+        """
         if self._state_file is None:
             return
+        self.sink.flush()
         for endpoint, state in self.state.items():
             if state.last_seq is not None:
                 self._saved[_state_key(endpoint)] = {"epoch": state.epoch, "last_seq": state.last_seq}

@@ -80,6 +80,10 @@ class CaptureSink:
         self.out.flush()
         self.batches += 1
 
+    def flush(self) -> None:
+        """Flush the capture file's buffer to the operating system."""
+        self.out.flush()
+
     def source_event(self, publisher: Publisher, kind: str, body: dict, seq: int) -> None:
         """Not written: ``produce`` finds restarts (seq going back) and lost batches (gaps) in the file again."""
 

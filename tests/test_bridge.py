@@ -46,6 +46,9 @@ class CollectingSink:
     def source_event(self, publisher, kind, body, seq) -> None:
         self.source_events.append((kind.rsplit(".", 1)[-1], body))
 
+    def flush(self) -> None:
+        """Everything is kept in memory as it arrives: nothing to wait for."""
+
     def seqs(self) -> list[int]:
         return [b[2] for b in self.batches]
 
