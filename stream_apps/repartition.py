@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
@@ -310,7 +311,11 @@ class Repartitioner:
                 return found
             reader.assign([TopicPartition(self.clears_topic, p, OFFSET_BEGINNING) for p in ends])
             done: set[int] = set()
+            deadline = time.monotonic() + 120
             while len(done) < len(ends):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"could not read {self.clears_topic} partitions {sorted(set(ends) - done)} "
+                                       "to their end within 120 s")
                 for message in reader.consume(1000, 1.0):
                     if message.error():
                         raise KafkaException(message.error())
