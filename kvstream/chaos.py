@@ -72,7 +72,7 @@ from schemas import AvroCodec
 from schemas.tiers import tier_of
 from schemas.topics import KV_EVENTS, KV_EVENTS_DEAD_LETTER, by_ownership_topic
 from stream_apps.repartition import repartition_group
-from stream_apps.snapshot import changelog_topic, read_table, resident_rows
+from stream_apps.snapshot import changelog_topic, messages_to_end, read_table, resident_rows
 
 #: Scenario names, in the order they run.
 SCENARIOS = ("crash", "rebalance", "broker-outage", "bridge-restart", "table-recovery")
@@ -324,30 +324,7 @@ def topic_messages(bootstrap: str, topic: str = KV_EVENTS) -> int:
 
 def read_topic(bootstrap: str, topic: str = KV_EVENTS, timeout_s: float = 120.0) -> list[bytes]:
     """Every message value of ``topic`` from the start to its current end, partition by partition."""
-    consumer = Consumer(client_config(bootstrap, **{"group.id": f"kvstream-chaos-{uuid.uuid4()}",
-                                                    "enable.auto.commit": False}))
-    try:
-        metadata = consumer.list_topics(topic, timeout=30)
-        ends = {}
-        for p in metadata.topics[topic].partitions:
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)
-            if high > low:
-                ends[p] = high
-        consumer.assign([TopicPartition(topic, p, 0) for p in ends])
-        values = []
-        deadline = time.monotonic() + timeout_s
-        while ends:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"reading {topic}: partitions {sorted(ends)} not read to their end")
-            for message in consumer.consume(10000, timeout=1.0):
-                if message.error():
-                    continue
-                values.append(message.value())
-                if message.partition() in ends and message.offset() + 1 >= ends[message.partition()]:
-                    del ends[message.partition()]
-        return values
-    finally:
-        consumer.close()
+    return [message.value() for message in messages_to_end(bootstrap, topic, timeout_s)]
 
 
 def http_json(url: str, timeout_s: float = 30.0) -> tuple[int, dict]:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Iterator
 
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, Message, TopicPartition
 
 from kvstream.kafka_config import client_config
 from schemas import AvroCodec
@@ -24,6 +25,42 @@ RowIdentity = tuple
 def changelog_topic(app_id: str, table: str) -> str:
     """Faust's changelog topic name of a table: ``<app id>-<table>-changelog``."""
     return f"{app_id}-{table}-changelog"
+
+
+def messages_to_end(bootstrap_servers: str, topic: str, timeout_s: float = 60.0) -> Iterator[Message]:
+    """Every message of ``topic`` from its start to its end as of the call, in offset order per partition.
+
+    Yields nothing if the topic does not exist.
+
+    Raises:
+        TimeoutError: the end offsets were not reached within ``timeout_s``.
+    """
+    consumer = Consumer(client_config(bootstrap_servers, **{
+        "group.id": f"kvstream-snapshot-{uuid.uuid4()}", "enable.auto.commit": False,
+        "auto.offset.reset": "earliest", "enable.partition.eof": False}))
+    try:
+        metadata = consumer.list_topics(topic, timeout=10)
+        if topic not in metadata.topics or metadata.topics[topic].error:
+            return
+        ends = {}
+        for p in metadata.topics[topic].partitions:
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+            if high > low:
+                ends[p] = high
+        consumer.assign([TopicPartition(topic, p, 0) for p in ends])
+        deadline = time.monotonic() + timeout_s
+        while ends:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"reading {topic}: partitions {sorted(ends)} not read to their end")
+            for message in consumer.consume(10000, timeout=1.0):
+                if message.error():
+                    continue
+                yield message
+                p = message.partition()
+                if p in ends and message.offset() + 1 >= ends[p]:
+                    del ends[p]
+    finally:
+        consumer.close()
 
 
 def read_table(bootstrap_servers: str, topic: str, family: str, timeout_s: float = 60.0) -> dict[str, dict]:
@@ -41,40 +78,15 @@ def read_table(bootstrap_servers: str, topic: str, family: str, timeout_s: float
         schemas.DecodeError: a value is not a record of ``family``.
     """
     codec = AvroCodec(family)
-    consumer = Consumer(client_config(bootstrap_servers, **{
-        "group.id": f"kvstream-snapshot-{uuid.uuid4()}", "enable.auto.commit": False,
-        "auto.offset.reset": "earliest", "enable.partition.eof": False}))
-    try:
-        metadata = consumer.list_topics(topic, timeout=10)
-        if topic not in metadata.topics or metadata.topics[topic].error:
-            return {}
-        partitions = list(metadata.topics[topic].partitions)
-        ends = {}
-        for p in partitions:
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
-            if high > low:
-                ends[p] = high
-        consumer.assign([TopicPartition(topic, p, 0) for p in ends])
-        table: dict[str, dict] = {}
-        deadline = time.monotonic() + timeout_s
-        while ends:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"reading {topic}: partitions {sorted(ends)} not read to their end")
-            for message in consumer.consume(10000, timeout=1.0):
-                if message.error():
-                    continue
-                key = message.key().decode()
-                value = message.value()
-                if value:
-                    table[key] = codec.decode(value)
-                else:
-                    table.pop(key, None)
-                p = message.partition()
-                if p in ends and message.offset() + 1 >= ends[p]:
-                    del ends[p]
-        return table
-    finally:
-        consumer.close()
+    table: dict[str, dict] = {}
+    for message in messages_to_end(bootstrap_servers, topic, timeout_s):
+        key = message.key().decode()
+        value = message.value()
+        if value:
+            table[key] = codec.decode(value)
+        else:
+            table.pop(key, None)
+    return table
 
 
 def resident_rows(table: dict[str, dict]) -> dict[RowIdentity, int]:
