@@ -491,6 +491,7 @@ class Bench:
         from faust.stores.rocksdb import RocksDBOptions
 
         from schemas import AvroCodec
+        from stream_apps.store_settings import residency_rocksdb_options
 
         rows = self.o.memory_rows
         pairs = list(tqdm(self._row_entries(rows), total=rows, unit="row", desc="rows", leave=False,
@@ -511,7 +512,7 @@ class Bench:
         shutil.rmtree(path, ignore_errors=True)
         from rocksdict import Rdict
 
-        options = RocksDBOptions()
+        options = RocksDBOptions(**residency_rocksdb_options())  # as the worker's residency store
         db = Rdict(str(path), options=options.as_options())
         value_bytes = 0
         for key, entry in pairs:

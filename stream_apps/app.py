@@ -67,6 +67,7 @@ from stream_apps.residency import (NO_CLEAR, PRIMARY, ApplyStats, SourceSettings
                                    apply_clear, key_partition, parse_tier_weights, prefix_match,
                                    residency_key, retire_epoch)
 from stream_apps.repartition import Repartitioner, source_clears_topic
+from stream_apps.store_settings import residency_rocksdb_options
 
 log = logging.getLogger(__name__)
 
@@ -99,10 +100,12 @@ class _AvroFaustCodec(codecs.Codec):
         return self._avro.decode(data)
 
 
-codecs.register("kv_residency", _AvroFaustCodec("residency"))
-codecs.register("kv_clear_watermark", _AvroFaustCodec("clear_watermark"))
-codecs.register("kv_tier_occupancy", _AvroFaustCodec("tier_occupancy"))
-codecs.register("kv_source_status", _AvroFaustCodec("source_status"))
+#: Faust codec name -> codec of the tables' values.
+TABLE_CODECS = {"kv_residency": _AvroFaustCodec("residency"), "kv_clear_watermark": _AvroFaustCodec("clear_watermark"),
+                "kv_tier_occupancy": _AvroFaustCodec("tier_occupancy"),
+                "kv_source_status": _AvroFaustCodec("source_status")}
+for _name, _codec in TABLE_CODECS.items():
+    codecs.register(_name, _codec)
 
 def _broker_credentials():
     """Faust credentials from the security environment (kvstream.kafka_config.SECURITY_ENVIRONMENT)."""
@@ -170,20 +173,23 @@ _STR_KEY = _TableType("raw", decode=lambda data: data.decode() if isinstance(dat
 SMALL_TABLE_STORE = "memory://local"
 
 
-def _avro_table(name: str, codec_name: str, help: str, table=None, store: str | None = SMALL_TABLE_STORE):
+def _avro_table(name: str, codec_name: str, help: str, table=None, store: str | None = SMALL_TABLE_STORE,
+                options: dict | None = None):
     """A table with UTF-8 string keys and Avro values (DESIGN.md: the codec on every table, read path included).
 
     ``store``: the small tables (per source or per partition) stay in memory and are rebuilt from their
     changelogs at start; only ``residency`` (one row per block) takes the configured store (``None``).
+    ``options``: the store's options (RocksDB settings, :mod:`stream_apps.store_settings`).
     """
     factory = table or app.Table
     return factory(name, key_type=_STR_KEY, value_type=_TableType(codec_name), partitions=PARTITIONS, help=help,
-                   store=store)
+                   store=store, options=options)
 
 
 #: '<ownership or primary>/<block hash hex>' -> ResidencyEntry (schemas/residency_v1.avsc).
 residency = _avro_table("residency", "kv_residency",
-                        "Where each block of each ownership is resident, one row per residency identity.", store=None)
+                        "Where each block of each ownership is resident, one row per residency identity.", store=None,
+                        options=residency_rocksdb_options())
 #: '<by-ownership partition>/<instance>/<dp rank>' -> latest clear applied on that partition.
 clear_watermarks = _avro_table("clear-watermarks", "kv_clear_watermark",
                                "Latest AllBlocksCleared applied per source and partition.")
@@ -321,8 +327,24 @@ def _add_occupancy(partition: int, deltas: dict[tuple, int]) -> None:
         current = tier_occupancy.get(key)
         blocks = (current["resident_blocks"] if current else 0) + delta
         value = {"ownership": ownership, "tier": tier, "instance_id": instance_id, "resident_blocks": blocks}
-        tier_occupancy[key] = value
+        write_small_table(tier_occupancy, partition, key, value)
         outputs.occupancy(key, value)
+
+
+def write_small_table(table, partition: int, key: str, value: dict) -> None:
+    """``table[key] = value`` for an in-memory table (``SMALL_TABLE_STORE``) on stage 2's path, without Faust.
+
+    Writes the store's dict and its key -> partition map (Faust drops a revoked partition's keys by it) and
+    produces the changelog record (UTF-8 key, the table's Avro codec) to ``partition``, the stage-2
+    partition being applied, as Faust's own send would. Faust's send costs about 100 µs per key and a batch
+    message writes tens of keys; this record goes through the output producer, which is flushed before the
+    batch's offset can be committed (at least once, like the residency writes).
+    """
+    store = table.data
+    store.data[key] = value
+    store._key_partition[key] = partition
+    outputs.produce(table.changelog_topic.get_topic_name(), key.encode(),
+                    TABLE_CODECS[table.value_type._options.serializer]._avro.encode(value), partition)
 
 
 def partition_of(key: str) -> int:
@@ -570,7 +592,7 @@ class _BatchApplier:
         """Write the batch's entries, occupancy changes and per-publisher activity."""
         self.write_back()
         _add_occupancy(self.partition, self.occupancy)
-        _note_applied(self.publishers)
+        _note_applied(self.partition, self.publishers)
 
     def apply(self, item: dict, record: dict) -> None:
         """Apply one re-keyed event (``item`` from the ownership batch, ``record`` its decoded kv_event)."""
@@ -588,7 +610,7 @@ class _BatchApplier:
                 if mark <= watermark:
                     stats.duplicates += 1
                     return
-                clear_watermarks[source] = _watermark(record)
+                write_small_table(clear_watermarks, partition, source, _watermark(record))
                 _apply_clear_on_partition(partition, record, mark, self.occupancy)
             else:
                 _apply_source_event(partition, record, self.occupancy)
@@ -644,7 +666,7 @@ def _source_status(key: str, record: dict) -> dict:
         "changed_ts": record["ts"]}
 
 
-def _note_applied(seen: dict[str, dict]) -> None:
+def _note_applied(partition: int, seen: dict[str, dict]) -> None:
     """Fold a batch's per-publisher activity (``{publisher key: {"record": newest, "count": n}}``) into ``sources``."""
     for key, last in seen.items():
         record = last["record"]
@@ -652,7 +674,7 @@ def _note_applied(seen: dict[str, dict]) -> None:
         status.update(publisher_epoch=max(status["publisher_epoch"], record["publisher_epoch"]),
                       last_seq=record["seq"], last_event_ts=record["ts"],
                       events_applied=status["events_applied"] + last["count"])
-        sources[key] = status
+        write_small_table(sources, partition, key, status)
 
 
 def _apply_source_event(partition: int, record: dict, occupancy: dict[tuple, int]) -> None:
@@ -665,17 +687,17 @@ def _apply_source_event(partition: int, record: dict, occupancy: dict[tuple, int
             return  # a loss in an epoch that has since ended
         status.update(stale=True, first_lost_seq=body["first_lost_seq"], last_lost_seq=body["last_lost_seq"],
                       publisher_epoch=record["publisher_epoch"], gaps=status["gaps"] + 1, changed_ts=record["ts"])
-        sources[key] = status
+        write_small_table(sources, partition, key, status)
         return
     new_epoch = record["publisher_epoch"]
     known = publisher_epochs.get(key)
     if known is not None and new_epoch <= known["publisher_epoch"]:
         stats.duplicates += 1
         return
-    publisher_epochs[key] = _watermark(record)
+    write_small_table(publisher_epochs, partition, key, _watermark(record))
     status.update(stale=False, first_lost_seq=None, last_lost_seq=None, publisher_epoch=new_epoch, gaps=0,
                   restarts=status["restarts"] + 1, changed_ts=record["ts"])
-    sources[key] = status
+    write_small_table(sources, partition, key, status)
     instance, dp_rank = record["instance_id"], record["data_parallel_rank"]
     retired = _rewrite_partition(partition, instance, occupancy, lambda entry: retire_epoch(
         entry, instance, dp_rank, record["worker_rank"], new_epoch, stats), record["ts"], "PublisherRestarted")
@@ -735,12 +757,6 @@ def _apply_clear_on_partition(partition: int, record: dict, mark: tuple[int, int
         entry, instance, dp_rank, mark, SOURCES.clear_tiers(instance), stats), record["ts"], "AllBlocksCleared")
     log.info("AllBlocksCleared from %s/%s applied on partition %d: %d resident rows removed", instance, dp_rank,
              partition, cleared)
-
-
-@app.task
-async def _allow_batched_table_writes() -> None:
-    """Let a batch's table writes queue up: Faust's producer buffer warns past 100 pending changelog records."""
-    app.producer.buffer.max_messages = 4 * REPARTITION_BATCH
 
 
 def occupancy_rows() -> list[dict]:

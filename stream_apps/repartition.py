@@ -61,7 +61,7 @@ CLEAR_HISTORY = 8
 #: Upper bound of one ownership_batch message's payload; the re-keyed topic allows 8 MiB messages.
 MAX_BATCH_BYTES = 1 << 20
 #: Residency keys whose partition is remembered (murmur2 in Python costs ~5 µs; a block's events share its key).
-PARTITION_CACHE_SIZE = 1 << 20
+PARTITION_CACHE_SIZE = 1 << 18
 
 
 def source_clears_topic(app_id: str) -> str:
