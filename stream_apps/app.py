@@ -211,15 +211,19 @@ occupancy_codec = AvroCodec("tier_occupancy")
 
 
 class _OutputTopics:
-    """The analytics topics kv-residency-changes and kv-tier-occupancy, written with confluent-kafka.
+    """Stage 2's outputs, written with confluent-kafka: the analytics topics kv-residency-changes and
+    kv-tier-occupancy, and the tables' changelog records (:class:`_ResidencyStore`, :func:`write_small_table`).
 
     A Faust send costs about as much as processing ten events; librdkafka enqueues in about a
-    microsecond. Each stage-2 batch message is flushed before the agent moves on, so its outputs are
-    acknowledged before its offset can be committed: at least once, like the tables.
+    microsecond. Outputs are flushed when Faust is about to commit offsets (:class:`_CommitGate`) and
+    when partitions are revoked, so every output of an acknowledged message is on the broker before that
+    message's offset is committed: at least once, like Faust's own table writes.
     """
 
     def __init__(self) -> None:
         self._producer = None
+        #: Outputs the broker refused (after librdkafka's retries): "topic[partition]: error".
+        self.delivery_errors: list[str] = []
 
     @property
     def producer(self):
@@ -227,8 +231,13 @@ class _OutputTopics:
             from confluent_kafka import Producer
 
             from kvstream.kafka_config import producer_config
-            self._producer = Producer(producer_config(BOOTSTRAP_SERVERS))
+            self._producer = Producer(producer_config(BOOTSTRAP_SERVERS, on_delivery=self.on_delivery))
         return self._producer
+
+    def on_delivery(self, error, message) -> None:
+        """Delivery report of one output: remembers a failure, which :meth:`flush` then raises."""
+        if error is not None:
+            self.delivery_errors.append(f"{message.topic()}[{message.partition()}]: {error}")
 
     def change(self, block_hash: bytes, ownership: str | None, row: dict, resident: bool, copies: int, ts: float,
                cause: str) -> None:
@@ -256,9 +265,18 @@ class _OutputTopics:
                 self.producer.poll(0.05)
 
     def flush(self) -> None:
-        """Wait until every output is acknowledged (raises RuntimeError if the broker does not take them)."""
+        """Wait until every output is acknowledged.
+
+        Raises:
+            RuntimeError: outputs still unacknowledged after 60 s, or refused by the broker (the worker must
+                not commit the offsets of the messages that made them).
+        """
         if self._producer is not None and self._producer.flush(60):
-            raise RuntimeError("kv-residency-changes / kv-tier-occupancy outputs not acknowledged within 60 s")
+            raise RuntimeError("stage-2 outputs (changelogs, kv-residency-changes, kv-tier-occupancy) not "
+                               "acknowledged within 60 s")
+        if self.delivery_errors:
+            errors, self.delivery_errors = self.delivery_errors, []
+            raise RuntimeError(f"{len(errors)} stage-2 outputs refused by the broker, first: {errors[0]}")
 
 
 outputs = _OutputTopics()
@@ -358,12 +376,13 @@ class _ResidencyStore:
     Faust's ``table[key] = value`` sends one changelog record through its own producer, about 100 µs each,
     more than applying the event. Here an entry is written to the table's store and its Avro bytes are
     produced to the table's changelog topic (same key bytes, same value codec, the partition being
-    processed) through the confluent-kafka producer of the output topics, which is flushed after each
-    batch, before the batch's offset can be committed: at least once, as Faust's own table writes. Faust
+    processed) through the confluent-kafka producer of the output topics, which is flushed before any
+    offset is committed (:func:`settle_outputs`): at least once, as Faust's own table writes. Faust
     still recovers the table from that changelog, serves standbys from it and routes lookups by key.
 
-    A RocksDB store is written only after the batch's changelog records are acknowledged, in one atomic
-    write batch with the changelog offset it now holds (Faust reads the changelog on from there at start).
+    A RocksDB store is written only after the changelog records are acknowledged (entries wait in
+    ``_pending``, where reads find them), in one atomic write batch per partition with the changelog offset
+    it now holds (Faust reads the changelog on from there at start).
     So the disk never runs ahead of the changelog: a worker killed mid-batch restarts from the disk plus
     whatever changelog records did arrive, and the redelivered events redo the rest. (Writing the disk
     first, as Faust does, loses an update for good: the restarted worker keeps the newer value, ignores
@@ -463,9 +482,11 @@ class _ResidencyStore:
         if error is None:
             partition = message.partition()
             self._acked[partition] = max(self._acked.get(partition, -1), message.offset())
+        else:
+            outputs.on_delivery(error, message)
 
     def persist_offsets(self) -> None:
-        """After the flush that acknowledged the batch: write a RocksDB store's pending entries and the
+        """After a flush that acknowledged every output: write a RocksDB store's pending entries and the
         changelog offset they reach, atomically per partition (no-op in memory)."""
         if self._memory:
             return
@@ -503,8 +524,39 @@ class _ResidencyStore:
 residency_store = _ResidencyStore(residency)
 
 
+def settle_outputs() -> None:
+    """Wait for every stage-2 output to be acknowledged, then write the acknowledged residency entries to
+    RocksDB (:meth:`_ResidencyStore.persist_offsets`). Raises RuntimeError as :meth:`_OutputTopics.flush`."""
+    outputs.flush()
+    residency_store.persist_offsets()
+
+
+class _CommitGate(faust.Sensor):
+    """Settles stage 2's outputs whenever Faust is about to commit offsets.
+
+    Faust calls ``on_commit_initiated`` synchronously at the start of every offset commit (the commit
+    timer, rebalances, errors), before it picks the offsets of the acknowledged messages. A message is
+    acknowledged only after the agent has finished it, and so has produced all its outputs; flushing here
+    puts them on the broker before any of those offsets is committed: at least once. One flush per commit
+    (every ``broker_commit_interval``, 2.8 s) instead of one per batch message: at 10,000 events/s the
+    per-message flush was a quarter of stage 2's time, each waiting a broker round trip.
+    """
+
+    def on_commit_initiated(self, consumer) -> None:
+        try:
+            settle_outputs()
+        except RuntimeError as exc:  # nothing may be committed; a restart reads the messages again
+            log.error("stopping the worker: %s", exc)
+            asyncio.ensure_future(app.crash(exc))
+            raise
+
+
+app.sensors.add(_CommitGate())
+
+
 @app.on_partitions_revoked.connect
 async def _forget_cached_entries_on_revoke(app, revoked, **kwargs) -> None:
+    settle_outputs()  # pending RocksDB entries of revoked partitions reach the disk before their DBs close
     residency_store.forget()
 
 
@@ -517,10 +569,9 @@ async def _forget_cached_entries_on_assign(app, assigned, **kwargs) -> None:
 async def materialize_residency(stream):
     """Stage 2: apply each batch message to the residency table; write each touched key once per message.
 
-    The outputs (changelog records included) are flushed before the next message is taken, and Faust
-    acknowledges a message's offset only then: at least once. (Grouping several messages per flush, with
-    ``take_events``, cut the delay at low rates but coincided with rows wrong after a crash in 2 of 13 chaos
-    runs, so it is not used until that is understood.)
+    The outputs (changelog records included) are flushed before Faust commits offsets (:class:`_CommitGate`),
+    not per message. (Grouping messages with Faust's ``take_events`` coincided with rows wrong after a crash
+    in 2 of 13 chaos runs, so messages are taken one at a time, acknowledged by Faust as each one ends.)
     """
     async for event in stream.events():
         try:
@@ -539,8 +590,6 @@ async def materialize_residency(stream):
                 await _dead_letter(event, f"could not apply: {type(exc).__name__}: {exc}",
                                    key=item["key"].encode(), value=item["event"])
         applier.finish()
-        outputs.flush()
-        residency_store.persist_offsets()
 
 
 class InvalidRecord(ValueError):
@@ -610,8 +659,12 @@ class _BatchApplier:
                 if mark <= watermark:
                     stats.duplicates += 1
                     return
-                write_small_table(clear_watermarks, partition, source, _watermark(record))
                 _apply_clear_on_partition(partition, record, mark, self.occupancy)
+                # the watermark says "applied": it may reach the broker only after the rows the clear removed
+                # did, or a worker restarted after a crash would skip the redelivered clear as a duplicate
+                # while some of its removals never reached the changelog (chaos: extra GPU rows)
+                settle_outputs()
+                write_small_table(clear_watermarks, partition, source, _watermark(record))
             else:
                 _apply_source_event(partition, record, self.occupancy)
             return
@@ -694,13 +747,14 @@ def _apply_source_event(partition: int, record: dict, occupancy: dict[tuple, int
     if known is not None and new_epoch <= known["publisher_epoch"]:
         stats.duplicates += 1
         return
+    instance, dp_rank = record["instance_id"], record["data_parallel_rank"]
+    retired = _rewrite_partition(partition, instance, occupancy, lambda entry: retire_epoch(
+        entry, instance, dp_rank, record["worker_rank"], new_epoch, stats), record["ts"], "PublisherRestarted")
+    settle_outputs()  # the retired rows reach the changelog before the epoch that marks them done (as a clear)
     write_small_table(publisher_epochs, partition, key, _watermark(record))
     status.update(stale=False, first_lost_seq=None, last_lost_seq=None, publisher_epoch=new_epoch, gaps=0,
                   restarts=status["restarts"] + 1, changed_ts=record["ts"])
     write_small_table(sources, partition, key, status)
-    instance, dp_rank = record["instance_id"], record["data_parallel_rank"]
-    retired = _rewrite_partition(partition, instance, occupancy, lambda entry: retire_epoch(
-        entry, instance, dp_rank, record["worker_rank"], new_epoch, stats), record["ts"], "PublisherRestarted")
     log.info("publisher %s restarted (epoch %d): %d resident rows retired on partition %d", key, new_epoch,
              retired, partition)
 
