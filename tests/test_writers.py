@@ -252,3 +252,18 @@ def test_residency_writer_matches_fastavro_on_any_entry(residency, entry):
 def test_residency_change_writer_matches_fastavro_on_any_change(changes, change):
     codec, writer = changes
     assert writer.encode(change) == codec.encode(change)
+
+
+# --------------------------------------------------------------------------- the stream app's use
+
+def test_stream_app_encodes_with_the_writers_and_falls_back_to_fastavro_when_one_refuses(caplog):
+    from schemas.codec import ResidencyWriter
+    from stream_apps import app
+
+    assert isinstance(app.residency_store.encode.__self__, ResidencyWriter)
+    change = CHANGES["everything set"]
+    fields = [change[name] for name in app._CHANGE_FIELDS]
+    assert app._encode_change(*fields) == app._change_record(*fields) == app.change_codec.encode(change)
+    with caplog.at_level("WARNING"):
+        assert app._hand_written(ResidencyWriter, AvroCodec("residency_change")) is None
+    assert "writing residency_change records with fastavro" in caplog.text
