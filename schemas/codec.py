@@ -447,7 +447,6 @@ class KvEventWriter:
 
 # --------------------------------------------------------------------------- fast residency writers
 
-_pack_double = struct.Struct("<d").pack
 #: ``["null", "double"]`` with a value followed by a ``double``: branch 1 (the byte 2), then both doubles.
 _pack_branch_1_double_double = struct.Struct("<Bdd").pack
 
@@ -550,7 +549,7 @@ class ResidencyWriter:
                 out.append(b"\x00")  # end of workers
                 since, mark = row["since"], row["clear_mark"]
                 out += (long_(row["copies"]),
-                        AVRO_NULL + _pack_double(row["last_ts"]) if since is None
+                        AVRO_NULL + avro_double(row["last_ts"]) if since is None
                         else _pack_branch_1_double_double(2, since, row["last_ts"]),
                         AVRO_NULL if mark is None else b"".join((
                             _BRANCH_1, long_(mark["publisher_epoch"]), long_(mark["seq"]),
@@ -615,7 +614,7 @@ class ResidencyChangeWriter:
         key = (instance_id, data_parallel_rank, tier, medium, locality, group_idx)
         return b"".join((self.header, avro_long(len(block_hash)), block_hash, avro_optional_string(ownership),
                          self._rows.get(key) or self._row(key), b"\x01" if resident else b"\x00", avro_long(copies),
-                         _pack_double(ts), self._causes.get(cause) or self._cause(cause)))
+                         avro_double(ts), self._causes.get(cause) or self._cause(cause)))
 
     def encode(self, record: dict) -> bytes:
         """Encode one ``residency_change`` record dict, framing included (every field must be present)."""
