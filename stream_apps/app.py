@@ -61,6 +61,7 @@ from faust.serializers import codecs
 
 from schemas import (ALL_BLOCKS_CLEARED, SOURCE_STALE, SOURCE_WIDE_EVENTS, AvroCodec, DecodeError,
                      InvalidBlockHash, parse_hex_block_hash)
+from schemas.codec import ResidencyChangeWriter, ResidencyWriter
 from schemas.topics import (KV_EVENTS, KV_EVENTS_DEAD_LETTER, KV_RESIDENCY_CHANGES, KV_TIER_OCCUPANCY,
                            by_ownership_topic)
 from stream_apps.residency import (NO_CLEAR, PRIMARY, ApplyStats, SourceSettings, apply_block_event,
@@ -210,6 +211,30 @@ change_codec = AvroCodec("residency_change")
 occupancy_codec = AvroCodec("tier_occupancy")
 
 
+def _hand_written(writer_class, codec: AvroCodec):
+    """``writer_class(codec)``, the hand-written encoder of a stage-2 hot-path record (schemas.codec), or None
+    when it refuses the codec's writer schema (a new version): then fastavro writes it, more slowly."""
+    try:
+        return writer_class(codec)
+    except ValueError as exc:
+        log.warning("%s; writing %s records with fastavro (slower)", exc, codec.family)
+        return None
+
+
+#: The arguments of :meth:`ResidencyChangeWriter.change`: residency_change v1's fields, in order.
+_CHANGE_FIELDS = ("block_hash", "ownership", "instance_id", "data_parallel_rank", "tier", "medium", "locality",
+                  "group_idx", "resident", "copies", "ts", "cause")
+
+
+def _change_record(*fields) -> bytes:
+    """:meth:`ResidencyChangeWriter.change` done by fastavro (a residency_change schema it does not encode)."""
+    return change_codec.encode(dict(zip(_CHANGE_FIELDS, fields)))
+
+
+#: Encodes a residency_change from its fields in the schema's order.
+_encode_change = getattr(_hand_written(ResidencyChangeWriter, change_codec), "change", _change_record)
+
+
 class _OutputTopics:
     """Stage 2's outputs, written with confluent-kafka: the analytics topics kv-residency-changes and
     kv-tier-occupancy, and the tables' changelog records (:class:`_ResidencyStore`, :func:`write_small_table`).
@@ -239,14 +264,13 @@ class _OutputTopics:
         if error is not None:
             self.delivery_errors.append(f"{message.topic()}[{message.partition()}]: {error}")
 
-    def change(self, block_hash: bytes, ownership: str | None, row: dict, resident: bool, copies: int, ts: float,
-               cause: str) -> None:
-        value = change_codec.encode({
-            "block_hash": block_hash, "ownership": ownership, "instance_id": row["instance_id"],
-            "data_parallel_rank": row["data_parallel_rank"], "tier": row["tier"], "medium": row.get("medium"),
-            "locality": row["locality"], "group_idx": row["group_idx"], "resident": resident, "copies": copies,
-            "ts": ts, "cause": cause})
-        self.produce(KV_RESIDENCY_CHANGES, block_hash, value)
+    def change(self, block_hash: bytes, ownership: str | None, instance_id: str, data_parallel_rank: int,
+               tier: str, medium: str | None, locality: str | None, group_idx: int | None, resident: bool,
+               copies: int, ts: float, cause: str) -> None:
+        """One kv-residency-changes record, from the residency_change fields in the schema's order."""
+        self.produce(KV_RESIDENCY_CHANGES, block_hash, _encode_change(
+            block_hash, ownership, instance_id, data_parallel_rank, tier, medium, locality, group_idx, resident,
+            copies, ts, cause))
 
     def occupancy(self, key: str, value: dict) -> None:
         self.produce(KV_TIER_OCCUPANCY, key.encode(), occupancy_codec.encode(value))
@@ -396,6 +420,8 @@ class _ResidencyStore:
     def __init__(self, table) -> None:
         self.table = table
         self.codec = AvroCodec("residency")
+        #: Encodes an entry's changelog value: the hand-written writer (about 6x faster than fastavro).
+        self.encode = getattr(_hand_written(ResidencyWriter, self.codec), "encode", self.codec.encode)
         self.topic = table.changelog_topic.get_topic_name()
         #: Highest changelog offset acknowledged per partition since the last :meth:`persist_offsets`.
         self._acked: dict[int, int] = {}
@@ -464,7 +490,7 @@ class _ResidencyStore:
         """
         store = self.table.data
         raw_key = key.encode()
-        value = None if entry is None else self.codec.encode(entry)
+        value = None if entry is None else self.encode(entry)
         if self._memory:
             if entry is None:
                 store.data.pop(key, None)
@@ -698,10 +724,8 @@ class _BatchApplier:
         seen["count"] += 1
         if delta:
             self.occupancy[(body["ownership"], record["tier"], instance)] += delta
-            row = {"instance_id": instance, "data_parallel_rank": record["data_parallel_rank"],
-                   "tier": record["tier"], "medium": body["medium"], "locality": body["locality"],
-                   "group_idx": body["group_idx"]}
-            outputs.change(record["block_hash"], body["ownership"], row, delta > 0, copies, record["ts"],
+            outputs.change(block_hash, body["ownership"], instance, record["data_parallel_rank"], record["tier"],
+                           body["medium"], body["locality"], body["group_idx"], delta > 0, copies, record["ts"],
                            kind.rsplit(".", 1)[-1])
 
 
@@ -799,7 +823,8 @@ def _rewrite_partition(partition: int, instance: str, occupancy: dict[tuple, int
         for row in stopped:
             stopped_total += 1
             occupancy[(entry["ownership"], row["tier"], instance)] -= 1
-            outputs.change(entry["block_hash"], entry["ownership"], {**row, "medium": None}, False, 0, ts, cause)
+            outputs.change(entry["block_hash"], entry["ownership"], row["instance_id"], row["data_parallel_rank"],
+                           row["tier"], None, row["locality"], row["group_idx"], False, 0, ts, cause)
     return stopped_total
 
 

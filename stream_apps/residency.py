@@ -143,10 +143,11 @@ def aggregate_copies(workers: list[dict], world_size: int, aggregation: str) -> 
         aggregation: ``REPLICATED`` (min over ranks 0..world_size-1, absent = 0) or
             ``SHARDED`` (sum).
     """
-    if world_size <= 1:
-        return sum(w["count"] for w in workers)
-    if aggregation == "SHARDED":
-        return sum(w["count"] for w in workers)
+    if world_size <= 1 or aggregation == "SHARDED":
+        total = 0
+        for worker in workers:  # a loop, not sum() over a generator: this runs per event, mostly on one worker
+            total += worker["count"]
+        return total
     counts = {w["worker_rank"]: w["count"] for w in workers}
     return min(counts.get(rank, 0) for rank in range(world_size))
 
@@ -237,7 +238,13 @@ def apply_block_event(entry: dict | None, record: dict, clear_mark: tuple[int, i
 
     worker_rank = record["worker_rank"]
     worker_rank = -1 if worker_rank is None else worker_rank
-    worker = next((w for w in row["workers"] if w["worker_rank"] == worker_rank), None)
+    # loops rather than generator expressions here and below: apply_block_event runs per event, and a
+    # generator over a row's (mostly one) workers cost about as much as the rest of the lookup
+    worker = None
+    for candidate in row["workers"]:
+        if candidate["worker_rank"] == worker_rank:
+            worker = candidate
+            break
     position = _position(record)
     if worker is None:
         worker = {"worker_rank": worker_rank, "count": 0, "publisher_epoch": -1, "seq": -1, "batch_index": -1,
@@ -278,7 +285,10 @@ def apply_block_event(entry: dict | None, record: dict, clear_mark: tuple[int, i
         row["since"] = None
         stats.stopped_resident += 1
         delta = -1
-    if not any(w["count"] for w in row["workers"]):
+    for counted in row["workers"]:
+        if counted["count"]:
+            break
+    else:  # no worker has a count left
         rows.remove(row)
     return (entry if rows else None), delta, after
 

@@ -209,3 +209,21 @@ def test_configured_aggregation_applies_when_events_declare_none():
     entry, _, _ = apply_block_event(entry, _store(0x91, w1), NO_CLEAR, NO_CLEAR, DEFAULT_CLEAR_TIERS, stats,
                                     (2, "REPLICATED"))
     assert _copies(entry) == [("cfg", "GPU", 1)]
+
+
+def test_each_worker_keeps_its_own_count_and_a_row_goes_only_when_every_count_is_zero():
+    """A row of several workers: an event updates its own worker's count (found among the others, whatever
+    their order), copies follow the mode, and the row stays while any worker still has a count."""
+    s0, s1, s2 = (Publisher("sh", worker_rank=rank, world_size=3, aggregation="SHARDED") for rank in range(3))
+    stats = ApplyStats()
+    entry = _apply(None, [_store(0xD1, s2), _store(0xD1, s1), _store(0xD1, s1), _store(0xD1, s0)], stats)
+    counts = lambda e: {w["worker_rank"]: w["count"] for w in e["rows"][0]["workers"]}  # noqa: E731
+    assert counts(entry) == {2: 1, 1: 2, 0: 1} and _copies(entry) == [("sh", "GPU", 4)]
+    entry = _apply(entry, [_remove(0xD1, s1), _remove(0xD1, s2), _remove(0xD1, s0)], stats)
+    assert counts(entry) == {2: 0, 1: 1, 0: 0} and _copies(entry) == [("sh", "GPU", 1)]
+    assert _apply(entry, [_remove(0xD1, s1)], stats) is None
+    assert stats.stopped_resident == 1 and stats.unknown_removals == 0
+    # one worker (world size 1): copies is its count, and ranks -1 and 0 are different workers
+    assert aggregate_copies([{"worker_rank": -1, "count": 2}], 1, "REPLICATED") == 2
+    assert aggregate_copies([{"worker_rank": -1, "count": 2}, {"worker_rank": 0, "count": 1}], 1, "REPLICATED") == 3
+    assert aggregate_copies([], 1, "REPLICATED") == 0

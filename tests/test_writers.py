@@ -1,0 +1,269 @@
+"""Hand-written Avro encoders (schemas.codec): byte for byte what fastavro writes, or a refusal."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+
+import fastavro
+import pytest
+
+from schemas import BLOCK_REMOVED, BLOCK_STORED, AvroCodec
+from schemas.codec import avro_long
+
+LONG_MIN, LONG_MAX = -(1 << 63), (1 << 63) - 1
+#: Around every power of two, both signs: every varint length from 1 to 10 bytes and its boundaries.
+LONGS = sorted(n for n in {sign * ((1 << bits) + delta) for bits in range(64) for delta in (-1, 0, 1)
+                           for sign in (1, -1)} | {0, -1024, -1025, 4095, 4096, LONG_MIN, LONG_MAX}
+               if LONG_MIN <= n <= LONG_MAX)
+
+
+def _fastavro_long(n: int) -> bytes:
+    out = io.BytesIO()
+    fastavro.schemaless_writer(out, fastavro.parse_schema("long"), n)
+    return out.getvalue()
+
+
+def test_avro_long_writes_fastavros_bytes_for_every_varint_length():
+    assert [avro_long(n) for n in LONGS] == [_fastavro_long(n) for n in LONGS]
+
+
+# --------------------------------------------------------------------------- residency entries
+
+INT_MIN, INT_MAX = -(1 << 31), (1 << 31) - 1
+TIERS = ["GPU", "CPU", "STORAGE", "EXTERNAL", "UNKNOWN"]
+
+
+def _worker(rank=-1, count=1, epoch=0, seq=7, batch_index=2, block_index=0) -> dict:
+    return {"worker_rank": rank, "count": count, "publisher_epoch": epoch, "seq": seq, "batch_index": batch_index,
+            "block_index": block_index}
+
+
+def _row(**fields) -> dict:
+    row = {"instance_id": "sim-0", "data_parallel_rank": 0, "tier": "GPU", "medium": "GPU", "locality": None,
+           "group_idx": None, "world_size": 1, "aggregation": "REPLICATED", "workers": [_worker()], "copies": 1,
+           "since": 1767225600.25, "last_ts": 1767225600.5, "clear_mark": None}
+    row.update(fields)
+    return row
+
+
+def _entry(rows, block_hash=b"\x00" * 7 + b"\x2a", ownership=None) -> dict:
+    return {"block_hash": block_hash, "ownership": ownership, "rows": rows}
+
+
+ENTRIES = {
+    "typical": _entry([_row()]),
+    "no rows": _entry([]),
+    "row without workers": _entry([_row(workers=[], copies=0, since=None)]),
+    # every optional field set, unicode strings, the extremes of int and long
+    "everything set": _entry([_row(
+        instance_id="sím-0/ünïcode ✓ 🚀", data_parallel_rank=INT_MAX, medium="CPU_PINNED ✓", locality="LOCAL",
+        group_idx=INT_MIN, world_size=INT_MAX, aggregation="SHARDED",
+        workers=[_worker(INT_MIN, INT_MAX, LONG_MIN, LONG_MAX, INT_MIN, INT_MAX),
+                 _worker(0, 0, LONG_MAX, LONG_MIN, INT_MAX, INT_MIN)],
+        copies=INT_MIN, since=-0.0, last_ts=1e308,
+        clear_mark={"publisher_epoch": LONG_MIN, "seq": LONG_MAX, "batch_index": INT_MIN})],
+        block_hash=bytes(range(32)), ownership="kvcr-ø"),
+    "empty strings and hash": _entry([_row(instance_id="", medium="", locality="", group_idx=0, since=0.0,
+                                           clear_mark={"publisher_epoch": 0, "seq": 0, "batch_index": 0})],
+                                     block_hash=b"", ownership=""),
+    # negative numbers around the varint boundaries, millisecond epochs, big seqs
+    "negative and large": _entry([_row(data_parallel_rank=-1, group_idx=-65, workers=[
+        _worker(-1, -1, -1, -1, -1, -1), _worker(1, 8192, 1767225600123, 1 << 40, 4096, -1025),
+        _worker(2, -8193, -1767225600123, -(1 << 40), -4096, 1025)], copies=-64, since=-1.5, last_ts=-2.25,
+        clear_mark={"publisher_epoch": 1767225600123, "seq": -5000, "batch_index": 63})]),
+    # every tier and aggregation symbol, one row each, with mixed optionals
+    "every enum symbol": _entry([
+        _row(instance_id=f"sim-{i}", tier=tier, aggregation=("REPLICATED", "SHARDED")[i % 2],
+             medium=None if i % 2 else tier, locality=("LOCAL", None, "REMOTE")[i % 3],
+             group_idx=None if i % 3 else i, since=None if i % 2 else float(i),
+             clear_mark=None if i % 2 else {"publisher_epoch": i, "seq": i * 1000, "batch_index": i},
+             workers=[_worker(rank, i, i, i * 10_000, i, rank) for rank in range(i)])
+        for i, tier in enumerate(TIERS)], ownership="kvcr"),
+}
+
+
+@pytest.fixture(scope="module")
+def residency():
+    from schemas.codec import ResidencyWriter
+
+    codec = AvroCodec("residency")
+    return codec, ResidencyWriter(codec)
+
+
+@pytest.mark.parametrize("entry", ENTRIES.values(), ids=ENTRIES.keys())
+def test_residency_writer_writes_fastavros_bytes(residency, entry):
+    codec, writer = residency
+    assert writer.encode(entry) == codec.encode(entry)
+    assert writer.encode(entry) == codec.encode(entry)  # again, from the writer's caches
+    assert codec.decode(writer.encode(entry)) == entry
+
+
+def test_residency_writer_writes_apply_block_events_entries_and_the_codecs_decoded_ones(residency):
+    from stream_apps.residency import NO_CLEAR, ApplyStats, apply_block_event
+
+    codec, writer = residency
+    entry = None
+    for seq, kind, tier, worker in [(1, BLOCK_STORED, "GPU", None), (2, BLOCK_STORED, "CPU", 0),
+                                    (3, BLOCK_STORED, "CPU", 1), (4, BLOCK_REMOVED, "GPU", None)]:
+        record = {"instance_id": "sim-0", "data_parallel_rank": 0, "worker_rank": worker, "world_size": None,
+                  "aggregation": None, "publisher_epoch": 1767225600123, "seq": seq, "batch_index": 0,
+                  "block_index": 0, "ts": 100.0 + seq, "block_hash": b"\x01" * 8, "tier": tier,
+                  "event": (kind, {"medium": tier, "locality": None, "group_idx": None, "ownership": None})}
+        entry, _, _ = apply_block_event(entry, record, (0, seq, 0), NO_CLEAR, frozenset({"GPU"}), ApplyStats())
+        assert writer.encode(entry) == codec.encode(entry)
+        assert writer.encode(codec.decode(writer.encode(entry))) == codec.encode(entry)
+
+
+# --------------------------------------------------------------------------- residency changes
+
+def _change(**fields) -> dict:
+    change = {"block_hash": b"\x01" * 8, "ownership": None, "instance_id": "sim-0", "data_parallel_rank": 0,
+              "tier": "GPU", "medium": "GPU", "locality": None, "group_idx": None, "resident": True, "copies": 1,
+              "ts": 1767225600.25, "cause": "BlockStored"}
+    change.update(fields)
+    return change
+
+
+CHANGES = {
+    "became resident": _change(),
+    "stopped, clear": _change(medium=None, resident=False, copies=0, cause="AllBlocksCleared"),
+    "everything set": _change(block_hash=bytes(range(32)), ownership="kvcr-ø", instance_id="sím-0 🚀",
+                              data_parallel_rank=INT_MAX, tier="UNKNOWN", medium="nvme ✓", locality="REMOTE",
+                              group_idx=INT_MIN, copies=INT_MAX, ts=-0.0, cause="PublisherRestarted ✓"),
+    "empty and negative": _change(block_hash=b"", ownership="", instance_id="", data_parallel_rank=-1,
+                                  medium="", locality="", group_idx=-1, resident=False, copies=-8193, ts=1e-300,
+                                  cause=""),
+    **{f"tier {tier}": _change(tier=tier, group_idx=i, copies=i * 5000) for i, tier in enumerate(TIERS)},
+}
+
+
+@pytest.fixture(scope="module")
+def changes():
+    from schemas.codec import ResidencyChangeWriter
+
+    codec = AvroCodec("residency_change")
+    return codec, ResidencyChangeWriter(codec)
+
+
+@pytest.mark.parametrize("change", CHANGES.values(), ids=CHANGES.keys())
+def test_residency_change_writer_writes_fastavros_bytes(changes, change):
+    codec, writer = changes
+    expected = codec.encode(change)
+    assert writer.encode(change) == expected
+    assert writer.change(*change.values()) == expected  # the fields in the schema's order, from the caches
+    assert codec.decode(expected) == change
+
+
+def test_change_writer_caches_do_not_mix_up_records(changes):
+    codec, writer = changes
+    seen = [_change(**dict(zip(("instance_id", "tier", "medium", "locality", "group_idx", "cause"), values)))
+            for values in [("a", "GPU", None, None, None, "x"), ("a", "CPU", None, None, None, "y"),
+                           ("a", "CPU", "CPU", None, None, "x"), ("a", "CPU", "CPU", "LOCAL", None, "x"),
+                           ("a", "CPU", "CPU", "LOCAL", 0, "x"), ("b", "CPU", "CPU", "LOCAL", 0, "x")]]
+    for change in seen * 2:
+        assert writer.encode(change) == codec.encode(change)
+
+
+# --------------------------------------------------------------------------- framing and refusals
+
+def test_writers_reuse_a_registry_codecs_confluent_header():
+    from schemas.codec import ResidencyChangeWriter, ResidencyWriter
+
+    for family, writer_class, record in [("residency", ResidencyWriter, ENTRIES["everything set"]),
+                                         ("residency_change", ResidencyChangeWriter, CHANGES["everything set"])]:
+        codec = AvroCodec(family, registry_url="mock://writers-test", subject=f"{family}-value")
+        data = writer_class(codec).encode(record)
+        assert data[:1] == b"\x00" and data == codec.encode(record)
+
+
+@pytest.mark.parametrize("family, version", [("residency", 1), ("residency_change", 1)])
+def test_writers_refuse_any_other_writer_schema(family, version):
+    from schemas.codec import ResidencyChangeWriter, ResidencyWriter
+
+    writer_class = {"residency": ResidencyWriter, "residency_change": ResidencyChangeWriter}[family]
+    writer_class(AvroCodec(family, version))
+    other = "residency_change" if family == "residency" else "residency"
+    with pytest.raises(ValueError, match=f"encodes {family} v1"):
+        writer_class(AvroCodec(other))
+    # a new version, or the same file edited so that its bytes change (e.g. a Tier symbol added in kv_event_v1,
+    # which the canonical form inlines): both change the schema the codec writes
+    for changed in ({"version": version + 1}, {"fingerprint": b"\x00" * 8}):
+        codec = AvroCodec(family)
+        codec.schema = dataclasses.replace(codec.schema, **changed)
+        with pytest.raises(ValueError, match="use AvroCodec.encode or update the writer"):
+            writer_class(codec)
+
+
+def test_writers_fingerprints_are_those_of_the_schema_files():
+    from schemas.codec import ResidencyChangeWriter, ResidencyWriter, schema_versions
+
+    for writer_class in (ResidencyWriter, ResidencyChangeWriter):
+        version = next(v for v in schema_versions(writer_class.FAMILY) if v.version == writer_class.VERSION)
+        assert version.fingerprint == writer_class.FINGERPRINT
+
+
+def test_writers_reject_unknown_enum_symbols(residency, changes):
+    with pytest.raises(KeyError):
+        residency[1].encode(_entry([_row(tier="HBM")]))
+    with pytest.raises(KeyError):
+        residency[1].encode(_entry([_row(aggregation="MEAN")]))
+    with pytest.raises(KeyError):
+        changes[1].encode(_change(tier="HBM"))
+
+
+# --------------------------------------------------------------------------- property test
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+ints = st.integers(INT_MIN, INT_MAX) | st.sampled_from([-1, 0, 1, 63, 64, -65, 4095, 4096, 8192])
+longs = st.integers(LONG_MIN, LONG_MAX) | ints | st.integers(1_600_000_000_000, 1_900_000_000_000)
+doubles = st.floats(allow_nan=True, allow_infinity=True)
+texts = st.text(max_size=12) | st.sampled_from(["GPU", "CPU", "LOCAL", "REMOTE", "sim-0"])
+workers = st.fixed_dictionaries({"worker_rank": ints, "count": ints, "publisher_epoch": longs, "seq": longs,
+                                 "batch_index": ints, "block_index": ints})
+rows = st.fixed_dictionaries({
+    "instance_id": texts, "data_parallel_rank": ints, "tier": st.sampled_from(TIERS), "medium": st.none() | texts,
+    "locality": st.none() | texts, "group_idx": st.none() | ints, "world_size": ints,
+    "aggregation": st.sampled_from(["REPLICATED", "SHARDED"]), "workers": st.lists(workers, max_size=4),
+    "copies": ints, "since": st.none() | doubles, "last_ts": doubles,
+    "clear_mark": st.none() | st.fixed_dictionaries({"publisher_epoch": longs, "seq": longs, "batch_index": ints})})
+entries = st.fixed_dictionaries({"block_hash": st.binary(max_size=40), "ownership": st.none() | texts,
+                                 "rows": st.lists(rows, max_size=4)})
+change_records = st.fixed_dictionaries({
+    "block_hash": st.binary(max_size=40), "ownership": st.none() | texts, "instance_id": texts,
+    "data_parallel_rank": ints, "tier": st.sampled_from(TIERS), "medium": st.none() | texts,
+    "locality": st.none() | texts, "group_idx": st.none() | ints, "resident": st.booleans(), "copies": ints,
+    "ts": doubles, "cause": texts})
+PROPERTY = settings(max_examples=300, deadline=None)
+
+
+@PROPERTY
+@given(entries)
+def test_residency_writer_matches_fastavro_on_any_entry(residency, entry):
+    codec, writer = residency
+    assert writer.encode(entry) == codec.encode(entry)
+
+
+@PROPERTY
+@given(change_records)
+def test_residency_change_writer_matches_fastavro_on_any_change(changes, change):
+    codec, writer = changes
+    assert writer.encode(change) == codec.encode(change)
+
+
+# --------------------------------------------------------------------------- the stream app's use
+
+def test_stream_app_encodes_with_the_writers_and_falls_back_to_fastavro_when_one_refuses(caplog):
+    from schemas.codec import ResidencyWriter
+    from stream_apps import app
+
+    assert isinstance(app.residency_store.encode.__self__, ResidencyWriter)
+    change = CHANGES["everything set"]
+    fields = [change[name] for name in app._CHANGE_FIELDS]
+    assert app._encode_change(*fields) == app._change_record(*fields) == app.change_codec.encode(change)
+    with caplog.at_level("WARNING"):
+        assert app._hand_written(ResidencyWriter, AvroCodec("residency_change")) is None
+    assert "writing residency_change records with fastavro" in caplog.text
