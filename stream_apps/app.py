@@ -4,7 +4,7 @@ Topology (DESIGN.md "Data flow"), one module so ``faust -A stream_apps.app
 worker`` finds everything:
 
 1. The repartition stage (:mod:`stream_apps.repartition`, a confluent-kafka
-   consumer loop in a thread of the worker, consumer group
+   consumer loop in a child process of the worker, consumer group
    ``<app id>-repartition``): re-keys every event of ``kv-events`` by
    ``<ownership or primary>/<block hash hex>`` into
    ``<app id>-kv-events-by-ownership``, so each ownership has its own key space
@@ -67,7 +67,7 @@ from schemas.topics import (KV_EVENTS, KV_EVENTS_DEAD_LETTER, KV_RESIDENCY_CHANG
 from stream_apps.residency import (NO_CLEAR, PRIMARY, ApplyStats, SourceSettings, apply_block_event,
                                    apply_clear, key_partition, parse_tier_weights, prefix_match,
                                    residency_key, retire_epoch)
-from stream_apps.repartition import Repartitioner, source_clears_topic
+from stream_apps.repartition import RepartitionProcess, source_clears_topic
 from stream_apps.store_settings import residency_rocksdb_options
 
 log = logging.getLogger(__name__)
@@ -306,7 +306,7 @@ class _OutputTopics:
 outputs = _OutputTopics()
 stats = ApplyStats()
 #: This worker's event counters, served by /stats/.
-counters: dict[str, int] = {"repartitioned": 0, "materialized": 0, "dead_lettered": 0}
+counters: dict[str, int] = {"materialized": 0, "dead_lettered": 0}
 
 
 def _mark_of(watermark: dict | None) -> tuple[int, int, int]:
@@ -334,24 +334,39 @@ async def _dead_letter(event: faust.EventT, reason: str, key: bytes | None = Non
 
 
 class _RepartitionStage(mode.Service):
-    """Runs stage 1 (:class:`stream_apps.repartition.Repartitioner`) in a thread for the worker's lifetime.
+    """Runs stage 1 (:class:`stream_apps.repartition.RepartitionProcess`) in a child process for the worker's
+    lifetime.
 
     If the stage dies (e.g. the broker refuses its outputs), the worker crashes, so that a supervisor restarts
     it and the unacknowledged batch is read again.
     """
 
+    stage: RepartitionProcess | None = None
+
     async def on_start(self) -> None:
-        loop = asyncio.get_running_loop()
-
-        def crash(exc: BaseException) -> None:
-            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(app.crash(exc)))
-
-        self.stage = Repartitioner(BOOTSTRAP_SERVERS, app.conf.id, PARTITIONS, counters, batch_size=REPARTITION_BATCH,
-                                   within_s=REPARTITION_WITHIN_S, on_failure=crash)
+        _RepartitionStage.stage = RepartitionProcess(BOOTSTRAP_SERVERS, app.conf.id, PARTITIONS,
+                                                     batch_size=REPARTITION_BATCH, within_s=REPARTITION_WITHIN_S)
         self.stage.start()
 
+    @mode.Service.task
+    async def _watch(self) -> None:
+        while not self.should_stop:
+            await self.sleep(1.0)
+            code = self.stage.exitcode if self.stage is not None else None
+            if code is not None and not self.should_stop:
+                await app.crash(RuntimeError(f"the repartition stage exited with code {code} (its log is above)"))
+                return
+
     async def on_stop(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self.stage.stop)
+        if self.stage is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.stage.stop)
+
+
+def all_counters() -> dict[str, int]:
+    """This worker's event counters: stage 2's plus the repartition stage's (``/stats/``)."""
+    stage = _RepartitionStage.stage.counters() if _RepartitionStage.stage is not None else {}
+    return {**counters, "repartitioned": stage.get("repartitioned", 0),
+            "dead_lettered": counters["dead_lettered"] + stage.get("dead_lettered", 0)}
 
 
 app.service(_RepartitionStage)
@@ -981,7 +996,7 @@ async def sources_view(web, request):
 @app.page("/stats/")
 async def stats_view(web, request):
     """This worker's counters: events re-keyed and materialized, duplicates, unknown removals, dead letters."""
-    return web.json({**counters, "applied": stats.applied, "duplicates": stats.duplicates,
+    return web.json({**all_counters(), "applied": stats.applied, "duplicates": stats.duplicates,
                      "cleared_late": stats.cleared_late, "retired_late": stats.retired_late,
                      "unknown_removals": stats.unknown_removals, "unknown_parents": stats.unknown_parents,
                      "became_resident": stats.became_resident, "stopped_resident": stats.stopped_resident,
