@@ -69,7 +69,7 @@ def messages_to_end(bootstrap_servers: str, topic: str, timeout_s: float = 60.0,
             if time.monotonic() > deadline:
                 raise TimeoutError(f"reading {topic}: partitions {sorted(ends)} not read to their end "
                                    f"within {timeout_s:.0f}s")
-            for message in consumer.consume(10000, timeout=1.0):
+            for message in consumer.consume(10000, timeout=0.1):
                 if message.error():
                     continue
                 yield message
