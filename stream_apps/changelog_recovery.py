@@ -26,8 +26,9 @@ than the consumer session timeout (``BROKER_SESSION_TIMEOUT``, Faust's default 6
 worker expelled from the group, and it rejoins once the read is done: one more rebalance, whose fill (if
 any partition is newly assigned then) starts at the offsets already written. Seen with a 6 s session
 timeout and an 8.4 s read of 1.09 million records: the worker rejoined at once and its table was exact.
-At about 130,000 records/s on the 2-core development machine, 60 s covers some 7 million records per
-worker; above that, raise ``BROKER_SESSION_TIMEOUT`` (a warning is logged when the read took longer).
+At the 130,000 to 147,000 records/s measured on the 2-core development machine, 60 s covers about 8
+million records per worker; above that, raise ``BROKER_SESSION_TIMEOUT`` (a warning is logged when the read
+took longer).
 
 Not covered: standby partitions (Faust keeps them), partitions that stay assigned across a rebalance
 (their database is current), and the ``memory://`` store (it persists no offset, so Faust reads its whole
