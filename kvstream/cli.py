@@ -407,7 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--latency-rate", type=_positive_int, default=10_000, metavar="EVENTS_PER_S",
                    help="steady produce rate of the latency step (default: %(default)s)")
     p.add_argument("--latency-seconds", type=float, default=30.0, metavar="S",
-                   help="duration of the latency step (default: %(default)s)")
+                   help="measured duration of the latency step, after 5 s of warm-up at the same rate "
+                        "(default: %(default)s)")
     p.add_argument("--memory-rows", type=_positive_int, default=200_000, metavar="N",
                    help="rows of the bytes-per-row step (default: %(default)s)")
     p.add_argument("--partitions", type=_positive_int, default=DEFAULT_PARTITIONS,

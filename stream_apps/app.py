@@ -45,6 +45,7 @@ per instance with ``INSTANCE=all``), ``KVSTREAM_AGGREGATION``
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -308,6 +309,26 @@ class _OutputTopics:
 
 
 outputs = _OutputTopics()
+
+
+def _warn_on_long_gc_pauses(threshold_s: float = 0.2) -> None:
+    """Log a warning when a full (generation 2) collection of Python's cyclic GC stops the worker for longer
+    than ``threshold_s``: it scans every object the worker holds, a memory store's rows included."""
+    started = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        elif info["generation"] == 2:
+            paused = time.perf_counter() - started[0]
+            if paused > threshold_s:
+                log.warning("a full Python GC stopped the worker for %.2f s (%d objects freed)", paused,
+                            info["collected"])
+
+    gc.callbacks.append(on_gc)
+
+
+_warn_on_long_gc_pauses()
 stats = ApplyStats()
 #: This worker's event counters, served by /stats/.
 counters: dict[str, int] = {"materialized": 0, "dead_lettered": 0}
@@ -588,6 +609,12 @@ class _CommitGate(faust.Sensor):
     """
 
     def on_commit_initiated(self, consumer) -> None:
+        # Python's full GC scans every tracked object: with a memory store's million rows it stopped the worker
+        # for 0.5-1 s every few seconds (and freed almost nothing: rows are freed by reference counting).
+        # Freezing moves what exists now out of the collector's sight, so each collection scans only what
+        # was allocated since the last commit. The cost: cyclic garbage made before a freeze is never freed
+        # (a few dozen objects per collection were seen).
+        gc.freeze()
         try:
             settle_outputs()
         except RuntimeError as exc:  # nothing may be committed; a restart reads the messages again
