@@ -81,7 +81,7 @@ SOURCES = SourceSettings.parse(os.environ.get("KVSTREAM_CLEAR_SCOPE", "gpu"), os
 ERROR_HEADER = "kvstream-error"
 #: Stage 1 reads up to this many events, or what arrived within REPARTITION_WITHIN_S, per batch.
 REPARTITION_BATCH = int(os.environ.get("KVSTREAM_REPARTITION_BATCH", "10000"))
-REPARTITION_WITHIN_S = float(os.environ.get("KVSTREAM_REPARTITION_WITHIN_S", "0.2"))
+REPARTITION_WITHIN_S = float(os.environ.get("KVSTREAM_REPARTITION_WITHIN_S", "0.1"))
 #: Tier weights of POST /prefix-match/ (``GPU=1.0,CPU=0.8,STORAGE=0.5``; other tiers 0.25).
 TIER_WEIGHTS = parse_tier_weights(os.environ.get("KVSTREAM_TIER_WEIGHTS", ""))
 #: Limits of POST /prefix-match/: request body bytes and block hashes per request.

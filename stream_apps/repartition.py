@@ -216,7 +216,7 @@ class Repartitioner:
     """
 
     def __init__(self, bootstrap_servers: str, app_id: str, partitions: int, counters, *,
-                 batch_size: int = 10_000, within_s: float = 0.2, stop_event) -> None:
+                 batch_size: int = 10_000, within_s: float = 0.1, stop_event) -> None:
         self.bootstrap_servers = bootstrap_servers
         self.app_id = app_id
         self.partitions = partitions
@@ -489,7 +489,7 @@ class RepartitionProcess:
     """
 
     def __init__(self, bootstrap_servers: str, app_id: str, partitions: int, *, batch_size: int = 10_000,
-                 within_s: float = 0.2) -> None:
+                 within_s: float = 0.1) -> None:
         context = multiprocessing.get_context("spawn")  # the worker has threads; fork would copy their locks
         self._stop = context.Event()
         #: Events re-keyed and records dead-lettered by the child, read by the worker's ``/stats/``.
