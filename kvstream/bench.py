@@ -226,6 +226,22 @@ def _stats(port: int) -> dict | None:
         return None
 
 
+def _cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds used so far by these processes and all their live children (psutil)."""
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            for p in (proc, *proc.children(recursive=True)):
+                times = p.cpu_times()
+                total += times.user + times.system
+        except psutil.Error:
+            pass
+    return total
+
+
 class _Peak:
     """Samples the RSS of a process and its children every ``every_s`` in a thread; ``peak`` in bytes."""
 
@@ -394,6 +410,7 @@ class Bench:
             "errors": {},
         }
         self.bootstrap: str | None = None
+        self.broker_pid: int | None = None
         self._trace = None
         self._batches = None
         self._kv_events_messages = 0
@@ -710,15 +727,20 @@ class Bench:
         group.start(workers)
         try:
             t_first = group.wait_first_event(self.o.timeout_s)
+            cpu_first = _cpu_seconds(group.pids()), _cpu_seconds([self.broker_pid])
             t_done = group.wait_consumed(self._kv_events_messages, self.o.timeout_s, f"{workers} worker(s)")
+            cpu_done = _cpu_seconds(group.pids()), _cpu_seconds([self.broker_pid])
         except BaseException:
             group.stop()
             raise
         events = self._kv_events_messages
         seconds = t_done - t_first
+        # cores busy on average from the first event to the last: how much of the machine this rate took
         self._set(key, events / seconds, events=events, seconds=round(seconds, 3),
                   including_startup_s=round(t_done - t_start, 3),
-                  including_startup_events_per_s=round(events / (t_done - t_start)))
+                  including_startup_events_per_s=round(events / (t_done - t_start)),
+                  worker_cores=round((cpu_done[0] - cpu_first[0]) / seconds, 2),
+                  broker_cores=round((cpu_done[1] - cpu_first[1]) / seconds, 2), machine_cores=os.cpu_count())
         _say(f"      {events:,} events in {seconds:.1f}s from the first event ({t_done - t_start:.1f}s from start): "
              f"{events / seconds:,.0f} events/s")
         if keep:
@@ -924,6 +946,7 @@ class Bench:
         _say(f"[broker] starting Kafka on 127.0.0.1:{port} (data in {self.work / 'broker'})")
         status = broker.start(port=port, data_dir=self.work / "broker")
         self.bootstrap = status.bootstrap_servers
+        self.broker_pid = status.pid
         failed = 0
         try:
             ensure_topics(self.bootstrap, {KV_EVENTS: self.o.partitions})
