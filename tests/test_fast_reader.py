@@ -95,7 +95,8 @@ def test_a_corrupted_kv_event_is_refused_or_read_as_fastavro_reads_it(data):
         return  # refusing is always allowed (stricter than fastavro on booleans)
     stream = io.BytesIO(bytes(encoded[10:]))
     theirs = fastavro.schemaless_reader(stream, codec.schema.parsed, None, return_record_name=True)
-    assert ours == theirs and stream.tell() == len(encoded) - 10
+    # repr: a corrupted double can be NaN, which equals nothing, not even itself
+    assert repr(ours) == repr(theirs) and stream.tell() == len(encoded) - 10
 
 
 def test_hand_checked_errors_name_the_problem():
