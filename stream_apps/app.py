@@ -646,8 +646,10 @@ async def materialize_residency(stream):
     """Stage 2: apply each batch message to the residency table; write each touched key once per message.
 
     The outputs (changelog records included) are flushed before Faust commits offsets (:class:`_CommitGate`),
-    not per message. (Grouping messages with Faust's ``take_events`` coincided with rows wrong after a crash
-    in 2 of 13 chaos runs, so messages are taken one at a time, acknowledged by Faust as each one ends.)
+    not per message; Faust acknowledges each message as it ends. Outputs of several messages can therefore be
+    unflushed at once, so a source-wide event flushes its row changes before the record that marks it
+    applied (:meth:`_BatchApplier.apply`, :func:`_apply_source_event`). (Grouping messages with Faust's
+    ``take_events`` failed 2 of 13 chaos crash runs before that ordering existed; it is not needed now.)
     """
     async for event in stream.events():
         try:
@@ -738,7 +740,7 @@ class _BatchApplier:
                 _apply_clear_on_partition(partition, record, mark, self.occupancy)
                 # the watermark says "applied": it may reach the broker only after the rows the clear removed
                 # did, or a worker restarted after a crash would skip the redelivered clear as a duplicate
-                # while some of its removals never reached the changelog (chaos: extra GPU rows)
+                # while some of its removals never reached the changelog (kvstream chaos, crash scenario)
                 settle_outputs()
                 write_small_table(clear_watermarks, partition, source, _watermark(record))
             else:
