@@ -64,7 +64,11 @@ DEFINITIONS: dict[str, dict] = {
         "definition": "One worker, kv-events pre-filled with the producer step's events: kv-events messages "
                       "divided by the time from the worker's first materialized event (GET /stats/) to the "
                       "consumer group having committed everything in kv-events and the re-keyed topic. "
-                      "'including_startup_s' counts from the worker's start."},
+                      "'including_startup_s' counts from the worker's start. Store memory://."},
+    "stream_events_per_s_1w_rocksdb": {
+        "unit": "events/s", "target": None, "better": "higher", "baseline": "stream_events_per_s_1w",
+        "definition": "As stream_events_per_s_1w with store rocksdb://, the default of 'kvstream worker' and of "
+                      "deployments: every table partition in RocksDB, entries read back through its cache."},
     "stream_events_per_s_2w": {
         "unit": "events/s", "target": "1.6 x stream_events_per_s_1w", "better": "higher",
         "baseline": "stream_events_per_s_1w",
@@ -720,9 +724,10 @@ class Bench:
         _say(f"      {records:,} messages from {len(payloads):,} batches in {seconds:.2f}s: "
              f"{records / seconds:,.0f} events/s")
 
-    def _stream(self, workers: int, key: str, keep: bool = False) -> _Workers | None:
+    def _stream(self, workers: int, key: str, keep: bool = False, store: str = "memory://") -> _Workers | None:
         self._stream_input()
-        group = _Workers(self.bootstrap, f"bench-{workers}w", self.work, partitions=self.o.partitions)
+        app_id = f"bench-{workers}w" + ("" if store == "memory://" else "-" + store.split(":")[0])
+        group = _Workers(self.bootstrap, app_id, self.work, store=store, partitions=self.o.partitions)
         t_start = time.perf_counter()
         group.start(workers)
         try:
@@ -740,7 +745,8 @@ class Bench:
                   including_startup_s=round(t_done - t_start, 3),
                   including_startup_events_per_s=round(events / (t_done - t_start)),
                   worker_cores=round((cpu_done[0] - cpu_first[0]) / seconds, 2),
-                  broker_cores=round((cpu_done[1] - cpu_first[1]) / seconds, 2), machine_cores=os.cpu_count())
+                  broker_cores=round((cpu_done[1] - cpu_first[1]) / seconds, 2), machine_cores=os.cpu_count(),
+                  store=store)
         _say(f"      {events:,} events in {seconds:.1f}s from the first event ({t_done - t_start:.1f}s from start): "
              f"{events / seconds:,.0f} events/s")
         if keep:
@@ -756,6 +762,10 @@ class Bench:
                 self._latency(group)
             finally:
                 group.stop()
+
+    def step_stream_1w_rocksdb(self) -> None:
+        """One worker end to end with the RocksDB store, the default of ``kvstream worker``."""
+        self._stream(1, "stream_events_per_s_1w_rocksdb", store="rocksdb://")
 
     def step_stream_2w(self) -> None:
         """Two workers of one app id end to end."""
@@ -985,8 +995,8 @@ class Bench:
 LATENCY_WARMUP_S = 5.0
 
 #: Steps in run order (``--only`` takes these names).
-STEPS = ("baselines", "memory", "producer", "plain-consumer", "bridge", "stream-1w", "latency", "stream-2w", "rss",
-         "rss-large")
+STEPS = ("baselines", "memory", "producer", "plain-consumer", "bridge", "stream-1w", "latency", "stream-1w-rocksdb",
+         "stream-2w", "rss", "rss-large")
 STEP_HELP = {
     "baselines": "fastavro decode/encode of the simulator's records, one core",
     "memory": "bytes per resident row: memory store and RocksDB store",
@@ -995,6 +1005,7 @@ STEP_HELP = {
     "bridge": "ZMQ publisher process -> bridge -> Kafka, acknowledged",
     "stream-1w": "one worker end to end (then the latency step on it)",
     "latency": "steady rate into a running worker; event-to-table delay",
+    "stream-1w-rocksdb": "one worker end to end, RocksDB store (the worker's default)",
     "stream-2w": "two workers end to end",
     "rss": "worker peak RSS at --rows resident rows (rocksdb store), then recovery of them",
     "rss-large": "worker peak RSS at --rows-large resident rows",

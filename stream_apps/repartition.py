@@ -42,14 +42,13 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from aiokafka.partitioner import murmur2
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from kvstream.kafka_config import client_config, producer_config
 from schemas import ALL_BLOCKS_CLEARED, SOURCE_WIDE_EVENTS, AvroCodec, DecodeError
 from schemas.codec import schema_versions
 from schemas.topics import KV_EVENTS, KV_EVENTS_DEAD_LETTER, OWNERSHIP_HEADER, by_ownership_topic
-from stream_apps.residency import NO_CLEAR, PRIMARY
+from stream_apps.residency import NO_CLEAR, PRIMARY, key_partition
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +61,6 @@ SOURCE_HEADER = "kvstream-source"
 CLEAR_HISTORY = 8
 #: Upper bound of one ownership_batch message's payload; the re-keyed topic allows 8 MiB messages.
 MAX_BATCH_BYTES = 1 << 20
-#: Residency keys whose partition is remembered (murmur2 in Python costs ~5 µs; a block's events share its key).
-PARTITION_CACHE_SIZE = 1 << 18
 
 
 def source_clears_topic(app_id: str) -> str:
@@ -232,7 +229,6 @@ class Repartitioner:
         self._fingerprints = frozenset(v.fingerprint for v in schema_versions("kv_event"))
         #: (kv-events partition, instance, dp rank) -> clear history, for the assigned partitions.
         self._histories: dict[tuple[int, str, int], ClearHistory] = {}
-        self._partition_of: dict[str, int] = {}
         self._delivery_errors: list[str] = []
         self._stop = stop_event
         self._consumer: Consumer | None = None
@@ -309,15 +305,6 @@ class Repartitioner:
 
     # -- the hot path -----------------------------------------------------------------------------------------
 
-    def key_partition(self, key: str) -> int:
-        """Partition of a residency key: Kafka's murmur2 of its UTF-8 bytes, remembered for recent keys."""
-        partition = self._partition_of.get(key)
-        if partition is None:
-            if len(self._partition_of) >= PARTITION_CACHE_SIZE:
-                self._partition_of.clear()
-            partition = self._partition_of[key] = (murmur2(key.encode()) & 0x7FFFFFFF) % self.partitions
-        return partition
-
     def process(self, messages: list) -> None:
         """Re-key one batch, produce it, wait for the broker's acks, commit the batch's offsets.
 
@@ -330,7 +317,7 @@ class Repartitioner:
         next_offsets: dict[int, int] = {}
         decode = self._event_codec.decode
         histories = self._histories
-        key_partition = self.key_partition
+        partitions = self.partitions
         for message in messages:
             if message.error():
                 if message.error().code() != KafkaError._PARTITION_EOF:
@@ -345,7 +332,7 @@ class Repartitioner:
                     ownership, history = route
                     key = f"{ownership or PRIMARY}/{block_hash.hex()}"
                     mark = b"\x00" if history is None else history.encoded_mark_before(offset)
-                    outgoing[key_partition(key)].append(encode_keyed_event(key, mark, value))
+                    outgoing[key_partition(key, partitions)].append(encode_keyed_event(key, mark, value))
                     continue
             try:
                 record = decode(value)
@@ -360,7 +347,7 @@ class Repartitioner:
                     raise DecodeError(f"{kind.rsplit('.', 1)[-1]} without block_hash or tier")
                 key = f"{body['ownership'] or PRIMARY}/{block_hash.hex()}"
                 mark = b"\x00" if history is None else history.encoded_mark_before(offset)
-                outgoing[key_partition(key)].append(encode_keyed_event(key, mark, value))
+                outgoing[key_partition(key, partitions)].append(encode_keyed_event(key, mark, value))
             except DecodeError as exc:
                 self._dead_letter(message, str(exc))
         self._produce(outgoing, changed_histories)

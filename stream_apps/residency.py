@@ -37,6 +37,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from murmurhash2 import murmurhash2
+
 from schemas import BLOCK_STORED
 
 #: Table-key prefix for ownership null: the serving framework's own tiers.
@@ -102,11 +104,19 @@ def residency_key(ownership: str | None, block_hash: bytes) -> str:
     return f"{ownership or PRIMARY}/{block_hash.hex()}"
 
 
-def key_partition(key: str, partitions: int) -> int:
-    """Partition of a residency key: Kafka's murmur2 of its UTF-8 bytes, as Faust's router and Java clients compute."""
-    from aiokafka.partitioner import murmur2
+#: Seed of Kafka's murmur2 partitioner (``org.apache.kafka.common.utils.Utils.murmur2``).
+KAFKA_MURMUR2_SEED = 0x9747B28C
 
-    return (murmur2(key.encode()) & 0x7FFFFFFF) % partitions
+
+def key_partition(key: str, partitions: int) -> int:
+    """Partition of a residency key: Kafka's murmur2 of its UTF-8 bytes, as Faust's router and Java clients compute.
+
+    ``positive(murmur2(key)) % partitions``, the rule of Kafka's default partitioner and of aiokafka's
+    ``murmur2`` (which Faust's router uses). The hash comes from the ``murmurhash2`` package (compiled,
+    about 0.2 µs a key against 4.4 µs for aiokafka's pure-Python one); ``tests/test_residency.py`` checks it
+    against Kafka's own test vectors and against aiokafka's on random keys.
+    """
+    return (murmurhash2(key.encode(), KAFKA_MURMUR2_SEED) & 0x7FFFFFFF) % partitions
 
 
 @dataclass

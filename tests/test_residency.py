@@ -184,6 +184,27 @@ def test_rekeying_by_ownership_spreads_one_ownership_over_every_partition():
     assert min(counts) > 0 and max(counts) <= 2 * even
 
 
+def test_key_partition_is_kafkas_murmur2_partition():
+    """Kafka's own murmur2 test vectors (UtilsTest.testMurmur2, as signed 32-bit ints) and aiokafka's pure-Python
+    murmur2 (what Faust's router uses) on random keys: the compiled hash gives the same partitions."""
+    import random
+
+    from aiokafka.partitioner import murmur2
+
+    from stream_apps.residency import key_partition
+
+    kafka_vectors = {"21": -973932308, "foobar": -790332482, "a-little-bit-long-string": -985981536,
+                     "a-little-bit-longer-string": -1486304829, "abc": 479470107,
+                     "lkjh234lh9fiuh90y23oiuhsafujhadof229phr9h19h89h8": -58897971}
+    for key, signed_hash in kafka_vectors.items():
+        assert key_partition(key, 2**31) == signed_hash & 0x7FFFFFFF  # "positive", then % partitions
+    rng = random.Random(5)
+    for _ in range(5000):
+        key = "".join(rng.choice("0123456789abcdef/kvcrprimaéß") for _ in range(rng.randrange(0, 80)))
+        for partitions in (1, 3, 8, 12):
+            assert key_partition(key, partitions) == (murmur2(key.encode()) & 0x7FFFFFFF) % partitions
+
+
 def test_source_settings_parse_clear_scopes_and_aggregation_per_instance():
     import pytest
 
