@@ -159,13 +159,12 @@ class AvroCodec:
             self._header = CONFLUENT_MAGIC + struct.pack(">I", schema_id)
             self._registry_ids[schema_id] = self.schema.parsed
         #: Generated reader of this version's own records (schemas.fast_reader), about twice as fast as
-        #: fastavro's; None where it does not apply (a ``["null", record]`` union, an unsupported type).
+        #: fastavro's; None for a schema with a type the generator does not support.
         self._fast_read = None
-        if not self._override_names:
-            try:
-                self._fast_read = compile_reader(chosen.parsed)
-            except NotImplementedError:
-                pass
+        try:
+            self._fast_read = compile_reader(chosen.parsed, override_names=self._override_names)
+        except NotImplementedError:
+            pass
         #: Reused output buffer of :meth:`encode`: the header, written once, then the last body.
         self._out = io.BytesIO()
         self._out.write(self._header)

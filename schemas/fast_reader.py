@@ -7,7 +7,7 @@ block's 15) that is about 13 µs on the 2-core development machine, the largest 
 line in the schema's order (varints, strings and unions unrolled), and compiles it once.
 
 The readers return exactly what ``fastavro.schemaless_reader(fo, schema, None, return_record_name=True)``
-returns (records as dicts; a union of several records as ``(full name, dict)``; enums as their symbol)
+(with ``return_record_name_override`` as :func:`compile_reader` is told) returns (records as dicts; a union of several records as ``(full name, dict)``; enums as their symbol)
 and raise :class:`ReadError` on anything fastavro would refuse: a truncated body, a union branch or enum
 index out of range, a negative length, a string that is not UTF-8, a boolean byte other than 0 or 1.
 ``tests/test_fast_reader.py`` checks both against each other, hypothesis included.
@@ -54,7 +54,9 @@ def _fail(message: str):
 class _Writer:
     """Source lines of one reader function, with fresh local names."""
 
-    def __init__(self) -> None:
+    def __init__(self, override_names: bool = False) -> None:
+        #: fastavro's ``return_record_name_override``: a union with one record branch reads as the bare value.
+        self.override_names = override_names
         self.lines: list[str] = []
         self.constants: dict[str, Any] = {}
         self._names = 0
@@ -157,12 +159,26 @@ def _is_record(schema: Any, named: dict) -> bool:
     return isinstance(schema, dict) and schema.get("type") in ("record", "error")
 
 
+#: fastavro's Avro type names (``fastavro.const.AVRO_TYPES``): any other string in a union is a named
+#: reference, which fastavro counts as a record when it applies ``return_record_name_override``.
+_AVRO_TYPE_NAMES = frozenset(("boolean", "bytes", "double", "float", "int", "long", "null", "string", "fixed",
+                              "enum", "record", "error", "array", "map", "union", "request", "error_union"))
+
+
+def _record_branches(branches: list) -> int:
+    """Record branches of a union as fastavro counts them for ``return_record_name_override``
+    (``fastavro._schema_py._get_name_and_record_counts_from_union``)."""
+    return sum(1 for b in branches if (isinstance(b, dict) and b.get("type") == "record")
+               or (isinstance(b, str) and b not in _AVRO_TYPE_NAMES))
+
+
 def _emit_union(w: _Writer, indent: int, branches: list, target: str, named: dict) -> None:
     index = w.name("u")
     _emit_long(w, indent, index)
+    bare = w.override_names and _record_branches(branches) == 1
     for number, branch in enumerate(branches):
         w.emit(indent, f"{'if' if number == 0 else 'elif'} {index} == {number}:")
-        if _is_record(branch, named):  # fastavro's return_record_name: a record branch comes as (name, dict)
+        if not bare and _is_record(branch, named):  # return_record_name: a record branch comes as (name, dict)
             value = w.name("r")
             _emit(w, indent + 1, branch, value, named)
             name = named[branch]["name"] if isinstance(branch, str) else branch["name"]
@@ -173,8 +189,11 @@ def _emit_union(w: _Writer, indent: int, branches: list, target: str, named: dic
     w.emit(indent + 1, f"_fail('union branch ' + str({index}) + ' at ' + str(pos))")
 
 
-def compile_reader(schema: dict) -> Callable[[bytes, int], tuple[Any, int]]:
+def compile_reader(schema: dict, override_names: bool = False) -> Callable[[bytes, int], tuple[Any, int]]:
     """A reader of ``schema`` (a fastavro-parsed schema): ``read(data, pos) -> (value, position after it)``.
+
+    ``override_names`` reads as fastavro's ``return_record_name_override=True`` does: a union with exactly one
+    record branch (``["null", record]``) gives the record dict itself, not ``(name, dict)``.
 
     Raises:
         NotImplementedError: the schema uses a type these readers do not support (keep fastavro).
@@ -183,7 +202,7 @@ def compile_reader(schema: dict) -> Callable[[bytes, int], tuple[Any, int]]:
     ``IndexError``/``struct.error`` when they end too soon (the codec turns every one into its
     ``DecodeError``).
     """
-    w = _Writer()
+    w = _Writer(override_names)
     w.emit(0, "def read(data, pos):")
     w.emit(1, "size_ = len(data)")
     named: dict = {}
