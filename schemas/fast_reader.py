@@ -7,9 +7,10 @@ block's 15) that is about 13 µs on the 2-core development machine, the largest 
 line in the schema's order (varints, strings and unions unrolled), and compiles it once.
 
 The readers return exactly what ``fastavro.schemaless_reader(fo, schema, None, return_record_name=True)``
-(with ``return_record_name_override`` as :func:`compile_reader` is told) returns (records as dicts; a union of several records as ``(full name, dict)``; enums as their symbol)
-and raise :class:`ReadError` on anything fastavro would refuse: a truncated body, a union branch or enum
-index out of range, a negative length, a string that is not UTF-8, a boolean byte other than 0 or 1.
+returns, with ``return_record_name_override`` as :func:`compile_reader` is told (records as dicts; a
+union of several records as ``(full name, dict)``; enums as their symbol), and raise :class:`ReadError`
+on anything fastavro would refuse: a truncated body, a union branch or enum index out of range, a
+negative length, a string that is not UTF-8, a boolean byte other than 0 or 1.
 ``tests/test_fast_reader.py`` checks both against each other, hypothesis included.
 
 Only the schema shapes the project uses are supported (records, enums, arrays, unions and the primitive
