@@ -494,7 +494,31 @@ def _named_enum(codec: AvroCodec, name: str) -> dict[str, bytes]:
     return {symbol: avro_long(i) for i, symbol in enumerate(named[name]["symbols"])}
 
 
-class ResidencyWriter:
+class _StageTwoWriter:
+    """Base of stage 2's hand-written encoders: the writer schema a subclass encodes by hand (``FAMILY``,
+    ``VERSION``, ``FINGERPRINT``), checked against the codec's, and what both subclasses take from it.
+
+    Args:
+        codec: a codec writing exactly that schema (its framing header is reused).
+
+    Raises:
+        ValueError: the codec writes another family, version or schema (see
+            :func:`_require_writer_schema`); use :meth:`AvroCodec.encode` then.
+    """
+
+    FAMILY: str
+    #: The writer schema whose field layout the subclass encodes, and its fingerprint.
+    VERSION: int
+    FINGERPRINT: bytes
+
+    def __init__(self, codec: AvroCodec) -> None:
+        _require_writer_schema(type(self), codec)
+        self.header = codec.header
+        #: symbol -> encoded index of the Tier enum (a named type of kv_event_v1).
+        self.tier = _named_enum(codec, "kvstream.v1.Tier")
+
+
+class ResidencyWriter(_StageTwoWriter):
     """Hand-written encoder of ``residency`` entries (the stream app's table values and changelog records),
     byte for byte what :meth:`AvroCodec.encode` writes, framing included.
 
@@ -505,25 +529,16 @@ class ResidencyWriter:
 
     Every field must be present in the dicts (fastavro would write a missing optional field's default;
     here it is a KeyError). ``clear_mark`` is the ClearMark dict or None, as the codec decodes it.
-
-    Args:
-        codec: a ``residency`` codec writing version 1 (its framing header is reused).
-
-    Raises:
-        ValueError: the codec writes another family, version or schema (see
-            :func:`_require_writer_schema`); use :meth:`AvroCodec.encode` then.
+    Construction as :class:`_StageTwoWriter` (a ``residency`` v1 codec, or ValueError).
     """
 
     FAMILY = "residency"
-    #: The writer schema whose field layout this class encodes, and its fingerprint.
     VERSION = 1
     FINGERPRINT = bytes.fromhex("9cfcc1b4ee9a104a")
 
     def __init__(self, codec: AvroCodec) -> None:
-        _require_writer_schema(type(self), codec)
-        self.header = codec.header
-        #: symbol -> encoded index of the enums (both named types of kv_event_v1).
-        self.tier = _named_enum(codec, "kvstream.v1.Tier")
+        super().__init__(codec)
+        #: symbol -> encoded index of the AggregationMode enum (a named type of kv_event_v1).
         self.aggregation = _named_enum(codec, "kvstream.v1.AggregationMode")
         #: publisher_epoch -> its varint: epochs are few and large (milliseconds, six bytes), so cached.
         self._epochs: dict[int, bytes] = {}
@@ -575,31 +590,22 @@ class ResidencyWriter:
         return b"".join(out)
 
 
-class ResidencyChangeWriter:
+class ResidencyChangeWriter(_StageTwoWriter):
     """Hand-written encoder of ``residency_change`` records (topic kv-residency-changes), byte for byte what
     :meth:`AvroCodec.encode` writes, framing included. Stage 2 writes one per residency transition.
 
     :meth:`change` takes the fields as arguments (no record dict to build); :meth:`encode` takes a
     record. The encoded row identity (``instance_id`` .. ``group_idx``) and the cause are cached. Checked
-    against fastavro in ``tests/test_writers.py``.
-
-    Args:
-        codec: a ``residency_change`` codec writing version 1 (its framing header is reused).
-
-    Raises:
-        ValueError: the codec writes another family, version or schema (see
-            :func:`_require_writer_schema`); use :meth:`AvroCodec.encode` then.
+    against fastavro in ``tests/test_writers.py``. Construction as :class:`_StageTwoWriter` (a
+    ``residency_change`` v1 codec, or ValueError).
     """
 
     FAMILY = "residency_change"
-    #: The writer schema whose field layout this class encodes, and its fingerprint.
     VERSION = 1
     FINGERPRINT = bytes.fromhex("ae5f6f4a1531c1a5")
 
     def __init__(self, codec: AvroCodec) -> None:
-        _require_writer_schema(type(self), codec)
-        self.header = codec.header
-        self.tier = _named_enum(codec, "kvstream.v1.Tier")
+        super().__init__(codec)
         #: (instance_id, data_parallel_rank, tier, medium, locality, group_idx) -> encoded; cause -> encoded.
         self._rows: dict[tuple, bytes] = {}
         self._causes: dict[str, bytes] = {}
