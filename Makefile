@@ -23,14 +23,14 @@ demo: $(STAMP)
 	$(VENV)/bin/kvstream demo $(DEMO_ARGS)
 
 chaos: $(STAMP)
-	$(VENV)/bin/kvstream chaos $(CHAOS_ARGS)
+	$(PY) -m chaos $(CHAOS_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # every benchmark figure into bench/results.json and bench/results.png; BENCH_ARGS="--quick" for a smoke run
 bench: $(STAMP)
-	$(VENV)/bin/kvstream bench $(BENCH_ARGS)
+	$(PY) -m bench $(BENCH_ARGS)
 
 broker-start: $(STAMP)
 	$(VENV)/bin/kvstream broker start

@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 
 from kvstream import broker
-from kvstream.kafka_config import DEFAULT_BOOTSTRAP_SERVERS, DEFAULT_PARTITIONS
+from kafka_io.config import DEFAULT_BOOTSTRAP_SERVERS, DEFAULT_PARTITIONS
 
 
 def _positive_int(text: str) -> int:
@@ -81,48 +81,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                                 keep_running=args.keep_running, timeout_s=args.timeout))
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    import signal
-
-    from kvstream.bench import STEPS, BenchOptions, run_bench
-
-    def terminate(signum, frame):  # stop the bench's broker and workers, as on Ctrl-C
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, terminate)
-    only = None
-    if args.only:
-        only = tuple(name.strip() for name in args.only.split(",") if name.strip())
-        unknown = [name for name in only if name not in STEPS]
-        if unknown:
-            raise ValueError(f"unknown step(s) {', '.join(unknown)}; steps: {', '.join(STEPS)}")
-    options = BenchOptions(output_dir=args.output_dir, work_dir=args.work_dir, quick=args.quick,
-                           requests=args.requests, stream_requests=args.stream_requests, rows=args.rows, rows_large=args.rows_large,
-                           latency_rate=args.latency_rate, latency_s=args.latency_seconds,
-                           memory_rows=args.memory_rows, partitions=args.partitions, timeout_s=args.timeout,
-                           only=only)
-    return run_bench(options)
-
-
-def _cmd_chaos(args: argparse.Namespace) -> int:
-    import signal
-
-    from kvstream.chaos import ChaosOptions, run_chaos
-
-    def terminate(signum, frame):  # stop the brokers and workers of the current run, as on Ctrl-C
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, terminate)
-    scenarios = tuple(dict.fromkeys(s.strip() for s in args.scenarios.split(",") if s.strip()))
-    return run_chaos(ChaosOptions(scenarios=scenarios, crash_runs=args.runs, requests=args.requests,
-                                  output=args.output, work_dir=args.work_dir, seed=args.seed,
-                                  partitions=args.partitions, outage_s=args.outage, timeout_s=args.timeout))
-
-
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from kvstream.kafka_config import ensure_topics
+    from kafka_io.admin import ensure_topics
     from producers.kafka_sink import KvEventProducer
     from producers.simulator import FleetConfig, load_trace, replay_to_kafka
 
@@ -220,7 +182,7 @@ def _stop_on_sigterm() -> list:
 def _cmd_bridge(args: argparse.Namespace) -> int:
     from prometheus_client import start_http_server
 
-    from kvstream.kafka_config import ensure_topics
+    from kafka_io.admin import ensure_topics
     from producers.bridge import Bridge, BridgeMetrics, KafkaBatchSink
     from producers.kafka_sink import KvEventProducer
     from schemas.topics import KV_EVENTS_DEAD_LETTER
@@ -272,7 +234,7 @@ def _cmd_capture(args: argparse.Namespace) -> int:
 
 
 def _cmd_produce(args: argparse.Namespace) -> int:
-    from kvstream.kafka_config import ensure_topics
+    from kafka_io.admin import ensure_topics
     from producers.bridge import BridgeMetrics, KafkaBatchSink
     from producers.capture import produce_capture
     from producers.kafka_sink import KvEventProducer
@@ -327,101 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave the broker and the worker running and print where the HTTP views answer")
     p.set_defaults(func=_cmd_demo)
 
-    from kvstream.chaos import SCENARIOS, ChaosOptions
-
-    chaos = ChaosOptions()
-    p = sub.add_parser("chaos", help="run the fault scenarios (worker crash, rebalance, broker outage, bridge "
-                                     "restart, table recovery) and write chaos/results.json",
-                       description="Run fault scenarios against the embedded Kafka broker. Each run starts a fresh "
-                                   "broker (own data dir, free port) and a fresh app id, injects its fault, and "
-                                   "compares the final residency table (read back from its changelog) with the "
-                                   "ground truth row for row. Scenarios: crash (SIGKILL a worker at a seeded random "
-                                   "moment during live flow, restart it), rebalance (two workers, one leaves "
-                                   "mid-stream and rejoins, lookups asked throughout), broker-outage (the broker "
-                                   "stops for --outage seconds while the producer publishes), bridge-restart (the "
-                                   "bridge is SIGKILLed while an engine publishes; 2 runs: a replay buffer that "
-                                   "covers the outage, and one that does not, which must be reported as a gap), "
-                                   "table-recovery (a worker with an empty data dir rebuilds the tables from the "
-                                   "changelogs and answers as before). Prints progress and a summary table; writes "
-                                   "the results as JSON. Exit code 1 if any run differs from the truth or fails "
-                                   "a scenario check.",
-                       epilog="Example: kvstream chaos --scenarios crash --runs 3 --output /tmp/crash.json")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS), metavar="NAME[,NAME...]",
-                   help=f"scenarios to run, comma-separated (default: all: {','.join(SCENARIOS)})")
-    p.add_argument("--runs", type=_positive_int, default=chaos.crash_runs,
-                   help="runs of the crash scenario, each with another seeded kill moment (default: %(default)s)")
-    p.add_argument("--requests", type=_positive_int, default=chaos.requests,
-                   help="trace slice: the first N requests of the vendored trace per run (default: %(default)s)")
-    p.add_argument("--output", type=Path, default=chaos.output, metavar="FILE",
-                   help="results file (default: %(default)s)")
-    p.add_argument("--work-dir", type=Path, default=chaos.work_dir,
-                   help="brokers, worker data dirs and logs; emptied at start (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=chaos.seed, help="seed of the kill moments and split points "
-                                                                "(default: %(default)s)")
-    p.add_argument("--partitions", type=_positive_int, default=chaos.partitions,
-                   help="partitions of kv-events and the app's topics (default: %(default)s)")
-    p.add_argument("--outage", type=float, default=chaos.outage_s, metavar="SECONDS",
-                   help="how long the broker stays down in broker-outage (default: %(default)s)")
-    p.add_argument("--timeout", type=float, default=chaos.timeout_s, metavar="SECONDS",
-                   help="longest single wait (consumption, start-up, recovery) before a run fails "
-                        "(default: %(default)s)")
-    p.set_defaults(func=_cmd_chaos)
-
     broker.register_cli(sub)
-
-    p = sub.add_parser("bench", help="measure every stage (producer, bridge, stream app, latency, memory, "
-                                     "recovery) against its target; writes bench/results.json and a plot",
-                       formatter_class=argparse.RawDescriptionHelpFormatter,
-                       description="Start a broker of its own on a free port (data under --work-dir, emptied "
-                                   "first), then run each step and write its figures to "
-                                   "<output-dir>/results.json as soon as they are measured, a table at the end "
-                                   "and <output-dir>/results.png. Steps, in order:\n  "
-                                   + "\n  ".join(f"{name:<15} {text}" for name, text in (
-                                       ("baselines", "fastavro decode/encode of the simulator's records"),
-                                       ("memory", "bytes per resident row: memory and RocksDB stores"),
-                                       ("producer", "simulator events -> split -> Avro -> Kafka, acked"),
-                                       ("plain-consumer", "kv-events -> decode -> residency dict, no Faust"),
-                                       ("bridge", "ZMQ publisher process -> bridge -> Kafka, acked"),
-                                       ("stream-1w", "one worker end to end"),
-                                       ("latency", "steady rate into that worker: event-to-table delay"),
-                                       ("stream-2w", "two workers end to end"),
-                                       ("rss", "peak RSS at --rows rows (rocksdb store), then recovery"),
-                                       ("rss-large", "peak RSS at --rows-large rows"))),
-                       epilog="Definitions of every figure: README, 'Benchmarks', and results.json. A failed step "
-                              "is recorded under 'errors' and the others still run (exit code 1). The full run "
-                              "takes long (the 10M-row step alone writes and consumes over 10 million events); "
-                              "--quick takes a few minutes.")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: 3000 requests for the producer and bridge, 600 for the stream app, 60,000 "
-                        "rows, 5 s of latency, no 10M-row step")
-    p.add_argument("--requests", type=_positive_int, default=None, metavar="N",
-                   help="trace requests replayed by the producer and bridge steps (default: the whole trace, "
-                        "12,031)")
-    p.add_argument("--stream-requests", type=_positive_int, default=None, metavar="N",
-                   help="trace requests written to kv-events for the plain-consumer and stream-app steps "
-                        "(default: as --requests; --quick: 600)")
-    p.add_argument("--rows", type=_positive_int, default=1_000_000, metavar="N",
-                   help="resident rows of the RSS and recovery step (default: %(default)s)")
-    p.add_argument("--rows-large", type=int, default=10_000_000, metavar="N",
-                   help="resident rows of the large RSS step; 0 skips it (default: %(default)s; --quick: 0)")
-    p.add_argument("--latency-rate", type=_positive_int, default=10_000, metavar="EVENTS_PER_S",
-                   help="steady produce rate of the latency step (default: %(default)s)")
-    p.add_argument("--latency-seconds", type=float, default=30.0, metavar="S",
-                   help="measured duration of the latency step, after 5 s of warm-up at the same rate "
-                        "(default: %(default)s)")
-    p.add_argument("--memory-rows", type=_positive_int, default=200_000, metavar="N",
-                   help="rows of the bytes-per-row step (default: %(default)s)")
-    p.add_argument("--partitions", type=_positive_int, default=DEFAULT_PARTITIONS,
-                   help="partitions of kv-events and the app's topics (default: %(default)s)")
-    p.add_argument("--only", default=None, metavar="STEP[,STEP...]",
-                   help="run only these steps (stream-1w is needed for latency)")
-    p.add_argument("--output-dir", type=Path, default=Path("bench"), metavar="DIR",
-                   help="where results.json and results.png go (default: %(default)s)")
-    p.add_argument("--work-dir", type=Path, default=Path(".kvstream/bench"), metavar="DIR",
-                   help="broker data, worker state and logs; emptied at start (default: %(default)s)")
-    p.add_argument("--timeout", type=float, default=7200.0, metavar="S",
-                   help="longest any one wait may take (default: %(default)s)")
-    p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("simulate", help="replay a trace through the simulated fleet into kv-events",
                        description="Route each request of a Mooncake-format trace to a simulated instance by prefix "

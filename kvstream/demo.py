@@ -24,7 +24,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvstream import broker
-from kvstream.kafka_config import DEFAULT_PARTITIONS, ensure_topics
+from kafka_io.admin import ensure_topics
+from kafka_io.config import DEFAULT_PARTITIONS
 from kvstream.worker import WorkerOptions, spawn_worker, stop_worker, wait_until_consumed
 from producers.kafka_sink import KvEventProducer
 from producers.simulator import DEFAULT_TRACE, FleetConfig, load_trace, replay_to_kafka

@@ -17,7 +17,7 @@ from typing import Any, TextIO
 
 from confluent_kafka import Consumer, KafkaException
 
-from kvstream.kafka_config import client_config, unreachable
+from kafka_io.config import client_config, unreachable
 from schemas import AvroCodec, DecodeError
 from schemas.topics import KV_EVENTS, KV_EVENTS_BY_OWNERSHIP, KV_RESIDENCY_CHANGES, KV_TIER_OCCUPANCY
 

@@ -11,7 +11,6 @@ while the consumer group forms is left out of the first assignment (seen: stage
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
@@ -20,13 +19,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from aiokafka import TopicPartition as AioTopicPartition
-from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.errors import KafkaError
-from confluent_kafka import KafkaException, TopicPartition
-from confluent_kafka.admin import AdminClient, OffsetSpec
+from confluent_kafka.admin import AdminClient
 
-from kvstream.kafka_config import DEFAULT_PARTITIONS, aiokafka_security, client_config, ensure_topics
+from kafka_io.admin import GroupProgress, ensure_topics, group_progress
+from kafka_io.config import DEFAULT_PARTITIONS, client_config
 from schemas.topics import KV_EVENTS, by_ownership_topic
 from stream_apps.repartition import repartition_group
 
@@ -101,7 +97,7 @@ def spawn_worker(options: WorkerOptions, log_file: Path, extra_env: dict[str, st
 
     Args:
         extra_env: variables added to this process's environment for the worker, e.g. Faust's own
-            ``BROKER_SESSION_TIMEOUT`` (seconds; default 60) that ``kvstream chaos`` shortens.
+            ``BROKER_SESSION_TIMEOUT`` (seconds; default 60) that ``make chaos`` shortens.
     """
     log_file.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "kvstream.cli", "worker", "--bootstrap-servers", options.bootstrap_servers,
@@ -127,51 +123,6 @@ def stop_worker(process: subprocess.Popen, grace_s: float = 30.0) -> None:
         process.wait()
 
 
-@dataclass
-class GroupProgress:
-    """Committed offsets of a consumer group against the end offsets of its topics, in messages."""
-
-    committed: int
-    end: int
-
-    @property
-    def lag(self) -> int:
-        """Messages not yet committed."""
-        return self.end - self.committed
-
-
-def group_progress(bootstrap_servers: str, group: str, topics: list[str],
-                   admin: AdminClient | None = None) -> dict[str, GroupProgress]:
-    """Per topic: how far ``group`` has committed, against the topic's start and end offsets.
-
-    Committed offsets come from aiokafka's admin client: librdkafka 2.16's
-    ListConsumerGroupOffsets crashes the process (NULL ``rd_kafka_cgrp_op`` in
-    ``rd_kafka_handle_OffsetFetch``, seen in a core dump) when the group
-    coordinator answers with an error, e.g. while it is still loading.
-
-    Raises:
-        RuntimeError: the broker did not answer, or the group coordinator is not ready yet.
-    """
-    admin = admin or AdminClient(client_config(bootstrap_servers))
-    try:
-        metadata = admin.list_topics(timeout=10)
-        partitions = [TopicPartition(t, p) for t in topics if t in metadata.topics
-                      for p in metadata.topics[t].partitions]
-        if not partitions:
-            return {t: GroupProgress(0, 0) for t in topics}
-        committed = asyncio.run(_committed_offsets(bootstrap_servers, group, partitions))
-        earliest = admin.list_offsets({tp: OffsetSpec.earliest() for tp in partitions})
-        latest = admin.list_offsets({tp: OffsetSpec.latest() for tp in partitions})
-        progress = {t: GroupProgress(0, 0) for t in topics}
-        for tp in partitions:
-            low, high = earliest[tp].result().offset, latest[tp].result().offset
-            progress[tp.topic].end += high - low
-            progress[tp.topic].committed += max(committed.get((tp.topic, tp.partition), 0) - low, 0)
-        return progress
-    except (KafkaException, KafkaError) as exc:
-        raise RuntimeError(f"could not read consumer group {group}: {exc}") from None
-
-
 def app_progress(bootstrap_servers: str, app_id: str, admin: AdminClient | None = None) -> dict[str, GroupProgress]:
     """Progress of both stages: kv-events (repartition group) and the re-keyed topic (the app's group).
 
@@ -181,18 +132,6 @@ def app_progress(bootstrap_servers: str, app_id: str, admin: AdminClient | None 
     admin = admin or AdminClient(client_config(bootstrap_servers))
     return {**group_progress(bootstrap_servers, repartition_group(app_id), [KV_EVENTS], admin),
             **group_progress(bootstrap_servers, app_id, [by_ownership_topic(app_id)], admin)}
-
-
-async def _committed_offsets(bootstrap_servers: str, group: str,
-                             partitions: list[TopicPartition]) -> dict[tuple[str, int], int]:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers, **aiokafka_security())
-    await admin.start()
-    try:
-        offsets = await admin.list_consumer_group_offsets(
-            group, partitions=[AioTopicPartition(tp.topic, tp.partition) for tp in partitions])
-    finally:
-        await admin.close()
-    return {(tp.topic, tp.partition): meta.offset for tp, meta in offsets.items()}
 
 
 def wait_until_consumed(bootstrap_servers: str, group: str, process: subprocess.Popen | None, *,

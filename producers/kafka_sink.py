@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from confluent_kafka import KafkaError, Producer
 
-from kvstream.kafka_config import DEFAULT_BOOTSTRAP_SERVERS, producer_config, topic_partitions
+from kafka_io.admin import topic_partitions
+from kafka_io.config import DEFAULT_BOOTSTRAP_SERVERS, producer_config
 from producers.split import BlockEncoder, ParentTracker, Publisher
 from schemas import AvroCodec
 from schemas.codec import KvEventWriter
@@ -49,7 +50,7 @@ class KvEventProducer:
         topic: target topic; it must exist (its partition count is read once,
             to broadcast clears).
         config_overrides: librdkafka settings layered over
-            :func:`kvstream.kafka_config.producer_config`.
+            :func:`kafka_io.config.producer_config`.
         codec: the Avro codec (default: newest ``kv_event`` schema, single-object framing).
 
     Use :meth:`send_event` per engine event (the fast path: split and encoded in one step, see

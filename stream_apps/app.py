@@ -111,8 +111,8 @@ for _name, _codec in TABLE_CODECS.items():
     codecs.register(_name, _codec)
 
 def _broker_credentials():
-    """Faust credentials from the security environment (kvstream.kafka_config.SECURITY_ENVIRONMENT)."""
-    from kvstream.kafka_config import aiokafka_security
+    """Faust credentials from the security environment (kafka_io.config.SECURITY_ENVIRONMENT)."""
+    from kafka_io.config import aiokafka_security
 
     settings = aiokafka_security()
     protocol = settings.get("security_protocol", "PLAINTEXT")
@@ -260,7 +260,7 @@ class _OutputTopics:
         if self._producer is None:
             from confluent_kafka import Producer
 
-            from kvstream.kafka_config import producer_config
+            from kafka_io.config import producer_config
             self._producer = Producer(producer_config(BOOTSTRAP_SERVERS, on_delivery=self.on_delivery))
         return self._producer
 
@@ -450,7 +450,7 @@ class _ResidencyStore:
     So the disk never runs ahead of the changelog: a worker killed mid-batch restarts from the disk plus
     whatever changelog records did arrive, and the redelivered events redo the rest. (Writing the disk
     first, as Faust does, loses an update for good: the restarted worker keeps the newer value, ignores
-    the redelivered event as a duplicate, and the changelog never gets it; ``kvstream chaos`` found it.)
+    the redelivered event as a duplicate, and the changelog never gets it; ``make chaos`` found it.)
     """
 
     #: Decoded entries kept in front of a RocksDB store (a read decodes Avro, ~18 µs; a block's events come
@@ -740,7 +740,7 @@ class _BatchApplier:
                 _apply_clear_on_partition(partition, record, mark, self.occupancy)
                 # the watermark says "applied": it may reach the broker only after the rows the clear removed
                 # did, or a worker restarted after a crash would skip the redelivered clear as a duplicate
-                # while some of its removals never reached the changelog (kvstream chaos, crash scenario)
+                # while some of its removals never reached the changelog (make chaos, crash scenario)
                 settle_outputs()
                 write_small_table(clear_watermarks, partition, source, _watermark(record))
             else:

@@ -12,7 +12,7 @@ there) before ``Recovery.on_rebalance``, which reads each partition's persisted 
 (``store.offset_key``). In between, :func:`fill_from_changelog` reads every newly assigned active
 partition of the changelog, from its persisted offset + 1 (0 for an empty database) to the partition's
 end as of the start, with one plain confluent-kafka consumer for all of them
-(:func:`stream_apps.snapshot.messages_to_end`: assigned, no consumer group, nothing committed, the
+(:func:`kafka_io.reader.messages_to_end`: assigned, no consumer group, nothing committed, the
 project's security settings). Each partition's records go to its database in write batches of
 :data:`CHUNK_RECORDS` records, each batch also setting ``store.offset_key`` to the offset of its last
 record: a worker killed mid-way leaves, per partition, a database equal to the changelog up to the offset
@@ -108,7 +108,7 @@ def fill_from_changelog(bootstrap_servers: str, topic: str, dbs: Mapping[int, ob
     from confluent_kafka import KafkaException
     from rocksdict import WriteBatch
 
-    from stream_apps.snapshot import messages_to_end
+    from kafka_io.reader import messages_to_end
 
     started = time.perf_counter()
     starts = {}

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
-from kvstream.kafka_config import client_config, producer_config
+from kafka_io.config import client_config, producer_config
 from schemas import ALL_BLOCKS_CLEARED, SOURCE_WIDE_EVENTS, AvroCodec, DecodeError
 from schemas.codec import schema_versions
 from schemas.topics import KV_EVENTS, KV_EVENTS_DEAD_LETTER, OWNERSHIP_HEADER, by_ownership_topic

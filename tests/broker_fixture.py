@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from kvstream.broker import start, stop
+from kvstream.broker import free_port, start, stop
 
 
 @dataclass(frozen=True)
@@ -63,13 +62,6 @@ def _docker_available() -> bool:
         return subprocess.run(["docker", "info"], capture_output=True, timeout=20).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for brokers and workers of the tests)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start_backend(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> KafkaBackend:

@@ -1,4 +1,4 @@
-"""Smoke test of ``kvstream bench``: the harness runs and writes results.json with every figure's key.
+"""Smoke test of ``make bench``: the harness runs and writes results.json with every figure's key.
 
 Only the steps without stream-app workers run here (each worker start costs tens of seconds on the
 development machine); the worker steps are exercised by ``make bench BENCH_ARGS=--quick``. No figure is
@@ -11,14 +11,14 @@ import json
 
 import pytest
 
-from kvstream.bench import FIGURES
-from kvstream.cli import main
+from bench.__main__ import main
+from bench.run import FIGURES
 
 pytestmark = pytest.mark.integration
 
 
 def test_bench_writes_every_key_with_unit_target_and_definition(tmp_path):
-    code = main(["bench", "--quick", "--requests", "150", "--memory-rows", "2000",
+    code = main(["--quick", "--requests", "150", "--memory-rows", "2000",
                  "--only", "baselines,memory,producer,plain-consumer,bridge",
                  "--output-dir", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work")])
     assert code == 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 import uuid
 
@@ -10,7 +9,8 @@ import msgspec
 import pytest
 from confluent_kafka import Consumer
 
-from kvstream.kafka_config import client_config, ensure_topics
+from kafka_io.admin import ensure_topics
+from kafka_io.config import client_config
 from producers.bridge import (Bridge, BridgeMetrics, KafkaBatchSink, PublisherEndpoint, data_parallel_endpoints,
                               offset_endpoint)
 from producers.kafka_sink import KvEventProducer
@@ -18,18 +18,8 @@ from producers.split import rebuild_event
 from schemas import AvroCodec
 from schemas.topics import KV_EVENTS_DEAD_LETTER
 from tests.test_split import VLLM_PAYLOAD
-from tests.vllm_publisher import BlockRemoved, BlockStored, FakeVllmPublisher
-
-
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+from kvstream.broker import free_ports
+from harness.vllm_publisher import BlockRemoved, BlockStored, FakeVllmPublisher
 
 
 class CollectingSink:
@@ -69,7 +59,7 @@ def publisher_and_bridge():
     made = []
 
     def make(buffer_steps=10_000, replay=True, sink=None):
-        port, replay_port = _free_ports(2)
+        port, replay_port = free_ports(2)
         publisher = FakeVllmPublisher(port, replay_port if replay else None, buffer_steps=buffer_steps)
         endpoint = PublisherEndpoint(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}" if replay else None,
                                      "engine-a")
@@ -149,7 +139,7 @@ def test_a_gap_older_than_the_replay_buffer_marks_the_source_stale(publisher_and
 
 
 def test_first_contact_replays_what_the_publisher_still_holds(publisher_and_bridge):
-    port, replay_port = _free_ports(2)
+    port, replay_port = free_ports(2)
     publisher = FakeVllmPublisher(port, replay_port)
     try:
         for h in range(4):
@@ -187,7 +177,7 @@ def test_data_parallel_ranks_follow_vllms_port_offset_rule():
     assert offset_endpoint("inproc://kv", 1) == "inproc://kv_dp1"
     with pytest.raises(ValueError, match="inproc' or 'tcp"):
         offset_endpoint("ipc:///tmp/kv", 1)
-    base, replay_base = _free_ports(1)[0], None
+    base, replay_base = free_ports(1)[0], None
     publishers = []
     try:
         # ranks bind base+rank, as vLLM's publisher of each DP rank does
@@ -350,7 +340,7 @@ def test_produce_jsonl_publishes_a_capture_through_the_bridge_path(kafka_bootstr
 
 def test_a_restarted_bridge_continues_the_epoch_from_its_state_file(tmp_path):
     """The bridge goes away and comes back: it replays what it missed in the same epoch, no restart event."""
-    port, replay_port = _free_ports(2)
+    port, replay_port = free_ports(2)
     publisher = FakeVllmPublisher(port, replay_port)
     endpoint = PublisherEndpoint(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}", "engine-c")
     state_file = tmp_path / "bridge-state.json"

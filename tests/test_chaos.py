@@ -1,7 +1,7 @@
-"""The fault scenarios of ``kvstream chaos`` (kvstream/chaos.py), short: 3 worker crashes, one run of each other.
+"""The fault scenarios of ``make chaos`` (chaos/scenarios.py), short: 3 worker crashes, one run of each other.
 
 The stream app reads the fixed topic ``kv-events``, so these tests cannot share the session broker with
-test_pipeline.py: like ``kvstream chaos``, every run starts its own embedded broker (fresh data dir, free
+test_pipeline.py: like ``make chaos``, every run starts its own embedded broker (fresh data dir, free
 port) and stops it at the end. A smaller trace slice than the default keeps the module within a few
 minutes on a 2-core machine. Each run must end with the residency table equal to the ground truth, and
 its scenario checks (see each run's ``checks``) must hold.
@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from kvstream.chaos import Chaos, ChaosOptions, compare_residency, naive_residency, simulate_workload
+from chaos.scenarios import Chaos, ChaosOptions, compare_residency, naive_residency, simulate_workload
 from producers.simulator import FleetConfig
 
 pytestmark = pytest.mark.integration
@@ -77,7 +77,7 @@ def test_broker_outage_loses_and_duplicates_nothing(chaos):
 
 
 def test_bridge_restart_recovers_what_the_replay_buffer_holds_and_reports_the_rest(chaos):
-    """Run 1 of the scenario: a replay buffer too small for the outage (``kvstream chaos`` also runs one that
+    """Run 1 of the scenario: a replay buffer too small for the outage (``make chaos`` also runs one that
     covers it)."""
     entry = chaos.bridge_restart(1)
     _assert_passed(entry, chaos, "bridge-restart")

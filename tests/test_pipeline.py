@@ -17,7 +17,8 @@ import pytest
 from aiokafka.partitioner import murmur2
 from confluent_kafka import Consumer, Producer
 
-from kvstream.kafka_config import client_config, ensure_topics
+from kafka_io.admin import ensure_topics
+from kafka_io.config import client_config
 from kvstream.worker import WorkerOptions, spawn_worker, stop_worker, wait_until_consumed
 from producers.kafka_sink import KvEventProducer
 from producers.simulator import FleetConfig, load_trace, replay_to_kafka
@@ -26,7 +27,7 @@ from producers.split import Publisher, split_event
 from schemas import AvroCodec
 from schemas.topics import KV_EVENTS, KV_EVENTS_DEAD_LETTER, KV_RESIDENCY_CHANGES, KV_TIER_OCCUPANCY
 from stream_apps.snapshot import changelog_topic, compare_rows, read_table, resident_rows
-from tests.broker_fixture import free_port
+from kvstream.broker import free_port
 
 pytestmark = pytest.mark.integration
 

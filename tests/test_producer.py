@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 
-from kvstream.kafka_config import ensure_topics
+from kafka_io.admin import ensure_topics
 from producers.kafka_sink import KvEventProducer, ProduceError
 from producers.split import Publisher
 

@@ -28,7 +28,8 @@ from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 
 from kvstream import broker
-from kvstream.kafka_config import aiokafka_security, client_config, ensure_topics, topic_partitions
+from kafka_io.admin import ensure_topics, topic_partitions
+from kafka_io.config import aiokafka_security, client_config
 from kvstream.tail import tail
 from kvstream.tls import TlsMaterial, generate_tls_material
 from kvstream.worker import WorkerOptions, spawn_worker, stop_worker, wait_until_consumed
@@ -36,7 +37,7 @@ from producers.kafka_sink import KvEventProducer
 from producers.simulator import FleetConfig, load_trace, replay_to_kafka
 from schemas.topics import KV_EVENTS
 from stream_apps.snapshot import changelog_topic, compare_rows, read_table, resident_rows
-from tests.broker_fixture import free_port
+from kvstream.broker import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -311,10 +311,21 @@ def _configured_listener(props: Path) -> tuple[str, int] | None:
     return (m.group(1), int(m.group(2))) if m else None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports on 127.0.0.1 that were free a moment ago (held open together while chosen)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for brokers, workers and publishers)."""
+    return free_ports(1)[0]
 
 
 def _port_in_use(port: int) -> bool:
@@ -457,9 +468,9 @@ def start(
                     f"Port {port} on 127.0.0.1 is already in use by another process "
                     f"(not by the broker of {d}). Pick another port or stop that process."
                 )
-            controller_port = _free_port()
+            controller_port = free_port()
             while controller_port == port:
-                controller_port = _free_port()
+                controller_port = free_port()
             _write_server_properties(props, port, controller_port, d / "data")
             if scram_user is not None or tls is not None:
                 _secure_client_listener(props, port, scram=scram_user is not None, tls=tls,
@@ -527,7 +538,7 @@ def _secure_client_listener(props: Path, port: int, *, scram: bool, tls: TlsMate
     readable by its owner only) and trusts ``tls.ca_certificate`` for client certificates.
     """
     protocol = ("SASL_" if scram else "") + ("SSL" if tls is not None else "PLAINTEXT")
-    internal_port = _free_port()
+    internal_port = free_port()
     lines = []
     for line in props.read_text().splitlines():
         if line.startswith("listeners="):

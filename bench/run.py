@@ -1,4 +1,4 @@
-"""``kvstream bench``: every figure of the pipeline's benchmark, measured in one run on a broker of its own.
+"""``make bench``: every figure of the pipeline's benchmark, measured in one run on a broker of its own.
 
 Steps (each writes its figures into ``bench/results.json`` as soon as it has them, so a failed or
 interrupted step leaves the others):
@@ -33,7 +33,6 @@ import multiprocessing
 import os
 import platform
 import shutil
-import socket
 import statistics
 import sys
 import threading
@@ -46,6 +45,8 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from tqdm import tqdm
+
+from kvstream.broker import free_port
 
 #: Target, unit and definition of every figure, and which figure (if any) is its baseline.
 DEFINITIONS: dict[str, dict] = {
@@ -132,7 +133,7 @@ _DEFAULT_OUTPUT = Path("bench")
 
 @dataclass
 class BenchOptions:
-    """Options of ``kvstream bench`` (see its ``--help``)."""
+    """Options of ``make bench`` (see its ``--help``)."""
 
     #: Where results.json and results.png go.
     output_dir: Path = _DEFAULT_OUTPUT
@@ -167,12 +168,6 @@ class BenchOptions:
         self.rows_large = 0
         self.latency_s = min(self.latency_s, 5.0)
         self.memory_rows = min(self.memory_rows, 20_000)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _say(text: str) -> None:
@@ -296,7 +291,7 @@ class _Workers:
 
         for _ in range(count):
             index = len(self.processes)
-            port = _free_port()
+            port = free_port()
             data_dir = self.work / f"{self.app_id}-{index}-{port}"
             if fresh_dirs:
                 shutil.rmtree(data_dir, ignore_errors=True)
@@ -554,7 +549,7 @@ class Bench:
 
     def step_producer(self) -> None:
         """The producer path into a topic of its own (``bench-producer``, partitioned as kv-events)."""
-        from kvstream.kafka_config import ensure_topics
+        from kafka_io.admin import ensure_topics
         from producers.kafka_sink import KvEventProducer
 
         batches = self._sim_batches()
@@ -604,7 +599,7 @@ class Bench:
 
         from confluent_kafka import Consumer, TopicPartition
 
-        from kvstream.kafka_config import client_config
+        from kafka_io.config import client_config
         from schemas import ALL_BLOCKS_CLEARED, SOURCE_WIDE_EVENTS, AvroCodec
         from schemas.topics import KV_EVENTS
         from stream_apps.residency import (NO_CLEAR, ApplyStats, SourceSettings, apply_block_event, apply_clear,
@@ -676,7 +671,7 @@ class Bench:
 
     def step_bridge(self) -> None:
         """The bridge fed by a local publisher process at full speed."""
-        from kvstream.kafka_config import ensure_topics
+        from kafka_io.admin import ensure_topics
         from producers.bridge import Bridge, BridgeMetrics, KafkaBatchSink, PublisherEndpoint
         from producers.kafka_sink import KvEventProducer
 
@@ -684,7 +679,7 @@ class Bench:
         ensure_topics(self.bootstrap, {topic: self.o.partitions})
         payloads = _vllm_payloads(self._sim_batches())
         gc.freeze()  # as in the producer step: the harness's data stays out of GC passes
-        port = _free_port()
+        port = free_port()
         context = multiprocessing.get_context("spawn")
         start, done = context.Event(), context.Event()
         publisher = context.Process(target=_publish_process, args=(port, payloads, start, done), daemon=True)
@@ -775,7 +770,7 @@ class Bench:
         """Steady produce of fresh blocks at ``latency_rate``; delays from kv-residency-changes."""
         from confluent_kafka import Consumer, TopicPartition
 
-        from kvstream.kafka_config import client_config
+        from kafka_io.config import client_config
         from producers.kafka_sink import KvEventProducer
         from schemas import AvroCodec
         from schemas.topics import KV_EVENTS, KV_RESIDENCY_CHANGES
@@ -944,7 +939,7 @@ class Bench:
     def run(self) -> int:
         """Run every selected step; returns 0 if all succeeded, 1 if any failed (the rest still ran)."""
         from kvstream import broker
-        from kvstream.kafka_config import ensure_topics
+        from kafka_io.admin import ensure_topics
         from schemas.topics import KV_EVENTS
 
         if self.o.quick:
@@ -952,7 +947,7 @@ class Bench:
         self.results["options"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(self.o).items()}
         shutil.rmtree(self.work, ignore_errors=True)
         self.work.mkdir(parents=True)
-        port = _free_port()
+        port = free_port()
         _say(f"[broker] starting Kafka on 127.0.0.1:{port} (data in {self.work / 'broker'})")
         status = broker.start(port=port, data_dir=self.work / "broker")
         self.bootstrap = status.bootstrap_servers
@@ -1115,7 +1110,7 @@ def plot(results: dict, path: Path) -> None:
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")
     machine = results["machine"]
-    fig.suptitle(f"kvstream bench ({results['mode']}), {results['date']}, {machine['cores']} cores, "
+    fig.suptitle(f"make bench ({results['mode']}), {results['date']}, {machine['cores']} cores, "
                  f"Python {machine['python']}", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

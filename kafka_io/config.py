@@ -15,13 +15,11 @@ from __future__ import annotations
 import logging
 import os
 import re
-import time
 
-from confluent_kafka import KafkaException
-from confluent_kafka.admin import AdminClient, NewTopic
 
-#: Default bootstrap servers: the embedded broker of ``kvstream broker start``.
-DEFAULT_BOOTSTRAP_SERVERS = os.environ.get("KVSTREAM_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
+#: Default bootstrap servers: the embedded broker of ``kvstream broker start``. Commands take theirs from
+#: their settings object (flag, then ``KVSTREAM_BOOTSTRAP_SERVERS``, then this).
+DEFAULT_BOOTSTRAP_SERVERS = "127.0.0.1:9092"
 
 #: Default partition count of kv-events; the stream app's internal topics and
 #: tables use the same count (Faust requires co-partitioning).
@@ -182,60 +180,3 @@ def producer_config(bootstrap_servers: str = DEFAULT_BOOTSTRAP_SERVERS, **overri
             **overrides,
         },
     )
-
-
-def ensure_topics(bootstrap_servers: str, topics: dict[str, int], *, timeout_s: float = 30.0,
-                  configs: dict[str, dict[str, str]] | None = None) -> None:
-    """Create the topics that do not exist yet, replicated min(3, brokers) times.
-
-    Args:
-        topics: topic name -> partition count.
-        configs: topic name -> topic configs for created topics (e.g. ``cleanup.policy``).
-
-    Raises:
-        RuntimeError: the broker did not answer or refused to create a topic; an
-            existing topic with a different partition count is an error too,
-            because producers and the stream app must agree on it.
-    """
-    admin = AdminClient(client_config(bootstrap_servers))
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            metadata = admin.list_topics(timeout=5)
-            break
-        except KafkaException as exc:
-            if time.monotonic() > deadline:
-                raise unreachable(admin, bootstrap_servers, exc) from None
-    for name, partitions in topics.items():
-        existing = metadata.topics.get(name)
-        if existing is not None and not existing.error and len(existing.partitions) != partitions:
-            raise RuntimeError(
-                f"topic {name} exists with {len(existing.partitions)} partitions, expected {partitions}")
-    brokers = len(metadata.brokers)
-    missing = [NewTopic(n, p, replication_factor=min(3, brokers), config=(configs or {}).get(n, {}))
-               for n, p in topics.items() if n not in metadata.topics]
-    if not missing:
-        return
-    for name, future in admin.create_topics(missing, operation_timeout=timeout_s).items():
-        try:
-            future.result()
-        except KafkaException as exc:
-            if exc.args[0].name() != "TOPIC_ALREADY_EXISTS":
-                raise RuntimeError(f"could not create topic {name}: {exc}") from None
-
-
-def topic_partitions(bootstrap_servers: str, topic: str, timeout_s: float = 10.0) -> int:
-    """Number of partitions of ``topic``.
-
-    Raises:
-        RuntimeError: the topic does not exist or the broker did not answer.
-    """
-    admin = AdminClient(client_config(bootstrap_servers))
-    try:
-        metadata = admin.list_topics(topic, timeout=timeout_s)
-    except KafkaException as exc:
-        raise unreachable(admin, bootstrap_servers, exc) from None
-    info = metadata.topics.get(topic)
-    if info is None or info.error or not info.partitions:
-        raise RuntimeError(f"topic {topic} does not exist on {bootstrap_servers}")
-    return len(info.partitions)

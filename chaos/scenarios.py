@@ -1,4 +1,4 @@
-"""``kvstream chaos``: the fault scenarios of issue 5, each against a real embedded Kafka broker.
+"""``make chaos``: the fault scenarios of issue 5, each against a real embedded Kafka broker.
 
 Every run starts a fresh one-node broker (its own data directory under the work
 directory, a free port) and a fresh app id, because the stream app's input topic
@@ -23,7 +23,7 @@ Scenarios (:data:`SCENARIOS`):
     for ``outage_s`` seconds and started again on the same port and data directory.
     The producer's acknowledged count must equal the messages in ``kv-events``.
 ``bridge-restart``
-    A vLLM-protocol publisher (:class:`producers.vllm_publisher.FakeVllmPublisher`)
+    A vLLM-protocol publisher (:class:`harness.vllm_publisher.FakeVllmPublisher`)
     publishes one simulated instance's batches; the bridge (``kvstream bridge``
     with a state file, a child process) is SIGKILLed mid-stream, publishing goes on,
     and the bridge is restarted. Two runs: a replay buffer that covers the outage
@@ -62,17 +62,20 @@ import msgspec
 from confluent_kafka import Consumer, TopicPartition
 
 from kvstream import broker
-from kvstream.kafka_config import client_config, ensure_topics
-from kvstream.worker import WorkerOptions, group_progress, spawn_worker, stop_worker, wait_until_consumed
+from kafka_io.admin import ensure_topics
+from kafka_io.config import client_config
+from kafka_io.admin import group_progress
+from kvstream.worker import WorkerOptions, spawn_worker, stop_worker, wait_until_consumed
 from producers.kafka_sink import KvEventProducer, ProduceError
 from producers.simulator import Batch, ClusterSimulator, FleetConfig, load_trace
 from producers.split import split_event
-from producers.vllm_publisher import FakeVllmPublisher
+from harness.vllm_publisher import FakeVllmPublisher
 from schemas import AvroCodec
 from schemas.tiers import tier_of
 from schemas.topics import KV_EVENTS, KV_EVENTS_DEAD_LETTER, by_ownership_topic
 from stream_apps.repartition import repartition_group
-from stream_apps.snapshot import changelog_topic, messages_to_end, read_table, resident_rows
+from kafka_io.reader import messages_to_end
+from stream_apps.snapshot import changelog_topic, read_table, resident_rows
 
 #: Scenario names, in the order they run.
 SCENARIOS = ("crash", "rebalance", "broker-outage", "bridge-restart", "table-recovery")
@@ -125,7 +128,7 @@ WORKER_ENV = {"BROKER_SESSION_TIMEOUT": str(SESSION_TIMEOUT_S), "BROKER_HEARTBEA
 
 @dataclass
 class ChaosOptions:
-    """Options of ``kvstream chaos`` (see its ``--help``)."""
+    """Options of ``make chaos`` (see its ``--help``)."""
 
     #: Scenarios to run, names from :data:`SCENARIOS`.
     scenarios: tuple[str, ...] = SCENARIOS
@@ -363,7 +366,7 @@ class RunEnv:
     def __enter__(self) -> RunEnv:
         shutil.rmtree(self.dir, ignore_errors=True)
         self.dir.mkdir(parents=True)
-        self.port = free_port()
+        self.port = broker.free_port()
         status = broker.start(port=self.port, data_dir=self.broker_dir)
         self.bootstrap = status.bootstrap_servers
         ensure_topics(self.bootstrap, {KV_EVENTS: self.partitions, KV_EVENTS_DEAD_LETTER: 1})
@@ -380,7 +383,7 @@ class RunEnv:
     def worker(self, name: str, app_id: str, *, store: str = "memory://", data_dir: Path | None = None,
                web_port: int | None = None) -> Worker:
         """Spawn a worker (log ``<run dir>/<name>.log``, data dir ``<run dir>/<name>`` unless given)."""
-        options = WorkerOptions(self.bootstrap, web_port=web_port or free_port(),
+        options = WorkerOptions(self.bootstrap, web_port=web_port or broker.free_port(),
                                 data_dir=data_dir or self.dir / name, store=store, partitions=self.partitions,
                                 app_id=app_id)
         worker = Worker(options, self.dir / f"{name}.log")
@@ -476,15 +479,6 @@ def _kill_group(process: subprocess.Popen, sig: int) -> None:
         pass
     if sig == signal.SIGKILL:
         process.wait()
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class PacedProducer(threading.Thread):
@@ -798,7 +792,7 @@ class Chaos:
         app_id = _fresh_app_id("bridge-restart", run)
         started = time.monotonic()
         with self.env(f"bridge-restart-{run}") as env:
-            port, replay_port = free_port(), free_port()
+            port, replay_port = broker.free_port(), broker.free_port()
             publisher = FakeVllmPublisher(port, replay_port, buffer_steps=buffer_steps)
             state_file = env.dir / "bridge-state.json"
             log_file = env.dir / "bridge.log"
@@ -1140,7 +1134,7 @@ def run_chaos(options: ChaosOptions, log=print) -> int:
         raise ValueError(f"unknown scenario(s) {unknown}; choose from {', '.join(SCENARIOS)}")
     started = time.monotonic()
     chaos = Chaos(options, log)
-    log(f"kvstream chaos: {', '.join(options.scenarios)}; trace slice of {options.requests} requests, "
+    log(f"make chaos: {', '.join(options.scenarios)}; trace slice of {options.requests} requests, "
         f"{options.partitions} partitions, seed {options.seed}; work dir {chaos.work}")
     results = chaos.run()
     print_summary(results, log)

@@ -1,4 +1,4 @@
-"""A KV event publisher that follows vLLM 0.33's protocol (no vLLM install needed), for tests and ``kvstream chaos``.
+"""A KV event publisher that follows vLLM 0.33's protocol (no vLLM install needed), for tests and ``make chaos``.
 
 Structs mirror ``vllm/distributed/kv_events.py`` (field order, ``array_like``
 batch, tagged map events, ``omit_defaults``); sockets mirror

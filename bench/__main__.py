@@ -1,0 +1,111 @@
+"""``python -m bench`` (``make bench``): the benchmark's command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from kafka_io.config import DEFAULT_PARTITIONS
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import signal
+
+    from bench.run import STEPS, BenchOptions, run_bench
+
+    def terminate(signum, frame):  # stop the bench's broker and workers, as on Ctrl-C
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminate)
+    only = None
+    if args.only:
+        only = tuple(name.strip() for name in args.only.split(",") if name.strip())
+        unknown = [name for name in only if name not in STEPS]
+        if unknown:
+            raise ValueError(f"unknown step(s) {', '.join(unknown)}; steps: {', '.join(STEPS)}")
+    options = BenchOptions(output_dir=args.output_dir, work_dir=args.work_dir, quick=args.quick,
+                           requests=args.requests, stream_requests=args.stream_requests, rows=args.rows, rows_large=args.rows_large,
+                           latency_rate=args.latency_rate, latency_s=args.latency_seconds,
+                           memory_rows=args.memory_rows, partitions=args.partitions, timeout_s=args.timeout,
+                           only=only)
+    return run_bench(options)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m bench`` argument parser."""
+    p = argparse.ArgumentParser(prog="python -m bench",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Start a broker of its own on a free port (data under --work-dir, emptied "
+                                   "first), then run each step and write its figures to "
+                                   "<output-dir>/results.json as soon as they are measured, a table at the end "
+                                   "and <output-dir>/results.png. Steps, in order:\n  "
+                                   + "\n  ".join(f"{name:<15} {text}" for name, text in (
+                                       ("baselines", "fastavro decode/encode of the simulator's records"),
+                                       ("memory", "bytes per resident row: memory and RocksDB stores"),
+                                       ("producer", "simulator events -> split -> Avro -> Kafka, acked"),
+                                       ("plain-consumer", "kv-events -> decode -> residency dict, no Faust"),
+                                       ("bridge", "ZMQ publisher process -> bridge -> Kafka, acked"),
+                                       ("stream-1w", "one worker end to end"),
+                                       ("latency", "steady rate into that worker: event-to-table delay"),
+                                       ("stream-2w", "two workers end to end"),
+                                       ("rss", "peak RSS at --rows rows (rocksdb store), then recovery"),
+                                       ("rss-large", "peak RSS at --rows-large rows"))),
+                       epilog="Definitions of every figure: README, 'Benchmarks', and results.json. A failed step "
+                              "is recorded under 'errors' and the others still run (exit code 1). The full run "
+                              "takes long (the 10M-row step alone writes and consumes over 10 million events); "
+                              "--quick takes a few minutes.")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 3000 requests for the producer and bridge, 600 for the stream app, 60,000 "
+                        "rows, 5 s of latency, no 10M-row step")
+    p.add_argument("--requests", type=_positive_int, default=None, metavar="N",
+                   help="trace requests replayed by the producer and bridge steps (default: the whole trace, "
+                        "12,031)")
+    p.add_argument("--stream-requests", type=_positive_int, default=None, metavar="N",
+                   help="trace requests written to kv-events for the plain-consumer and stream-app steps "
+                        "(default: as --requests; --quick: 600)")
+    p.add_argument("--rows", type=_positive_int, default=1_000_000, metavar="N",
+                   help="resident rows of the RSS and recovery step (default: %(default)s)")
+    p.add_argument("--rows-large", type=int, default=10_000_000, metavar="N",
+                   help="resident rows of the large RSS step; 0 skips it (default: %(default)s; --quick: 0)")
+    p.add_argument("--latency-rate", type=_positive_int, default=10_000, metavar="EVENTS_PER_S",
+                   help="steady produce rate of the latency step (default: %(default)s)")
+    p.add_argument("--latency-seconds", type=float, default=30.0, metavar="S",
+                   help="measured duration of the latency step, after 5 s of warm-up at the same rate "
+                        "(default: %(default)s)")
+    p.add_argument("--memory-rows", type=_positive_int, default=200_000, metavar="N",
+                   help="rows of the bytes-per-row step (default: %(default)s)")
+    p.add_argument("--partitions", type=_positive_int, default=DEFAULT_PARTITIONS,
+                   help="partitions of kv-events and the app's topics (default: %(default)s)")
+    p.add_argument("--only", default=None, metavar="STEP[,STEP...]",
+                   help="run only these steps (stream-1w is needed for latency)")
+    p.add_argument("--output-dir", type=Path, default=Path("bench"), metavar="DIR",
+                   help="where results.json and results.png go (default: %(default)s)")
+    p.add_argument("--work-dir", type=Path, default=Path(".kvstream/bench"), metavar="DIR",
+                   help="broker data, worker state and logs; emptied at start (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=7200.0, metavar="S",
+                   help="longest any one wait may take (default: %(default)s)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m bench``."""
+    args = build_parser().parse_args(argv)
+    try:
+        return _cmd_bench(args)
+    except KeyboardInterrupt:
+        return 130
+    except (RuntimeError, TimeoutError, ValueError) as exc:
+        print(f"python -m bench: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Topic administration shared by every command: create topics, read partition counts and group progress."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from aiokafka import TopicPartition as AioTopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError
+from confluent_kafka import KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
+
+from kafka_io.config import aiokafka_security, client_config, unreachable
+
+
+def ensure_topics(bootstrap_servers: str, topics: dict[str, int], *, timeout_s: float = 30.0,
+                  configs: dict[str, dict[str, str]] | None = None) -> None:
+    """Create the topics that do not exist yet, replicated min(3, brokers) times.
+
+    Args:
+        topics: topic name -> partition count.
+        configs: topic name -> topic configs for created topics (e.g. ``cleanup.policy``).
+
+    Raises:
+        RuntimeError: the broker did not answer or refused to create a topic; an
+            existing topic with a different partition count is an error too,
+            because producers and the stream app must agree on it.
+    """
+    admin = AdminClient(client_config(bootstrap_servers))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            metadata = admin.list_topics(timeout=5)
+            break
+        except KafkaException as exc:
+            if time.monotonic() > deadline:
+                raise unreachable(admin, bootstrap_servers, exc) from None
+    for name, partitions in topics.items():
+        existing = metadata.topics.get(name)
+        if existing is not None and not existing.error and len(existing.partitions) != partitions:
+            raise RuntimeError(
+                f"topic {name} exists with {len(existing.partitions)} partitions, expected {partitions}")
+    brokers = len(metadata.brokers)
+    missing = [NewTopic(n, p, replication_factor=min(3, brokers), config=(configs or {}).get(n, {}))
+               for n, p in topics.items() if n not in metadata.topics]
+    if not missing:
+        return
+    for name, future in admin.create_topics(missing, operation_timeout=timeout_s).items():
+        try:
+            future.result()
+        except KafkaException as exc:
+            if exc.args[0].name() != "TOPIC_ALREADY_EXISTS":
+                raise RuntimeError(f"could not create topic {name}: {exc}") from None
+
+
+def topic_partitions(bootstrap_servers: str, topic: str, timeout_s: float = 10.0) -> int:
+    """Number of partitions of ``topic``.
+
+    Raises:
+        RuntimeError: the topic does not exist or the broker did not answer.
+    """
+    admin = AdminClient(client_config(bootstrap_servers))
+    try:
+        metadata = admin.list_topics(topic, timeout=timeout_s)
+    except KafkaException as exc:
+        raise unreachable(admin, bootstrap_servers, exc) from None
+    info = metadata.topics.get(topic)
+    if info is None or info.error or not info.partitions:
+        raise RuntimeError(f"topic {topic} does not exist on {bootstrap_servers}")
+    return len(info.partitions)
+
+
+@dataclass
+class GroupProgress:
+    """Committed offsets of a consumer group against the end offsets of its topics, in messages."""
+
+    committed: int
+    end: int
+
+    @property
+    def lag(self) -> int:
+        """Messages not yet committed."""
+        return self.end - self.committed
+
+
+def group_progress(bootstrap_servers: str, group: str, topics: list[str],
+                   admin: AdminClient | None = None) -> dict[str, GroupProgress]:
+    """Per topic: how far ``group`` has committed, against the topic's start and end offsets.
+
+    Committed offsets come from aiokafka's admin client: librdkafka 2.16's
+    ListConsumerGroupOffsets crashes the process (NULL ``rd_kafka_cgrp_op`` in
+    ``rd_kafka_handle_OffsetFetch``, seen in a core dump) when the group
+    coordinator answers with an error, e.g. while it is still loading.
+
+    Raises:
+        RuntimeError: the broker did not answer, or the group coordinator is not ready yet.
+    """
+    admin = admin or AdminClient(client_config(bootstrap_servers))
+    try:
+        metadata = admin.list_topics(timeout=10)
+        partitions = [TopicPartition(t, p) for t in topics if t in metadata.topics
+                      for p in metadata.topics[t].partitions]
+        if not partitions:
+            return {t: GroupProgress(0, 0) for t in topics}
+        committed = asyncio.run(_committed_offsets(bootstrap_servers, group, partitions))
+        earliest = admin.list_offsets({tp: OffsetSpec.earliest() for tp in partitions})
+        latest = admin.list_offsets({tp: OffsetSpec.latest() for tp in partitions})
+        progress = {t: GroupProgress(0, 0) for t in topics}
+        for tp in partitions:
+            low, high = earliest[tp].result().offset, latest[tp].result().offset
+            progress[tp.topic].end += high - low
+            progress[tp.topic].committed += max(committed.get((tp.topic, tp.partition), 0) - low, 0)
+        return progress
+    except (KafkaException, KafkaError) as exc:
+        raise RuntimeError(f"could not read consumer group {group}: {exc}") from None
+
+
+async def _committed_offsets(bootstrap_servers: str, group: str,
+                             partitions: list[TopicPartition]) -> dict[tuple[str, int], int]:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers, **aiokafka_security())
+    await admin.start()
+    try:
+        offsets = await admin.list_consumer_group_offsets(
+            group, partitions=[AioTopicPartition(tp.topic, tp.partition) for tp in partitions])
+    finally:
+        await admin.close()
+    return {(tp.topic, tp.partition): meta.offset for tp, meta in offsets.items()}
