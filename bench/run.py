@@ -287,7 +287,8 @@ class _Workers:
     logs: list = field(default_factory=list)
 
     def start(self, count: int = 1, fresh_dirs: bool = True) -> None:
-        from kvstream.worker import WorkerOptions, spawn_worker
+        from kvstream.worker import spawn_worker
+        from stream_apps.settings import WorkerSettings
 
         for _ in range(count):
             index = len(self.processes)
@@ -296,7 +297,7 @@ class _Workers:
             if fresh_dirs:
                 shutil.rmtree(data_dir, ignore_errors=True)
             log = self.work / f"{self.app_id}-{index}.log"
-            options = WorkerOptions(self.bootstrap, web_port=port, data_dir=data_dir, store=self.store,
+            options = WorkerSettings(bootstrap_servers=self.bootstrap, web_port=port, data_dir=data_dir, store=self.store,
                                     partitions=self.partitions, app_id=self.app_id, log_level="info")
             self.processes.append(spawn_worker(options, log))
             self.ports.append(port)
@@ -477,7 +478,8 @@ class Bench:
 
     def _row_entries(self, count: int) -> Iterator[tuple[str, dict]]:
         """``count`` (key, entry) pairs as the residency table holds them, one resident row each."""
-        from stream_apps.residency import NO_CLEAR, ApplyStats, apply_block_event, residency_key
+        from schemas.clear_position import NO_CLEAR
+        from stream_apps.residency import ApplyStats, apply_block_event, residency_key
 
         stats = ApplyStats()
         made = 0
@@ -601,9 +603,15 @@ class Bench:
 
         from kafka_io.config import client_config
         from schemas import ALL_BLOCKS_CLEARED, SOURCE_WIDE_EVENTS, AvroCodec
+        from schemas.clear_position import NO_CLEAR
         from schemas.topics import KV_EVENTS
-        from stream_apps.residency import (NO_CLEAR, ApplyStats, SourceSettings, apply_block_event, apply_clear,
-                                           residency_key)
+        from stream_apps.residency import (
+            ApplyStats,
+            SourceSettings,
+            apply_block_event,
+            apply_clear,
+            residency_key,
+        )
 
         codec = AvroCodec("kv_event")
         settings = SourceSettings()
@@ -672,7 +680,12 @@ class Bench:
     def step_bridge(self) -> None:
         """The bridge fed by a local publisher process at full speed."""
         from kafka_io.admin import ensure_topics
-        from producers.bridge import Bridge, BridgeMetrics, KafkaBatchSink, PublisherEndpoint
+        from producers.bridge import (
+            Bridge,
+            BridgeMetrics,
+            KafkaBatchSink,
+            PublisherEndpoint,
+        )
         from producers.kafka_sink import KvEventProducer
 
         topic = "bench-bridge"
@@ -938,8 +951,8 @@ class Bench:
 
     def run(self) -> int:
         """Run every selected step; returns 0 if all succeeded, 1 if any failed (the rest still ran)."""
-        from kvstream import broker
         from kafka_io.admin import ensure_topics
+        from kvstream import broker
         from schemas.topics import KV_EVENTS
 
         if self.o.quick:

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 
-
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:

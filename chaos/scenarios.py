@@ -61,20 +61,20 @@ from pathlib import Path
 import msgspec
 from confluent_kafka import Consumer, TopicPartition
 
-from kvstream import broker
-from kafka_io.admin import ensure_topics
+from harness.vllm_publisher import FakeVllmPublisher
+from kafka_io.admin import ensure_topics, group_progress
 from kafka_io.config import client_config
-from kafka_io.admin import group_progress
-from kvstream.worker import WorkerOptions, spawn_worker, stop_worker, wait_until_consumed
+from kafka_io.reader import messages_to_end
+from kvstream import broker
+from kvstream.worker import spawn_worker, stop_worker, wait_until_consumed
 from producers.kafka_sink import KvEventProducer, ProduceError
 from producers.simulator import Batch, ClusterSimulator, FleetConfig, load_trace
 from producers.split import split_event
-from harness.vllm_publisher import FakeVllmPublisher
 from schemas import AvroCodec
 from schemas.tiers import tier_of
 from schemas.topics import KV_EVENTS, KV_EVENTS_DEAD_LETTER, by_ownership_topic
 from stream_apps.repartition import repartition_group
-from kafka_io.reader import messages_to_end
+from stream_apps.settings import WorkerSettings
 from stream_apps.snapshot import changelog_topic, read_table, resident_rows
 
 #: Scenario names, in the order they run.
@@ -383,7 +383,7 @@ class RunEnv:
     def worker(self, name: str, app_id: str, *, store: str = "memory://", data_dir: Path | None = None,
                web_port: int | None = None) -> Worker:
         """Spawn a worker (log ``<run dir>/<name>.log``, data dir ``<run dir>/<name>`` unless given)."""
-        options = WorkerOptions(self.bootstrap, web_port=web_port or broker.free_port(),
+        options = WorkerSettings(bootstrap_servers=self.bootstrap, web_port=web_port or broker.free_port(),
                                 data_dir=data_dir or self.dir / name, store=store, partitions=self.partitions,
                                 app_id=app_id)
         worker = Worker(options, self.dir / f"{name}.log")
@@ -395,7 +395,7 @@ class RunEnv:
 class Worker:
     """A stream-app worker child process (:func:`kvstream.worker.spawn_worker`) and its HTTP views."""
 
-    def __init__(self, options: WorkerOptions, log_file: Path) -> None:
+    def __init__(self, options: WorkerSettings, log_file: Path) -> None:
         self.options = options
         self.log_file = log_file
         self.process: subprocess.Popen | None = None

@@ -16,7 +16,6 @@ import logging
 import os
 import re
 
-
 #: Default bootstrap servers: the embedded broker of ``kvstream broker start``. Commands take theirs from
 #: their settings object (flag, then ``KVSTREAM_BOOTSTRAP_SERVERS``, then this).
 DEFAULT_BOOTSTRAP_SERVERS = "127.0.0.1:9092"
@@ -24,6 +23,25 @@ DEFAULT_BOOTSTRAP_SERVERS = "127.0.0.1:9092"
 #: Default partition count of kv-events; the stream app's internal topics and
 #: tables use the same count (Faust requires co-partitioning).
 DEFAULT_PARTITIONS = 8
+
+
+def check_bootstrap_servers(servers: str) -> str:
+    """``servers`` if it is a bootstrap list Kafka clients take: ``HOST:PORT[,HOST:PORT...]``.
+
+    Raises:
+        ValueError: empty, a URL scheme (``kafka://``, ``PLAINTEXT://``: librdkafka would try to resolve it as
+            a host name and only time out), or an entry without a port; the message shows the accepted form.
+    """
+    entries = [entry.strip() for entry in servers.split(",")]
+    for entry in entries:
+        if "://" in entry:
+            raise ValueError(f"bootstrap server {entry!r} has a URL scheme; give HOST:PORT, e.g. "
+                             f"{entry.split('://', 1)[1] or '127.0.0.1:9092'!r} (security goes in "
+                             "KVSTREAM_SECURITY_PROTOCOL)")
+        host, _, port = entry.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"bootstrap server {entry!r} is not HOST:PORT (e.g. 127.0.0.1:9092)")
+    return ",".join(entries)
 
 
 class _OncePerMessage(logging.Filter):

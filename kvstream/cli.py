@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from kvstream import broker
 from kafka_io.config import DEFAULT_BOOTSTRAP_SERVERS, DEFAULT_PARTITIONS
+from kvstream import broker
 
 
 def _positive_int(text: str) -> int:
@@ -40,20 +39,6 @@ def _add_endpoints(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-parallel-size", type=_positive_int, default=1, metavar="N",
                    help="follow ranks 0..N-1 of one engine on its offset ports (vLLM: port + rank)")
     p.add_argument("--zmq-topic", default="", help="publisher topic prefix to subscribe to (default: all)")
-
-
-def _validated_by_source_settings(option: str):
-    """An argparse type that checks ``--clear-scope`` / ``--aggregation`` with SourceSettings.parse."""
-    def check(text: str) -> str:
-        from stream_apps.residency import SourceSettings
-
-        try:
-            SourceSettings.parse(**{option: text})
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-        return text
-
-    return check
 
 
 def _add_target_topic(p: argparse.ArgumentParser) -> None:
@@ -107,13 +92,11 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    from kvstream.worker import WorkerOptions, run_worker
+    from kvstream.options import settings_from_args
+    from kvstream.worker import run_worker
+    from stream_apps.settings import WorkerSettings
 
-    return run_worker(WorkerOptions(args.bootstrap_servers, web_port=args.web_port, web_bind=args.web_bind,
-                                    web_host=args.web_host,
-                                    data_dir=args.data_dir, store=args.store, partitions=args.partitions,
-                                    clear_scope=args.clear_scope, aggregation=args.aggregation, app_id=args.app_id,
-                                    log_level=args.loglevel))
+    return run_worker(settings_from_args(WorkerSettings, args))
 
 
 def _cmd_query(args: argparse.Namespace) -> int:
@@ -309,33 +292,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the final residency (JSON lines, one resident row each) to FILE")
     p.set_defaults(func=_cmd_simulate)
 
+    from kvstream.options import add_settings_arguments
+    from stream_apps.settings import WorkerSettings
+
     p = sub.add_parser("worker", help="run a stream-app worker (Faust); start several to share the partitions",
                        description="Run one worker of the Faust stream app: re-key kv-events by ownership, "
                                    "materialize the residency and tier-occupancy tables, serve the HTTP views. "
-                                   "Workers with the same --app-id share the partitions.")
-    _add_bootstrap(p)
-    p.add_argument("--web-port", type=int, default=6066, help="HTTP port (default: %(default)s)")
-    p.add_argument("--web-bind", default="127.0.0.1", help="HTTP bind address (default: %(default)s)")
-    p.add_argument("--web-host", default=os.environ.get("KVSTREAM_WEB_HOST", "127.0.0.1"),
-                   help="host name other workers reach this worker at, for forwarded lookups "
-                        "(default: %(default)s; env KVSTREAM_WEB_HOST)")
-    p.add_argument("--data-dir", type=Path, default=Path(".kvstream/worker"),
-                   help="local state directory (default: %(default)s)")
-    p.add_argument("--store", default="rocksdb://", choices=["memory://", "rocksdb://"],
-                   help="table store (default: %(default)s, kept on disk in --data-dir, so a restarted worker "
-                        "reads only the changelog written since; memory:// rebuilds every table from the "
-                        "changelog at start and holds it in RAM)")
-    p.add_argument("--partitions", type=_positive_int, default=DEFAULT_PARTITIONS,
-                   help="partitions of kv-events and the app's topics (default: %(default)s)")
-    p.add_argument("--clear-scope", type=_validated_by_source_settings("clear_scope"), default="gpu", metavar="gpu|all[,INSTANCE=gpu|all...]",
-                   help="tiers an AllBlocksCleared removes, for all sources and per instance "
-                        "(default: %(default)s, as vLLM means it)")
-    p.add_argument("--aggregation", type=_validated_by_source_settings("aggregation"), default="", metavar="INSTANCE=N[:MODE][,...]",
-                   help="world size and mode (REPLICATED or SHARDED) of sources whose events do not declare "
-                        "them, e.g. engine-3=2:REPLICATED (default: none, i.e. 1)")
-    p.add_argument("--app-id", default="kvstream", help="Faust app id = consumer group (default: %(default)s)")
-    p.add_argument("--loglevel", default="info", choices=["debug", "info", "warning", "error"],
-                   help="log level (default: %(default)s)")
+                                   "Workers with the same --app-id share the partitions. Each setting is taken "
+                                   "from its flag, else its KVSTREAM_* variable, else its default.")
+    add_settings_arguments(p, WorkerSettings)
     p.set_defaults(func=_cmd_worker)
 
     p = sub.add_parser("bridge", help="subscribe to running vLLM/SGLang KV event publishers (ZMQ) and produce to "

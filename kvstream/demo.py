@@ -23,14 +23,20 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvstream import broker
 from kafka_io.admin import ensure_topics
 from kafka_io.config import DEFAULT_PARTITIONS
-from kvstream.worker import WorkerOptions, spawn_worker, stop_worker, wait_until_consumed
+from kvstream import broker
+from kvstream.worker import spawn_worker, stop_worker, wait_until_consumed
 from producers.kafka_sink import KvEventProducer
 from producers.simulator import DEFAULT_TRACE, FleetConfig, load_trace, replay_to_kafka
 from schemas.topics import KV_EVENTS
-from stream_apps.snapshot import changelog_topic, compare_rows, read_table, resident_rows
+from stream_apps.settings import WorkerSettings
+from stream_apps.snapshot import (
+    changelog_topic,
+    compare_rows,
+    read_table,
+    resident_rows,
+)
 
 
 @dataclass
@@ -120,7 +126,7 @@ def run_demo(options: DemoOptions) -> int:
     status = broker.start(port=options.port, data_dir=broker_dir)
     bootstrap = status.bootstrap_servers
     print(f"      broker ready in {time.perf_counter() - t0:.1f}s; log: {status.log_file}")
-    worker_options = WorkerOptions(bootstrap, web_port=options.web_port, data_dir=worker_dir,
+    worker_options = WorkerSettings(bootstrap_servers=bootstrap, web_port=options.web_port, data_dir=worker_dir,
                                    partitions=options.partitions)
     ensure_topics(bootstrap, {KV_EVENTS: options.partitions})
     process = None

@@ -19,7 +19,12 @@ from confluent_kafka import Consumer, KafkaException
 
 from kafka_io.config import client_config, unreachable
 from schemas import AvroCodec, DecodeError
-from schemas.topics import KV_EVENTS, KV_EVENTS_BY_OWNERSHIP, KV_RESIDENCY_CHANGES, KV_TIER_OCCUPANCY
+from schemas.topics import (
+    KV_EVENTS,
+    KV_EVENTS_BY_OWNERSHIP,
+    KV_RESIDENCY_CHANGES,
+    KV_TIER_OCCUPANCY,
+)
 
 #: Changelog topic suffix -> schema family of its values.
 _CHANGELOG_FAMILIES = {"-residency-changelog": "residency", "-tier-occupancy-changelog": "tier_occupancy",

@@ -1,12 +1,8 @@
-"""Run the Faust stream app (``kvstream worker``), in this process or as a child process.
+"""Run stream-app workers: in this process (``kvstream worker``) or as child processes, and wait for them.
 
-The app (:mod:`stream_apps.app`) is configured through environment variables
-because Faust apps are declared at import time; :func:`worker_environment`
-builds them from the options, and :func:`run_worker` runs Faust's own worker
-command with them. Every topic the app uses is created first, with the app's partition
-count: Faust would create its internal topics itself, but a topic created
-while the consumer group forms is left out of the first assignment (seen: stage
-2 then stays idle until the next rebalance).
+A worker's settings are one :class:`stream_apps.settings.WorkerSettings`, passed down to
+:func:`stream_apps.app.create_app`. Every topic the app uses is created before Faust starts: a topic created
+while the consumer group forms is left out of the first assignment.
 """
 
 from __future__ import annotations
@@ -16,96 +12,47 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from confluent_kafka.admin import AdminClient
 
 from kafka_io.admin import GroupProgress, ensure_topics, group_progress
-from kafka_io.config import DEFAULT_PARTITIONS, client_config
+from kafka_io.config import client_config
+from kvstream.options import settings_to_argv
 from schemas.topics import KV_EVENTS, by_ownership_topic
 from stream_apps.repartition import repartition_group
-
-#: Default Faust app id: the consumer group and the prefix of changelog topics.
-DEFAULT_APP_ID = "kvstream"
+from stream_apps.settings import WorkerSettings
 
 
-@dataclass
-class WorkerOptions:
-    """Options of one stream-app worker (see ``kvstream worker --help``)."""
-
-    bootstrap_servers: str
-    #: HTTP port of the worker's web server (views and routing between workers).
-    web_port: int = 6066
-    #: Address the web server binds to; localhost unless told otherwise.
-    web_bind: str = "127.0.0.1"
-    #: Host name or address other workers reach this one at (requests for keys it holds are forwarded there).
-    web_host: str = "127.0.0.1"
-    #: Local state directory (RocksDB stores, Faust's own files).
-    data_dir: Path = Path(".kvstream/worker")
-    #: Table store: ``rocksdb://`` (the default for deployments: on disk in ``data_dir``, a restart reads only
-    #: the changelog written since) or ``memory://`` (rebuilt from the whole changelog at start, held in RAM).
-    store: str = "rocksdb://"
-    #: Partitions of kv-events and of the app's topics and tables.
-    partitions: int = DEFAULT_PARTITIONS
-    #: Tiers an AllBlocksCleared removes: ``gpu`` (default, vLLM semantics) or ``all``, then per-instance
-    #: overrides: ``gpu,engine-7=all``.
-    clear_scope: str = "gpu"
-    #: World size and mode of sources whose events do not declare them: ``engine-3=2:REPLICATED,...``.
-    aggregation: str = ""
-    app_id: str = DEFAULT_APP_ID
-    log_level: str = "info"
-
-
-def worker_environment(options: WorkerOptions) -> dict[str, str]:
-    """The environment variables :mod:`stream_apps.app` reads, for these options."""
-    return {
-        "KVSTREAM_BOOTSTRAP_SERVERS": options.bootstrap_servers,
-        "KVSTREAM_WEB_PORT": str(options.web_port),
-        "KVSTREAM_WEB_BIND": options.web_bind,
-        "KVSTREAM_WEB_HOST": options.web_host,
-        "KVSTREAM_DATA_DIR": str(options.data_dir),
-        "KVSTREAM_STORE": options.store,
-        "KVSTREAM_PARTITIONS": str(options.partitions),
-        "KVSTREAM_CLEAR_SCOPE": options.clear_scope,
-        "KVSTREAM_AGGREGATION": options.aggregation,
-        "KVSTREAM_APP_ID": options.app_id,
-    }
-
-
-def run_worker(options: WorkerOptions) -> int:
+def run_worker(settings: WorkerSettings) -> int:
     """Run one worker in this process until it is stopped (SIGTERM/SIGINT); returns the exit code.
 
-    Creates every topic the app uses first (see :func:`stream_apps.app.declared_topics`).
+    Creates every topic the app uses first (:meth:`stream_apps.app.StreamApp.declared_topics`).
     """
-    os.environ.update(worker_environment(options))
-    Path(options.data_dir).mkdir(parents=True, exist_ok=True)
-    from stream_apps.app import app, declared_topics  # configured from the environment at import
+    from stream_apps.app import create_app
 
-    topics = declared_topics()
-    ensure_topics(options.bootstrap_servers, {name: p for name, (p, _) in topics.items()},
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    stream_app = create_app(settings)
+    topics = stream_app.declared_topics()
+    ensure_topics(settings.bootstrap_servers, {name: p for name, (p, _) in topics.items()},
                   configs={name: config for name, (_, config) in topics.items()})
-
-    sys.argv = ["kvstream worker", "worker", "--loglevel", options.log_level, "--web-port", str(options.web_port),
-                "--web-bind", options.web_bind, "--web-host", options.web_host]
-    app.main()
+    sys.argv = ["kvstream worker", "worker", "--loglevel", settings.log_level, "--web-port", str(settings.web_port),
+                "--web-bind", settings.web_bind, "--web-host", settings.web_host]
+    stream_app.app.main()
     return 0
 
 
-def spawn_worker(options: WorkerOptions, log_file: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start ``kvstream worker`` as a child process (in its own session) with its output appended to ``log_file``.
+def spawn_worker(settings: WorkerSettings, log_file: Path, extra_env: dict[str, str] | None = None
+                 ) -> subprocess.Popen:
+    """Start ``kvstream worker`` with ``settings`` as a child process (in its own session), its output appended
+    to ``log_file``.
 
     Args:
         extra_env: variables added to this process's environment for the worker, e.g. Faust's own
             ``BROKER_SESSION_TIMEOUT`` (seconds; default 60) that ``make chaos`` shortens.
     """
     log_file.parent.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "kvstream.cli", "worker", "--bootstrap-servers", options.bootstrap_servers,
-               "--web-port", str(options.web_port), "--web-bind", options.web_bind, "--web-host", options.web_host,
-               "--data-dir",
-               str(options.data_dir), "--store", options.store, "--partitions", str(options.partitions),
-               "--clear-scope", options.clear_scope, "--aggregation", options.aggregation, "--app-id",
-               options.app_id, "--loglevel", options.log_level]
+    command = [sys.executable, "-m", "kvstream.cli", "worker", *settings_to_argv(settings)]
     with open(log_file, "ab") as out:
         env = {**os.environ, **extra_env} if extra_env else None
         return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)

@@ -15,10 +15,17 @@ from confluent_kafka import KafkaError, Producer
 
 from kafka_io.admin import topic_partitions
 from kafka_io.config import DEFAULT_BOOTSTRAP_SERVERS, producer_config
+from kafka_io.produce import produce_waiting
 from producers.split import BlockEncoder, ParentTracker, Publisher
 from schemas import AvroCodec
-from schemas.codec import KvEventWriter
-from schemas.topics import KV_EVENTS, KV_EVENTS_DEAD_LETTER, OWNERSHIP_HEADER
+from schemas.avro_writers import KvEventWriter
+from schemas.topics import (
+    ERROR_HEADER,
+    KV_EVENTS,
+    KV_EVENTS_DEAD_LETTER,
+    OWNERSHIP_HEADER,
+    SOURCE_HEADER,
+)
 
 
 class ProduceError(RuntimeError):
@@ -94,16 +101,10 @@ class KvEventProducer:
         return headers
 
     def _produce(self, value: bytes, key: bytes | None, partition: int | None, headers=None) -> None:
-        produce = self._producer.produce
-        while True:
-            try:
-                if partition is None:
-                    produce(self.topic, value, key, headers=headers)
-                else:
-                    produce(self.topic, value, key, partition)
-                break
-            except BufferError:  # local queue full: let librdkafka drain, then retry
-                self._producer.poll(0.05)
+        if partition is None:
+            produce_waiting(self._producer, self.topic, value, key, headers=headers)
+        else:
+            produce_waiting(self._producer, self.topic, value, key, partition=partition)
         self.stats.sent += 1
 
     def send(self, record: dict) -> None:
@@ -149,8 +150,7 @@ class KvEventProducer:
                 continue
             try:
                 produce(topic, value, key, headers=headers)
-            except BufferError:
-                self._producer.poll(0.05)
+            except BufferError:  # local queue full: wait for room (the common case above costs no extra call)
                 self._produce(value, key, None, headers)
                 continue
             self.stats.sent += 1
@@ -168,14 +168,8 @@ class KvEventProducer:
             source: where they came from, e.g. ``tcp://host:5557 seq 42 event 3`` (header ``kvstream-source``).
         """
         self.stats.dead_lettered += 1
-        while True:
-            try:
-                self._producer.produce(KV_EVENTS_DEAD_LETTER, value=value, key=key,
-                                       headers={"kvstream-error": reason[:1000].encode(),
-                                                "kvstream-source": source[:500].encode()})
-                break
-            except BufferError:
-                self._producer.poll(0.05)
+        produce_waiting(self._producer, KV_EVENTS_DEAD_LETTER, value, key,
+                        headers={ERROR_HEADER: reason[:1000].encode(), SOURCE_HEADER: source[:500].encode()})
         self.stats.sent += 1
 
     def poll(self, timeout_s: float = 0.0) -> None:

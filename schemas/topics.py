@@ -27,3 +27,9 @@ KV_TIER_OCCUPANCY = "kv-tier-occupancy"
 #: without decoding it and decodes records that lack it; the materializing stage dead-letters a record whose
 #: ownership contradicts it. Other consumers can ignore it.
 OWNERSHIP_HEADER = "kvstream-ownership"
+
+#: Header of a dead-letter record: why it could not be published or applied (UTF-8, at most 1,000 bytes).
+ERROR_HEADER = "kvstream-error"
+#: Header of a dead-letter record: where its bytes came from (``topic/partition/offset``, or the engine
+#: endpoint, seq and event index of a bridge input).
+SOURCE_HEADER = "kvstream-source"

@@ -33,6 +33,7 @@ the reason in the ``kvstream-error`` header and the original bytes.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import multiprocessing
 import os
@@ -42,20 +43,38 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
+import mode
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Producer,
+    TopicPartition,
+)
 
 from kafka_io.config import client_config, producer_config
+from kafka_io.produce import produce_waiting
 from schemas import ALL_BLOCKS_CLEARED, SOURCE_WIDE_EVENTS, AvroCodec, DecodeError
+from schemas.avro_writers import (
+    encode_clear_mark,
+    encode_keyed_event,
+    encode_ownership_batch,
+)
+from schemas.clear_position import NO_CLEAR, ClearPosition
 from schemas.codec import schema_versions
-from schemas.topics import KV_EVENTS, KV_EVENTS_DEAD_LETTER, OWNERSHIP_HEADER, by_ownership_topic
-from stream_apps.residency import NO_CLEAR, PRIMARY, key_partition
+from schemas.topics import (
+    ERROR_HEADER,
+    KV_EVENTS,
+    KV_EVENTS_DEAD_LETTER,
+    OWNERSHIP_HEADER,
+    SOURCE_HEADER,
+    by_ownership_topic,
+)
+from stream_apps.residency import PRIMARY, key_partition
 
 log = logging.getLogger(__name__)
 
-#: Header of a dead letter that holds the reason (the value holds the original bytes).
-ERROR_HEADER = "kvstream-error"
-#: Header of a dead letter that names where the record came from: ``<topic>/<partition>/<offset>``.
-SOURCE_HEADER = "kvstream-source"
 #: Clears kept per source and partition; a replay reaches back at most one batch (offsets are committed after
 #: every batch), so this only has to exceed the clears one source can emit within one batch.
 CLEAR_HISTORY = 8
@@ -83,10 +102,10 @@ class ClearHistory:
     instance_id: str
     data_parallel_rank: int
     partition: int
-    clears: list[tuple[int, tuple[int, int, int]]] = field(default_factory=list)
+    clears: list[tuple[int, ClearPosition]] = field(default_factory=list)
     _newest_encoded: bytes | None = field(default=None, repr=False, compare=False)
 
-    def mark_before(self, offset: int) -> tuple[int, int, int]:
+    def mark_before(self, offset: int) -> ClearPosition:
         """Position of the latest clear read before ``offset`` (:data:`NO_CLEAR` if none is kept)."""
         for clear_offset, mark in reversed(self.clears):
             if clear_offset < offset:
@@ -94,14 +113,14 @@ class ClearHistory:
         return NO_CLEAR
 
     def encoded_mark_before(self, offset: int) -> bytes:
-        """:func:`encode_mark` of :meth:`mark_before` (the common case, the newest clear, is encoded once)."""
+        """:func:`schemas.avro_writers.encode_clear_mark` of :meth:`mark_before` (the common case, the newest clear, is encoded once)."""
         if self.clears and self.clears[-1][0] < offset:
             if self._newest_encoded is None:
-                self._newest_encoded = encode_mark(self.clears[-1][1])
+                self._newest_encoded = encode_clear_mark(self.clears[-1][1])
             return self._newest_encoded
-        return encode_mark(self.mark_before(offset))
+        return encode_clear_mark(self.mark_before(offset))
 
-    def add(self, offset: int, mark: tuple[int, int, int]) -> bool:
+    def add(self, offset: int, mark: ClearPosition) -> bool:
         """Record the clear read at ``offset``; False if it is already known (a redelivery)."""
         if any(clear_offset == offset for clear_offset, _ in self.clears):
             return False
@@ -154,49 +173,6 @@ def _read_long(data: bytes, pos: int) -> tuple[int, int]:
         shift += 7
         pos += 1
     return (result >> 1) ^ -(result & 1), pos
-
-
-def _write_long(value: int) -> bytes:
-    """Avro zig-zag varint of ``value``."""
-    value = (value << 1) ^ (value >> 63)
-    out = bytearray()
-    while value & ~0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-#: Avro varints of 0 .. 2**14 - 1, the lengths of almost every key and event.
-_SMALL_LONGS = tuple(_write_long(n) for n in range(1 << 14))
-
-
-def _long(value: int) -> bytes:
-    return _SMALL_LONGS[value] if 0 <= value < (1 << 14) else _write_long(value)
-
-
-def encode_mark(mark: tuple[int, int, int]) -> bytes:
-    """The Avro ``["null", ClearMark]`` union value of a clear position (branch 0 for :data:`NO_CLEAR`)."""
-    if mark == NO_CLEAR:
-        return b"\x00"
-    return b"\x02" + _write_long(mark[0]) + _write_long(mark[1]) + _write_long(mark[2])
-
-
-def encode_keyed_event(key: str, mark: bytes, event: bytes) -> bytes:
-    """One ``KeyedEvent`` of schemas/ownership_batch_v1.avsc in Avro binary (``mark`` from :func:`encode_mark`).
-
-    Written by hand because this stage writes one per event and fastavro's generic writer costs several times
-    more; tests check the bytes against fastavro's.
-    """
-    raw_key = key.encode()
-    return _long(len(raw_key)) + raw_key + mark + _long(len(event)) + event
-
-
-def encode_ownership_batch(header: bytes, items: list[bytes]) -> bytes:
-    """A single-object ``OwnershipBatch`` (``header``: magic and fingerprint) of encoded KeyedEvents."""
-    if not items:
-        return header + b"\x00"
-    return b"".join((header, _write_long(len(items)), *items, b"\x00"))
 
 
 class Repartitioner:
@@ -397,7 +373,7 @@ class Repartitioner:
             mark = NO_CLEAR if history is None else history.mark_before(offset)
         name = kind.rsplit(".", 1)[-1]
         outgoing[partition].append(encode_keyed_event(f"{name}/{record['instance_id']}/{record['data_parallel_rank']}",
-                                                      encode_mark(mark), message.value()))
+                                                      encode_clear_mark(mark), message.value()))
 
     def _produce(self, outgoing: dict[int, list[bytes]], changed: dict[tuple[int, str, int], ClearHistory]) -> None:
         produce = self._producer.produce
@@ -417,12 +393,7 @@ class Repartitioner:
                        self._clears_codec.encode(history.to_record()), partition)
 
     def _send(self, produce, topic: str, key: bytes | None, value: bytes, partition: int) -> None:
-        while True:
-            try:
-                produce(topic, value=value, key=key, partition=partition, on_delivery=self._on_delivery)
-                return
-            except BufferError:
-                self._producer.poll(0.05)
+        produce_waiting(self._producer, topic, value, key, partition=partition, on_delivery=self._on_delivery)
 
     def _on_delivery(self, error, message) -> None:
         if error is not None:
@@ -434,13 +405,8 @@ class Repartitioner:
         log.warning("dead-lettering %s[%s]@%s: %s", message.topic(), message.partition(), message.offset(), reason)
         headers = [(ERROR_HEADER, reason.encode()[:1000]),
                    (SOURCE_HEADER, f"{message.topic()}/{message.partition()}/{message.offset()}".encode())]
-        while True:
-            try:
-                self._producer.produce(KV_EVENTS_DEAD_LETTER, key=message.key(), value=message.value(),
-                                       headers=headers, on_delivery=self._on_delivery)
-                return
-            except BufferError:
-                self._producer.poll(0.05)
+        produce_waiting(self._producer, KV_EVENTS_DEAD_LETTER, message.value(), message.key(), headers=headers,
+                        on_delivery=self._on_delivery)
 
 
 # --------------------------------------------------------------------------- stage 1 in a process of its own
@@ -535,3 +501,50 @@ def _run_child(bootstrap_servers: str, app_id: str, partitions: int, batch_size:
     except BaseException:  # noqa: BLE001 - the worker learns it from the exit code
         log.exception("the repartition stage stopped")
         raise SystemExit(1)
+
+
+class RepartitionService(mode.Service):
+    """Runs the repartition process (:class:`RepartitionProcess`) for the worker's lifetime.
+
+    If the process dies (e.g. the broker refuses its outputs), the worker crashes, so that a supervisor
+    restarts it and the unacknowledged batch is read again.
+
+    Args:
+        app: the Faust app (its ``crash`` is called when the process exits).
+        bootstrap_servers, app_id, partitions, batch_size, within_s: as :class:`Repartitioner`.
+    """
+
+    def __init__(self, app, bootstrap_servers: str, app_id: str, partitions: int, *, batch_size: int,
+                 within_s: float, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.app = app
+        self.process = RepartitionProcess(bootstrap_servers, app_id, partitions, batch_size=batch_size,
+                                          within_s=within_s)
+        self._spawned = False
+
+    async def on_start(self) -> None:
+        self.process.start()
+        self._spawned = True
+
+    @mode.Service.task
+    async def _watch(self) -> None:
+        while not self.should_stop:
+            await self.sleep(1.0)
+            code = self.process.exitcode if self._spawned else None
+            if code is not None and not self.should_stop:
+                await self.app.crash(RuntimeError(f"the repartition process exited with code {code} "
+                                                  "(its log is above)"))
+                return
+
+    @property
+    def alive(self) -> bool:
+        """True while the process runs."""
+        return self._spawned and self.process.exitcode is None
+
+    def counters(self) -> dict[str, int]:
+        """The process's counters (``repartitioned``, ``dead_lettered``); zeros before it started."""
+        return self.process.counters() if self._spawned else {"repartitioned": 0, "dead_lettered": 0}
+
+    async def on_stop(self) -> None:
+        if self._spawned:
+            await asyncio.get_running_loop().run_in_executor(None, self.process.stop)

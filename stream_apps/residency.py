@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from murmurhash2 import murmurhash2
 
 from schemas import BLOCK_STORED
+from schemas.clear_position import ClearPosition, clear_mark_record
 
 #: Table-key prefix for ownership null: the serving framework's own tiers.
 PRIMARY = "primary"
@@ -95,8 +96,6 @@ class SourceSettings:
         return cls(default, overrides, declared)
 
 
-#: The position of "no clear yet": lower than any real (epoch, seq, batch_index).
-NO_CLEAR = (-1, -1, -1)
 
 
 def residency_key(ownership: str | None, block_hash: bytes) -> str:
@@ -170,20 +169,8 @@ def _worker_position(worker: dict) -> tuple[int, int, int, int]:
     return worker["publisher_epoch"], worker["seq"], worker["batch_index"], worker["block_index"]
 
 
-def _clear_mark(row: dict) -> tuple[int, int, int]:
-    mark = row["clear_mark"]
-    return NO_CLEAR if mark is None else (mark["publisher_epoch"], mark["seq"], mark["batch_index"])
-
-
-def mark_record(mark: tuple[int, int, int]) -> dict | None:
-    """The Avro ``ClearMark`` of a clear position (None for :data:`NO_CLEAR`)."""
-    if mark == NO_CLEAR:
-        return None
-    return {"publisher_epoch": mark[0], "seq": mark[1], "batch_index": mark[2]}
-
-
-def apply_block_event(entry: dict | None, record: dict, clear_mark: tuple[int, int, int],
-                      clear_watermark: tuple[int, int, int], clear_tiers: frozenset,
+def apply_block_event(entry: dict | None, record: dict, clear_mark: ClearPosition,
+                      clear_watermark: ClearPosition, clear_tiers: frozenset,
                       stats: ApplyStats, aggregation: tuple[int, str] | None = None) -> tuple[dict | None, int, int]:
     """Apply one BlockStored/BlockRemoved record to a block's residency entry.
 
@@ -237,7 +224,7 @@ def apply_block_event(entry: dict | None, record: dict, clear_mark: tuple[int, i
         rows.append(row)
     else:
         before = row["copies"]
-    if row["workers"] and in_clear_scope and clear_mark > _clear_mark(row):
+    if row["workers"] and in_clear_scope and clear_mark > ClearPosition.of(row["clear_mark"]):
         # A clear of the source came between the row's last event and this one: it emptied the row. The row's
         # own clear copy will find it newer than the clear and leave it, so the delta reported here covers both
         # (resident before, resident after: 0; the clear's -1 and the store's +1 cancel).
@@ -282,7 +269,7 @@ def apply_block_event(entry: dict | None, record: dict, clear_mark: tuple[int, i
     row["aggregation"] = record["aggregation"] or configured_mode
     row["medium"] = body["medium"]
     row["last_ts"] = record["ts"]
-    row["clear_mark"] = mark_record(clear_mark)
+    row["clear_mark"] = clear_mark_record(clear_mark)
     after = aggregate_copies(row["workers"], row["world_size"], row["aggregation"])
     row["copies"] = after
     delta = 0
@@ -332,7 +319,7 @@ def retire_epoch(entry: dict, instance_id: str, data_parallel_rank: int, worker_
     return (entry if kept else None), stopped, changed
 
 
-def apply_clear(entry: dict, instance_id: str, data_parallel_rank: int, mark: tuple[int, int, int],
+def apply_clear(entry: dict, instance_id: str, data_parallel_rank: int, mark: ClearPosition,
                 clear_tiers: frozenset, stats: ApplyStats) -> tuple[dict | None, list[dict], bool]:
     """Apply a source's AllBlocksCleared (at position ``mark``) to one entry.
 
@@ -347,7 +334,7 @@ def apply_clear(entry: dict, instance_id: str, data_parallel_rank: int, mark: tu
     kept, removed = [], []
     for row in entry["rows"]:
         if (row["instance_id"] == instance_id and row["data_parallel_rank"] == data_parallel_rank
-                and row["tier"] in clear_tiers and _clear_mark(row) < mark):
+                and row["tier"] in clear_tiers and ClearPosition.of(row["clear_mark"]) < mark):
             if row["copies"] > 0:
                 removed.append(row)
                 stats.stopped_resident += 1

@@ -9,17 +9,23 @@ import msgspec
 import pytest
 from confluent_kafka import Consumer
 
+from harness.vllm_publisher import BlockRemoved, BlockStored, FakeVllmPublisher
 from kafka_io.admin import ensure_topics
 from kafka_io.config import client_config
-from producers.bridge import (Bridge, BridgeMetrics, KafkaBatchSink, PublisherEndpoint, data_parallel_endpoints,
-                              offset_endpoint)
+from kvstream.broker import free_ports
+from producers.bridge import (
+    Bridge,
+    BridgeMetrics,
+    KafkaBatchSink,
+    PublisherEndpoint,
+    data_parallel_endpoints,
+    offset_endpoint,
+)
 from producers.kafka_sink import KvEventProducer
 from producers.split import rebuild_event
 from schemas import AvroCodec
 from schemas.topics import KV_EVENTS_DEAD_LETTER
 from tests.test_split import VLLM_PAYLOAD
-from kvstream.broker import free_ports
-from harness.vllm_publisher import BlockRemoved, BlockStored, FakeVllmPublisher
 
 
 class CollectingSink:

@@ -6,8 +6,17 @@ import struct
 
 import pytest
 
-from schemas import (ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED, AvroCodec, DecodeError, InvalidBlockHash,
-                     canonical_block_hash, parse_hex_block_hash, tier_of)
+from schemas import (
+    ALL_BLOCKS_CLEARED,
+    BLOCK_REMOVED,
+    BLOCK_STORED,
+    AvroCodec,
+    DecodeError,
+    InvalidBlockHash,
+    canonical_block_hash,
+    parse_hex_block_hash,
+    tier_of,
+)
 from schemas.block_hash import original_block_hash
 from schemas.codec import schema_versions
 

@@ -19,15 +19,26 @@ from confluent_kafka import Consumer, Producer
 
 from kafka_io.admin import ensure_topics
 from kafka_io.config import client_config
-from kvstream.worker import WorkerOptions, spawn_worker, stop_worker, wait_until_consumed
+from kvstream.broker import free_port
+from kvstream.worker import spawn_worker, stop_worker, wait_until_consumed
+from producers.bridge import Bridge, BridgeMetrics, KafkaBatchSink, PublisherEndpoint
 from producers.kafka_sink import KvEventProducer
 from producers.simulator import FleetConfig, load_trace, replay_to_kafka
-from producers.bridge import Bridge, BridgeMetrics, KafkaBatchSink, PublisherEndpoint
 from producers.split import Publisher, split_event
 from schemas import AvroCodec
-from schemas.topics import KV_EVENTS, KV_EVENTS_DEAD_LETTER, KV_RESIDENCY_CHANGES, KV_TIER_OCCUPANCY
-from stream_apps.snapshot import changelog_topic, compare_rows, read_table, resident_rows
-from kvstream.broker import free_port
+from schemas.topics import (
+    KV_EVENTS,
+    KV_EVENTS_DEAD_LETTER,
+    KV_RESIDENCY_CHANGES,
+    KV_TIER_OCCUPANCY,
+)
+from stream_apps.settings import WorkerSettings
+from stream_apps.snapshot import (
+    changelog_topic,
+    compare_rows,
+    read_table,
+    resident_rows,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -135,7 +146,7 @@ def pipeline(kafka_bootstrap, tmp_path_factory):
                     headers={"kvstream-ownership": b"kvcr"})  # routed as kvcr by its header, then caught
     garbage.flush(30)
     work = tmp_path_factory.mktemp("worker")
-    options = WorkerOptions(kafka_bootstrap, web_port=free_port(), data_dir=work / "data", partitions=PARTITIONS,
+    options = WorkerSettings(bootstrap_servers=kafka_bootstrap, web_port=free_port(), data_dir=work / "data", partitions=PARTITIONS,
                             app_id="kvstream-test")
     process = spawn_worker(options, work / "worker.log")
     try:
@@ -431,7 +442,7 @@ def test_two_workers_share_the_partitions_and_forward_lookups(pipeline, kafka_bo
     Last in the module: while the group rebalances after the second worker leaves, lookups answer 503.
     """
     first = pipeline["options"]
-    second = WorkerOptions(kafka_bootstrap, web_port=free_port(), data_dir=pipeline["work"] / "data-2",
+    second = WorkerSettings(bootstrap_servers=kafka_bootstrap, web_port=free_port(), data_dir=pipeline["work"] / "data-2",
                            partitions=PARTITIONS, app_id=first.app_id)
     process = spawn_worker(second, pipeline["work"] / "worker-2.log")
     urls = [pipeline["url"], f"http://127.0.0.1:{second.web_port}"]
@@ -459,7 +470,7 @@ def test_two_workers_share_the_partitions_and_forward_lookups(pipeline, kafka_bo
 
 def test_case3_with_clear_scope_all_the_clear_also_removes_offloaded_copies(pipeline, kafka_bootstrap):
     """A second app (its own id, tables and re-keyed topic) over the same kv-events, with --clear-scope all."""
-    options = WorkerOptions(kafka_bootstrap, web_port=free_port(), data_dir=pipeline["work"] / "data-all",
+    options = WorkerSettings(bootstrap_servers=kafka_bootstrap, web_port=free_port(), data_dir=pipeline["work"] / "data-all",
                             partitions=PARTITIONS, app_id="kvstream-test-all", clear_scope="all")
     process = spawn_worker(options, pipeline["work"] / "worker-all.log")
     try:

@@ -5,8 +5,15 @@ from __future__ import annotations
 import itertools
 
 from producers.split import Publisher, split_event
-from stream_apps.residency import (DEFAULT_CLEAR_TIERS, NO_CLEAR, ApplyStats, aggregate_copies, apply_block_event,
-                                   apply_clear, residency_key)
+from schemas.clear_position import NO_CLEAR
+from stream_apps.residency import (
+    DEFAULT_CLEAR_TIERS,
+    ApplyStats,
+    aggregate_copies,
+    apply_block_event,
+    apply_clear,
+    residency_key,
+)
 
 _seq = itertools.count()
 
@@ -153,7 +160,11 @@ def test_a_newer_epoch_restarts_a_workers_count_and_retire_epoch_zeroes_untouche
 
 
 def test_prefix_match_weights_tiers_and_stops_at_the_first_missing_block():
-    from stream_apps.residency import DEFAULT_TIER_WEIGHTS, parse_tier_weights, prefix_match
+    from stream_apps.residency import (
+        DEFAULT_TIER_WEIGHTS,
+        parse_tier_weights,
+        prefix_match,
+    )
 
     def row(instance, tier, dp=0):
         return {"instance_id": instance, "data_parallel_rank": dp, "tier": tier}

@@ -27,17 +27,23 @@ from aiokafka.errors import KafkaConnectionError
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 
-from kvstream import broker
 from kafka_io.admin import ensure_topics, topic_partitions
 from kafka_io.config import aiokafka_security, client_config
+from kvstream import broker
+from kvstream.broker import free_port
 from kvstream.tail import tail
 from kvstream.tls import TlsMaterial, generate_tls_material
-from kvstream.worker import WorkerOptions, spawn_worker, stop_worker, wait_until_consumed
+from kvstream.worker import spawn_worker, stop_worker, wait_until_consumed
 from producers.kafka_sink import KvEventProducer
 from producers.simulator import FleetConfig, load_trace, replay_to_kafka
 from schemas.topics import KV_EVENTS
-from stream_apps.snapshot import changelog_topic, compare_rows, read_table, resident_rows
-from kvstream.broker import free_port
+from stream_apps.settings import WorkerSettings
+from stream_apps.snapshot import (
+    changelog_topic,
+    compare_rows,
+    read_table,
+    resident_rows,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -159,7 +165,7 @@ def test_pipeline_runs_secured_and_never_logs_a_secret(secured):
     fleet = FleetConfig(gpu_blocks=600, cpu_blocks=900, kvcr_blocks=1200, clear_instance=None)
     result = replay_to_kafka(load_trace(limit=150), KvEventProducer(bootstrap, KV_EVENTS), fleet)
     log_file = data_dir / "worker.log"
-    options = WorkerOptions(bootstrap, web_port=free_port(), data_dir=data_dir / "worker", partitions=2,
+    options = WorkerSettings(bootstrap_servers=bootstrap, web_port=free_port(), data_dir=data_dir / "worker", partitions=2,
                             app_id="kvstream-secured")
     process = spawn_worker(options, log_file)
     try:

@@ -5,7 +5,13 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from producers.split import InvalidEvent, ParentTracker, Publisher, rebuild_event, split_event
+from producers.split import (
+    InvalidEvent,
+    ParentTracker,
+    Publisher,
+    rebuild_event,
+    split_event,
+)
 from schemas import ALL_BLOCKS_CLEARED, BLOCK_STORED, AvroCodec
 
 #: A real vLLM 0.33.0 KVEventBatch as published by its ZmqEventPublisher (research/vllm-kv-events.md, section 8):
@@ -122,7 +128,7 @@ def _reference(events) -> list[tuple[bytes | None, bytes]]:
 
 def test_block_encoder_writes_the_bytes_of_split_event_and_fastavro():
     from producers.split import BlockEncoder
-    from schemas.codec import KvEventWriter
+    from schemas.avro_writers import KvEventWriter
 
     _, events, _ = msgspec.msgpack.decode(VLLM_PAYLOAD)
     odd = {"type": "BlockStored", "block_hashes": [-5, 7, b"\x01" * 32], "parent_block_hash": -9,
@@ -143,7 +149,7 @@ def test_block_encoder_writes_the_bytes_of_split_event_and_fastavro():
 def test_kv_event_writer_encodes_every_event_type_like_fastavro():
     from producers.split import source_event
     from schemas import PUBLISHER_RESTARTED, SOURCE_STALE
-    from schemas.codec import KvEventWriter
+    from schemas.avro_writers import KvEventWriter
 
     codec = AvroCodec("kv_event")
     writer = KvEventWriter(codec)

@@ -9,7 +9,7 @@ import fastavro
 import pytest
 
 from schemas import BLOCK_REMOVED, BLOCK_STORED, AvroCodec
-from schemas.codec import avro_long
+from schemas.avro_writers import avro_long
 
 LONG_MIN, LONG_MAX = -(1 << 63), (1 << 63) - 1
 #: Around every power of two, both signs: every varint length from 1 to 10 bytes and its boundaries.
@@ -85,7 +85,7 @@ ENTRIES = {
 
 @pytest.fixture(scope="module")
 def residency():
-    from schemas.codec import ResidencyWriter
+    from schemas.avro_writers import ResidencyWriter
 
     codec = AvroCodec("residency")
     return codec, ResidencyWriter(codec)
@@ -100,7 +100,8 @@ def test_residency_writer_writes_fastavros_bytes(residency, entry):
 
 
 def test_residency_writer_writes_apply_block_events_entries_and_the_codecs_decoded_ones(residency):
-    from stream_apps.residency import NO_CLEAR, ApplyStats, apply_block_event
+    from schemas.clear_position import NO_CLEAR
+    from stream_apps.residency import ApplyStats, apply_block_event
 
     codec, writer = residency
     entry = None
@@ -140,7 +141,7 @@ CHANGES = {
 
 @pytest.fixture(scope="module")
 def changes():
-    from schemas.codec import ResidencyChangeWriter
+    from schemas.avro_writers import ResidencyChangeWriter
 
     codec = AvroCodec("residency_change")
     return codec, ResidencyChangeWriter(codec)
@@ -168,7 +169,7 @@ def test_change_writer_caches_do_not_mix_up_records(changes):
 # --------------------------------------------------------------------------- framing and refusals
 
 def test_writers_reuse_a_registry_codecs_confluent_header():
-    from schemas.codec import ResidencyChangeWriter, ResidencyWriter
+    from schemas.avro_writers import ResidencyChangeWriter, ResidencyWriter
 
     for family, writer_class, record in [("residency", ResidencyWriter, ENTRIES["everything set"]),
                                          ("residency_change", ResidencyChangeWriter, CHANGES["everything set"])]:
@@ -179,7 +180,7 @@ def test_writers_reuse_a_registry_codecs_confluent_header():
 
 @pytest.mark.parametrize("family, version", [("residency", 1), ("residency_change", 1)])
 def test_writers_refuse_any_other_writer_schema(family, version):
-    from schemas.codec import ResidencyChangeWriter, ResidencyWriter
+    from schemas.avro_writers import ResidencyChangeWriter, ResidencyWriter
 
     writer_class = {"residency": ResidencyWriter, "residency_change": ResidencyChangeWriter}[family]
     writer_class(AvroCodec(family, version))
@@ -196,7 +197,8 @@ def test_writers_refuse_any_other_writer_schema(family, version):
 
 
 def test_writers_fingerprints_are_those_of_the_schema_files():
-    from schemas.codec import ResidencyChangeWriter, ResidencyWriter, schema_versions
+    from schemas.avro_writers import ResidencyChangeWriter, ResidencyWriter
+    from schemas.codec import schema_versions
 
     for writer_class in (ResidencyWriter, ResidencyChangeWriter):
         version = next(v for v in schema_versions(writer_class.FAMILY) if v.version == writer_class.VERSION)
@@ -257,13 +259,17 @@ def test_residency_change_writer_matches_fastavro_on_any_change(changes, change)
 # --------------------------------------------------------------------------- the stream app's use
 
 def test_stream_app_encodes_with_the_writers_and_falls_back_to_fastavro_when_one_refuses(caplog):
-    from schemas.codec import ResidencyWriter
-    from stream_apps import app
+    from schemas.avro_writers import ResidencyWriter
+    from stream_apps.outputs import CHANGE_FIELDS, OutputTopics
+    from stream_apps.store import value_encoder
 
-    assert isinstance(app.residency_store.encode.__self__, ResidencyWriter)
+    assert isinstance(value_encoder(AvroCodec("residency")).__self__, ResidencyWriter)
     change = CHANGES["everything set"]
-    fields = [change[name] for name in app._CHANGE_FIELDS]
-    assert app._encode_change(*fields) == app._change_record(*fields) == app.change_codec.encode(change)
+    fields = [change[name] for name in CHANGE_FIELDS]
+    outputs = OutputTopics("127.0.0.1:9")  # no producer is made until a record is sent
+    assert outputs._encode_change(*fields) == AvroCodec("residency_change").encode(change)
     with caplog.at_level("WARNING"):
-        assert app._hand_written(ResidencyWriter, AvroCodec("residency_change")) is None
-    assert "writing residency_change records with fastavro" in caplog.text
+        codec = AvroCodec("residency")
+        codec.schema = dataclasses.replace(codec.schema, version=codec.schema.version + 1)
+        assert value_encoder(codec) == codec.encode
+    assert "encoding residency entries with fastavro" in caplog.text

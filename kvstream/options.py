@@ -1,0 +1,74 @@
+"""Command-line flags generated from a settings class, so a setting is declared once.
+
+Each field of a pydantic-settings class becomes ``--field-name`` (help: the field's description, its default
+and its ``KVSTREAM_*`` variable). Flags not given are left out, so the settings class applies its precedence:
+flag, then environment variable, then default (docs/configuration.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import typing
+from pathlib import Path
+
+from pydantic import ValidationError
+from pydantic_settings import BaseSettings
+
+
+def flag(name: str) -> str:
+    """``--field-name`` of a settings field."""
+    return "--" + name.replace("_", "-")
+
+
+def env_variable(settings_class: type[BaseSettings], name: str) -> str:
+    """The environment variable of a settings field (the class's prefix + the field name, upper case)."""
+    return f"{settings_class.model_config.get('env_prefix', '')}{name}".upper()
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser, settings_class: type[BaseSettings],
+                           exclude: tuple[str, ...] = ()) -> None:
+    """Add one flag per field of ``settings_class`` (but ``exclude``) to ``parser``, defaulting to "not given"."""
+    for name, info in settings_class.model_fields.items():
+        if name in exclude:
+            continue
+        choices = typing.get_args(info.annotation) if typing.get_origin(info.annotation) is typing.Literal else None
+        default = info.default
+        shown = "none" if default in ("", None) else default
+        help_text = f"{info.description} (default: {shown}; env {env_variable(settings_class, name)})"
+        kwargs: dict = {"default": argparse.SUPPRESS, "help": help_text.replace("%", "%%")}
+        if info.annotation is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["metavar"] = "|".join(choices) if choices else name.upper()
+            kwargs["type"] = Path if info.annotation is Path else str
+        parser.add_argument(flag(name), **kwargs)
+
+
+def settings_from_args(settings_class: type[BaseSettings], args: argparse.Namespace):
+    """The settings of a command: its flags given in ``args`` over ``KVSTREAM_*`` variables over defaults.
+
+    Raises:
+        ValueError: a value is refused; the message names the flag and its variable.
+    """
+    given = {name: getattr(args, name) for name in settings_class.model_fields if hasattr(args, name)}
+    try:
+        return settings_class(**given)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            name = str(error["loc"][0]) if error["loc"] else "?"
+            source = flag(name) if name in given else env_variable(settings_class, name)
+            problems.append(f"{source}: {error['msg']}")
+        raise ValueError("; ".join(problems)) from None
+
+
+def settings_to_argv(settings: BaseSettings) -> list[str]:
+    """The flags that give every field of ``settings`` its value (to start a child process with them)."""
+    argv: list[str] = []
+    for name in type(settings).model_fields:
+        value = getattr(settings, name)
+        if isinstance(value, bool):
+            argv.append(flag(name) if value else "--no-" + flag(name)[2:])
+        else:
+            argv += [flag(name), str(value)]
+    return argv

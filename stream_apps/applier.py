@@ -1,0 +1,280 @@
+"""Applies re-keyed events to the tables: one :class:`BatchApplier` per ``ownership_batch`` message.
+
+The residency rules themselves are pure functions (:mod:`stream_apps.residency`); this module reads the rows
+they need, writes back what changed, keeps ``tier-occupancy`` and ``sources`` in step and publishes every
+residency transition. Source-wide events (``AllBlocksCleared``, ``PublisherRestarted``, ``SourceStale``)
+are rare and scan the partition's rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from schemas import ALL_BLOCKS_CLEARED, SOURCE_STALE, SOURCE_WIDE_EVENTS
+from schemas.clear_position import ClearPosition
+from stream_apps.checkpoint import Checkpoint
+from stream_apps.outputs import OutputTopics
+from stream_apps.residency import (
+    PRIMARY,
+    ApplyStats,
+    SourceSettings,
+    apply_block_event,
+    apply_clear,
+    residency_key,
+    retire_epoch,
+)
+from stream_apps.tables import Tables
+
+log = logging.getLogger(__name__)
+
+
+class InvalidRecord(ValueError):
+    """A decodable kv_event that cannot be applied as routed (the message says why; it is dead-lettered)."""
+
+
+def occupancy_key(partition: int, ownership: str | None, tier: str, instance_id: str) -> str:
+    """Key of a ``tier-occupancy`` row: ``<partition>/<ownership or primary>/<tier>/<instance>``."""
+    return f"{partition}/{ownership or PRIMARY}/{tier}/{instance_id}"
+
+
+def publisher_key(partition: int, record: dict) -> str:
+    """Key of a publisher's ``sources`` and ``publisher-epochs`` rows on one partition."""
+    worker = -1 if record["worker_rank"] is None else record["worker_rank"]
+    return f"{partition}/{record['instance_id']}/{record['data_parallel_rank']}/{worker}"
+
+
+def _watermark_record(record: dict) -> dict:
+    """The ``clear_watermark`` value that marks ``record`` (a clear or a restart) applied."""
+    return {"instance_id": record["instance_id"], "data_parallel_rank": record["data_parallel_rank"],
+            "publisher_epoch": record["publisher_epoch"], "seq": record["seq"], "batch_index": record["batch_index"]}
+
+
+@dataclass
+class Materializer:
+    """What every batch of a worker is applied with: the tables, the outputs, the checkpoint and the rules'
+    settings. The HTTP views read :attr:`stats` and :attr:`materialized`."""
+
+    tables: Tables
+    outputs: OutputTopics
+    checkpoint: Checkpoint
+    sources: SourceSettings
+    #: Outcome counters of the residency rules (:class:`stream_apps.residency.ApplyStats`).
+    stats: ApplyStats = field(default_factory=ApplyStats)
+    #: Events this worker took from the re-keyed topic, redeliveries included.
+    materialized: int = 0
+
+    def write_small_table(self, table, partition: int, key: str, value: dict) -> None:
+        """``table[key] = value`` for one of the small tables, with its changelog record to ``partition``."""
+        table.data.write(partition, key, value)
+
+    def add_occupancy(self, partition: int, deltas: dict[tuple, int]) -> None:
+        """Fold ``{(ownership, tier, instance): change of resident blocks}`` into ``tier-occupancy`` and
+        publish each changed row to ``kv-tier-occupancy``."""
+        table = self.tables.tier_occupancy
+        for (ownership, tier, instance_id), delta in deltas.items():
+            if not delta:
+                continue
+            key = occupancy_key(partition, ownership, tier, instance_id)
+            current = table.data.lookup(key, partition)
+            blocks = (current["resident_blocks"] if current else 0) + delta
+            value = {"ownership": ownership, "tier": tier, "instance_id": instance_id, "resident_blocks": blocks}
+            table.data.write(partition, key, value)
+            self.outputs.occupancy(key, value)
+
+    def source_status(self, partition: int, key: str, record: dict) -> dict:
+        """The ``sources`` row under ``key`` (on ``partition``), or a new one for ``record``'s publisher."""
+        return self.tables.sources.data.lookup(key, partition) or {
+            "instance_id": record["instance_id"], "data_parallel_rank": record["data_parallel_rank"],
+            "worker_rank": -1 if record["worker_rank"] is None else record["worker_rank"],
+            "publisher_epoch": record["publisher_epoch"], "stale": False, "first_lost_seq": None,
+            "last_lost_seq": None, "gaps": 0, "restarts": 0, "last_seq": None, "last_event_ts": None,
+            "events_applied": 0, "changed_ts": record["ts"]}
+
+    def note_applied(self, partition: int, seen: dict[str, dict]) -> None:
+        """Fold a batch's per-publisher activity (``{publisher key: {"record": newest, "count": n}}``) into
+        ``sources``."""
+        for key, last in seen.items():
+            record = last["record"]
+            status = self.source_status(partition, key, record)
+            status.update(publisher_epoch=max(status["publisher_epoch"], record["publisher_epoch"]),
+                          last_seq=record["seq"], last_event_ts=record["ts"],
+                          events_applied=status["events_applied"] + last["count"])
+            self.write_small_table(self.tables.sources, partition, key, status)
+
+    def rewrite_partition(self, partition: int, instance: str, occupancy: dict[tuple, int], rewrite, ts: float,
+                          cause: str) -> int:
+        """Rewrite every residency entry of ``partition`` with ``rewrite(entry) -> (entry, stopped rows,
+        changed)``; only changed entries are written. Returns the rows that stopped being resident."""
+        store = self.tables.residency_store
+        stopped_total = 0
+        for key in store.partition_keys(partition):
+            entry = store.entry(partition, key)
+            if entry is None:
+                continue
+            new_entry, stopped, changed = rewrite(entry)
+            if new_entry is None or changed:
+                store.write(partition, key, new_entry)
+            for row in stopped:
+                stopped_total += 1
+                occupancy[(entry["ownership"], row["tier"], instance)] -= 1
+                self.outputs.change(entry["block_hash"], entry["ownership"], row["instance_id"],
+                                    row["data_parallel_rank"], row["tier"], None, row["locality"], row["group_idx"],
+                                    False, 0, ts, cause)
+        return stopped_total
+
+    def apply_clear(self, partition: int, record: dict, mark: ClearPosition, occupancy: dict[tuple, int]) -> None:
+        """``AllBlocksCleared``: remove the source's rows in its clear scope on ``partition``, then mark it
+        applied (after a checkpoint: the removals reach the changelog first)."""
+        instance, dp_rank = record["instance_id"], record["data_parallel_rank"]
+        clear_tiers = self.sources.clear_tiers(instance)
+        cleared = self.rewrite_partition(partition, instance, occupancy, lambda entry: apply_clear(
+            entry, instance, dp_rank, mark, clear_tiers, self.stats), record["ts"], "AllBlocksCleared")
+        self.checkpoint.commit()
+        source = f"{partition}/{instance}/{dp_rank}"
+        self.write_small_table(self.tables.clear_watermarks, partition, source, _watermark_record(record))
+        log.info("AllBlocksCleared from %s/%s applied on partition %d: %d resident rows removed", instance,
+                 dp_rank, partition, cleared)
+
+    def apply_source_event(self, partition: int, record: dict, occupancy: dict[tuple, int]) -> None:
+        """``PublisherRestarted``: retire the earlier epochs' rows on ``partition``; ``SourceStale``: mark the
+        source stale (both reported by the bridge)."""
+        kind, body = record["event"]
+        key = publisher_key(partition, record)
+        status = self.source_status(partition, key, record)
+        if kind == SOURCE_STALE:
+            if record["publisher_epoch"] < status["publisher_epoch"]:
+                return  # a loss in an epoch that has since ended
+            status.update(stale=True, first_lost_seq=body["first_lost_seq"], last_lost_seq=body["last_lost_seq"],
+                          publisher_epoch=record["publisher_epoch"], gaps=status["gaps"] + 1,
+                          changed_ts=record["ts"])
+            self.write_small_table(self.tables.sources, partition, key, status)
+            return
+        new_epoch = record["publisher_epoch"]
+        known = self.tables.publisher_epochs.data.lookup(key, partition)
+        if known is not None and new_epoch <= known["publisher_epoch"]:
+            self.stats.duplicates += 1
+            return
+        instance, dp_rank = record["instance_id"], record["data_parallel_rank"]
+        retired = self.rewrite_partition(partition, instance, occupancy, lambda entry: retire_epoch(
+            entry, instance, dp_rank, record["worker_rank"], new_epoch, self.stats), record["ts"],
+            "PublisherRestarted")
+        self.checkpoint.commit()  # the retired rows reach the changelog before the epoch that marks them done
+        self.write_small_table(self.tables.publisher_epochs, partition, key, _watermark_record(record))
+        status.update(stale=False, first_lost_seq=None, last_lost_seq=None, publisher_epoch=new_epoch, gaps=0,
+                      restarts=status["restarts"] + 1, changed_ts=record["ts"])
+        self.write_small_table(self.tables.sources, partition, key, status)
+        log.info("publisher %s restarted (epoch %d): %d resident rows retired on partition %d", key, new_epoch,
+                 retired, partition)
+
+
+class BatchApplier:
+    """Applies one ``ownership_batch`` message (one partition) and writes each touched key once at the end.
+
+    Small per-batch caches spare a table lookup per event: clear watermarks per source and publisher epochs
+    per publisher (both change only through source-wide events, which are applied in order here).
+    """
+
+    def __init__(self, materializer: Materializer, partition: int) -> None:
+        self.m = materializer
+        self.store = materializer.tables.residency_store
+        self.partition = partition
+        #: Residency key -> entry (None: deleted), written back at :meth:`finish` or before a source-wide event.
+        self.touched: dict[str, dict | None] = {}
+        #: (ownership, tier, instance) -> change of resident blocks.
+        self.occupancy: dict[tuple, int] = defaultdict(int)
+        #: Publisher key -> {"record": newest, "count": events}.
+        self.publishers: dict[str, dict] = {}
+        #: Touched keys that were absent from the store: deleting one again writes nothing (no tombstone).
+        self.new_keys: set[str] = set()
+        self._watermarks: dict[str, ClearPosition] = {}
+        self._epochs: dict[str, int | None] = {}
+
+    def _watermark(self, source: str) -> ClearPosition:
+        mark = self._watermarks.get(source)
+        if mark is None:
+            mark = self._watermarks[source] = ClearPosition.of(
+                self.m.tables.clear_watermarks.data.lookup(source, self.partition))
+        return mark
+
+    def _retired_epoch(self, publisher: str) -> int | None:
+        if publisher not in self._epochs:
+            known = self.m.tables.publisher_epochs.data.lookup(publisher, self.partition)
+            self._epochs[publisher] = None if known is None else known["publisher_epoch"]
+        return self._epochs[publisher]
+
+    def write_back(self) -> None:
+        """Write every touched entry to the store (one changelog record per key)."""
+        new_keys, write, partition = self.new_keys, self.store.write, self.partition
+        for key, entry in self.touched.items():
+            if entry is not None or key not in new_keys:
+                write(partition, key, entry)
+        self.touched.clear()
+        new_keys.clear()
+
+    def finish(self) -> None:
+        """Write the batch's entries, occupancy changes and per-publisher activity."""
+        self.write_back()
+        self.m.add_occupancy(self.partition, self.occupancy)
+        self.m.note_applied(self.partition, self.publishers)
+
+    def apply(self, item: dict, record: dict) -> None:
+        """Apply one re-keyed event (``item`` from the ownership batch, ``record`` its decoded kv_event).
+
+        Raises:
+            InvalidRecord: the record contradicts the key it was routed by.
+        """
+        m = self.m
+        m.materialized += 1
+        partition = self.partition
+        source = f"{partition}/{record['instance_id']}/{record['data_parallel_rank']}"
+        watermark = self._watermark(source)
+        mark = ClearPosition.of(item["clear_mark"])
+        kind, body = record["event"]
+        if kind in SOURCE_WIDE_EVENTS:
+            self.write_back()  # source-wide events scan the stored entries
+            self._watermarks.clear()
+            self._epochs.clear()
+            if kind == ALL_BLOCKS_CLEARED:
+                if mark <= watermark:
+                    m.stats.duplicates += 1
+                    return
+                m.apply_clear(partition, record, mark, self.occupancy)
+            else:
+                m.apply_source_event(partition, record, self.occupancy)
+            return
+        worker = record["worker_rank"]
+        publisher = f"{source}/{-1 if worker is None else worker}"
+        retired = self._retired_epoch(publisher)
+        if retired is not None and record["publisher_epoch"] < retired:
+            m.stats.retired_late += 1
+            return
+        key = item["key"]
+        block_hash = record["block_hash"]
+        if block_hash is None or key != residency_key(body["ownership"], block_hash):
+            # routed by its kvstream-ownership header (stream_apps/repartition.py), which the record contradicts
+            raise InvalidRecord(f"routed as {key!r}, but the record's ownership is {body['ownership']!r} and its "
+                                f"block hash {None if block_hash is None else block_hash.hex()}")
+        touched = self.touched
+        if key in touched:
+            entry = touched[key]
+        else:
+            entry = self.store.entry(partition, key)
+            if entry is None:
+                self.new_keys.add(key)
+        instance = record["instance_id"]
+        sources = m.sources
+        entry, delta, copies = apply_block_event(entry, record, mark, watermark, sources.clear_tiers(instance),
+                                                 m.stats, sources.aggregation.get(instance))
+        touched[key] = entry
+        seen = self.publishers.get(publisher)
+        if seen is None:
+            seen = self.publishers[publisher] = {"record": record, "count": 0}
+        seen["record"] = record
+        seen["count"] += 1
+        if delta:
+            self.occupancy[(body["ownership"], record["tier"], instance)] += delta
+            m.outputs.change(block_hash, body["ownership"], instance, record["data_parallel_rank"], record["tier"],
+                             body["medium"], body["locality"], body["group_idx"], delta > 0, copies, record["ts"],
+                             kind.rsplit(".", 1)[-1])

@@ -1,0 +1,120 @@
+"""The commit protocol of a worker: what must be durable, in which order, before Faust commits an offset.
+
+At least once, with tables that never run ahead of their changelogs, needs one fixed order. It lives here
+and only here; every caller (Faust's offset commits, rebalances, source-wide events) runs
+:meth:`Checkpoint.commit`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import time
+from typing import Callable, Iterable
+
+import faust
+
+from stream_apps.outputs import OutputTopics
+
+log = logging.getLogger(__name__)
+
+
+class Checkpoint:
+    """Makes every output of the messages applied so far durable.
+
+    :meth:`commit` runs these steps, in this order:
+
+    1. **Flush the output producer** and wait for every acknowledgement: the tables' changelog records, the
+       ``kv-residency-changes`` and ``kv-tier-occupancy`` records and the dead letters of every message the
+       agent has finished. A refused or unacknowledged record raises: nothing may be committed then.
+    2. **Persist the stores**: each RocksDB store writes its pending entries and the changelog offset they
+       reach, one atomic batch per partition. Only acknowledged records reach the disk, so a crash leaves
+       every database equal to a prefix of its changelog.
+    3. **Freeze Python's garbage collector** on what exists now (see :meth:`_freeze_gc`).
+    4. Return. Faust then commits the offsets of the acknowledged messages (its ``on_commit_initiated``
+       hook runs this synchronously before it picks them).
+
+    Outside offset commits, the same order holds a source-wide event's effects in place: a clear's row
+    removals (and a publisher restart's retired rows) go through steps 1-2 before the record that marks the
+    event applied is written, or a worker restarted after a crash could skip the redelivered clear as a
+    duplicate while some of its removals never reached the changelog.
+
+    Args:
+        outputs: the worker's output producer.
+        stores: the stores to persist (their ``persist()``), in any order.
+    """
+
+    def __init__(self, outputs: OutputTopics, stores: Iterable) -> None:
+        self.outputs = outputs
+        self.stores = list(stores)
+        #: Seconds the last :meth:`commit` took, and how many ran (for the metrics).
+        self.last_seconds = 0.0
+        self.commits = 0
+
+    def commit(self) -> None:
+        """Run the steps above.
+
+        Raises:
+            RuntimeError: as :meth:`stream_apps.outputs.OutputTopics.flush`.
+        """
+        started = time.perf_counter()
+        self.outputs.flush()
+        for store in self.stores:
+            store.persist()
+        self._freeze_gc()
+        self.last_seconds = time.perf_counter() - started
+        self.commits += 1
+
+    @staticmethod
+    def _freeze_gc() -> None:
+        # Python's full collection scans every tracked object: with a memory store's million rows it stopped
+        # the worker for 0.5-1 s every few seconds, and freed almost nothing (rows are freed by reference
+        # counting). Freezing moves what exists now out of the collector's sight, so each collection scans
+        # only what was allocated since. The cost: cyclic garbage made before a freeze is never freed.
+        gc.freeze()
+
+
+class CommitSensor(faust.Sensor):
+    """Runs the checkpoint whenever Faust is about to commit offsets.
+
+    Faust calls ``on_commit_initiated`` synchronously at the start of every offset commit (the commit timer,
+    rebalances, errors), before it picks the offsets of the acknowledged messages. A message is acknowledged
+    only after the agent has finished it, and so has produced all its outputs. One checkpoint per commit
+    (every ``broker_commit_interval``), not per message: each flush waits a broker round trip.
+
+    Args:
+        checkpoint: the worker's checkpoint.
+        crash: called with the error when a checkpoint fails (the worker must stop; a restart reads the
+            messages again).
+    """
+
+    def __init__(self, checkpoint: Checkpoint, crash: Callable[[BaseException], object]) -> None:
+        super().__init__()
+        self.checkpoint = checkpoint
+        self.crash = crash
+
+    def on_commit_initiated(self, consumer) -> None:
+        try:
+            self.checkpoint.commit()
+        except RuntimeError as exc:
+            log.error("stopping the worker: %s", exc)
+            asyncio.ensure_future(self.crash(exc))
+            raise
+
+
+def warn_on_long_gc_pauses(threshold_s: float = 0.2) -> None:
+    """Log a warning when a full (generation 2) collection of Python's cyclic GC stops the worker for longer
+    than ``threshold_s`` seconds: it scans every object the worker holds, a memory store's rows included."""
+    started = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        elif info["generation"] == 2:
+            paused = time.perf_counter() - started[0]
+            if paused > threshold_s:
+                log.warning("a full Python GC stopped the worker for %.2f s (%d objects freed)", paused,
+                            info["collected"])
+
+    gc.callbacks.append(on_gc)

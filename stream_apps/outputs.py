@@ -1,0 +1,113 @@
+"""The worker's output producer: every record the materializing agent writes, through one confluent-kafka
+producer.
+
+What goes through it: the tables' changelog records (:mod:`stream_apps.store`), the analytics topics
+``kv-residency-changes`` and ``kv-tier-occupancy``, and dead letters. A Faust send costs about as much as
+applying ten events; librdkafka enqueues in about a microsecond. Nothing here waits for the broker: the
+checkpoint (:class:`stream_apps.checkpoint.Checkpoint`) flushes before any offset is committed, so every
+output of an acknowledged message is on the broker before that message's offset is: at least once, like
+Faust's own table writes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from confluent_kafka import Producer
+
+from kafka_io.config import producer_config
+from kafka_io.produce import produce_waiting
+from schemas import AvroCodec
+from schemas.avro_writers import ResidencyChangeWriter
+from schemas.topics import (
+    ERROR_HEADER,
+    KV_EVENTS_DEAD_LETTER,
+    KV_RESIDENCY_CHANGES,
+    KV_TIER_OCCUPANCY,
+    SOURCE_HEADER,
+)
+
+log = logging.getLogger(__name__)
+
+#: The arguments of :meth:`OutputTopics.change`: residency_change v1's fields, in order.
+CHANGE_FIELDS = ("block_hash", "ownership", "instance_id", "data_parallel_rank", "tier", "medium", "locality",
+                 "group_idx", "resident", "copies", "ts", "cause")
+
+
+class OutputTopics:
+    """The output producer of one worker.
+
+    Args:
+        bootstrap_servers: Kafka bootstrap servers (security from :mod:`kafka_io.config`).
+    """
+
+    def __init__(self, bootstrap_servers: str) -> None:
+        self.bootstrap_servers = bootstrap_servers
+        self._producer: Producer | None = None
+        #: Outputs the broker refused (after librdkafka's retries): "topic[partition]: error".
+        self.delivery_errors: list[str] = []
+        self._change_codec = AvroCodec("residency_change")
+        self._occupancy_codec = AvroCodec("tier_occupancy")
+        try:
+            self._encode_change = ResidencyChangeWriter(self._change_codec).change
+        except ValueError as exc:  # a schema version the writer does not know: correct, only slower
+            log.warning("%s; writing residency_change records with fastavro (slower)", exc)
+            self._encode_change = lambda *fields: self._change_codec.encode(dict(zip(CHANGE_FIELDS, fields)))
+        #: Records sent to the dead-letter topic by this worker.
+        self.dead_lettered = 0
+
+    @property
+    def producer(self) -> Producer:
+        """The confluent-kafka producer, created on first use (after Faust has forked nothing more)."""
+        if self._producer is None:
+            self._producer = Producer(producer_config(self.bootstrap_servers, on_delivery=self.on_delivery))
+        return self._producer
+
+    def on_delivery(self, error, message) -> None:
+        """Delivery report of one output: remembers a failure, which :meth:`flush` then raises."""
+        if error is not None:
+            self.delivery_errors.append(f"{message.topic()}[{message.partition()}]: {error}")
+
+    def change(self, block_hash: bytes, ownership: str | None, instance_id: str, data_parallel_rank: int,
+               tier: str, medium: str | None, locality: str | None, group_idx: int | None, resident: bool,
+               copies: int, ts: float, cause: str) -> None:
+        """One ``kv-residency-changes`` record (schemas/residency_change_v1.avsc), keyed by block hash."""
+        self.produce(KV_RESIDENCY_CHANGES, block_hash, self._encode_change(
+            block_hash, ownership, instance_id, data_parallel_rank, tier, medium, locality, group_idx, resident,
+            copies, ts, cause))
+
+    def occupancy(self, key: str, value: dict) -> None:
+        """One ``kv-tier-occupancy`` record (compacted; key ``<partition>/<ownership>/<tier>/<instance>``)."""
+        self.produce(KV_TIER_OCCUPANCY, key.encode(), self._occupancy_codec.encode(value))
+
+    def dead_letter(self, key: bytes | None, value: bytes | None, reason: str, source: str) -> None:
+        """Send a record's original bytes to ``kv-events-dead-letter`` with the reason and where it came from
+        (``topic/partition/offset``) in the headers."""
+        self.dead_lettered += 1
+        log.warning("dead-lettering %s: %s", source, reason)
+        self.produce(KV_EVENTS_DEAD_LETTER, key, value,
+                     headers=[(ERROR_HEADER, reason.encode()[:1000]), (SOURCE_HEADER, source.encode())])
+
+    def produce(self, topic: str, key: bytes | None, value: bytes | None, partition: int | None = None,
+                on_delivery=None, headers=None) -> None:
+        """Enqueue one record (``partition`` None: the key's murmur2 partition); waits while the queue is full."""
+        extra = {} if partition is None else {"partition": partition}
+        if on_delivery is not None:
+            extra["on_delivery"] = on_delivery
+        if headers is not None:
+            extra["headers"] = headers
+        produce_waiting(self.producer, topic, value, key, **extra)
+
+    def flush(self, timeout_s: float = 60.0) -> None:
+        """Wait until every output is acknowledged.
+
+        Raises:
+            RuntimeError: outputs still unacknowledged after ``timeout_s``, or refused by the broker (the
+                worker must not commit the offsets of the messages that made them).
+        """
+        if self._producer is not None and self._producer.flush(timeout_s):
+            raise RuntimeError("outputs (changelogs, kv-residency-changes, kv-tier-occupancy) not acknowledged "
+                               f"within {timeout_s:.0f} s")
+        if self.delivery_errors:
+            errors, self.delivery_errors = self.delivery_errors, []
+            raise RuntimeError(f"{len(errors)} outputs refused by the broker, first: {errors[0]}")

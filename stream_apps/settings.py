@@ -1,0 +1,104 @@
+"""The settings of a stream-app worker: one typed object, built once and passed down.
+
+Precedence, highest first: the ``kvstream worker`` flag, the ``KVSTREAM_<NAME>`` environment variable, the
+default below (docs/configuration.md lists them; a test checks that table against this class). Nothing in
+:mod:`stream_apps` reads the environment for its settings; the Kafka security settings are the exception
+(:mod:`kafka_io.config`), so that secrets never appear on a command line.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kafka_io.config import (
+    DEFAULT_BOOTSTRAP_SERVERS,
+    DEFAULT_PARTITIONS,
+    check_bootstrap_servers,
+)
+from stream_apps.residency import SourceSettings, parse_tier_weights
+
+
+class WorkerSettings(BaseSettings):
+    """Settings of one worker of the stream app (``kvstream worker --help``)."""
+
+    model_config = SettingsConfigDict(env_prefix="KVSTREAM_", frozen=True, extra="forbid")
+
+    #: Kafka bootstrap servers, ``HOST:PORT[,HOST:PORT...]`` (no URL scheme).
+    bootstrap_servers: str = Field(DEFAULT_BOOTSTRAP_SERVERS, description="Kafka bootstrap servers, HOST:PORT[,...]")
+    #: Faust app id: the consumer group of the materializing agent and the prefix of every topic the app owns
+    #: (``<app id>-kv-events-by-ownership``, ``<app id>-residency-changelog``, ...). Workers with the same app
+    #: id share the partitions; another app id is another, independent set of tables.
+    app_id: str = Field("kvstream", min_length=1, description="app id: consumer group and topic prefix")
+    #: Partitions of kv-events and of every topic and table of the app (Faust needs them co-partitioned).
+    partitions: int = Field(DEFAULT_PARTITIONS, ge=1, description="partitions of kv-events and the app's topics")
+    #: Store of the residency table: ``rocksdb://`` keeps it on disk in ``data_dir`` (a restart reads only
+    #: the changelog written since); ``memory://`` holds it in RAM and rebuilds it from the whole changelog
+    #: at every start. The small tables are always in memory.
+    store: Literal["rocksdb://", "memory://"] = Field("rocksdb://", description="residency table store")
+    #: Local state directory: RocksDB databases and Faust's own files.
+    data_dir: Path = Field(Path(".kvstream/worker"), description="local state directory")
+    #: HTTP port of the views and of the lookups other workers forward to this one.
+    web_port: int = Field(6066, ge=1, le=65535, description="HTTP port")
+    #: Address the HTTP server binds to.
+    web_bind: str = Field("127.0.0.1", description="HTTP bind address")
+    #: Host name or address other workers reach this one at (lookups of keys this worker holds go there).
+    web_host: str = Field("127.0.0.1", description="host name other workers reach this worker at")
+    #: Tiers an ``AllBlocksCleared`` removes: ``gpu`` (vLLM's meaning: a prefix-cache reset) or ``all``,
+    #: then per-instance overrides, e.g. ``gpu,engine-7=all``.
+    clear_scope: str = Field("gpu", description="tiers an AllBlocksCleared removes: gpu|all[,INSTANCE=gpu|all...]")
+    #: World size and mode of sources whose events do not declare them: ``engine-3=2:REPLICATED,...``
+    #: (docs/residency.md, "Aggregation across workers"). Empty: every such source has one worker.
+    aggregation: str = Field("", description="INSTANCE=WORLD_SIZE[:REPLICATED|SHARDED][,...] for sources "
+                                             "whose events do not declare it")
+    #: Tier weights of ``POST /prefix-match/``: ``GPU=1.0,CPU=0.8,STORAGE=0.5``; tiers not named weigh 0.25.
+    tier_weights: str = Field("", description="tier weights of POST /prefix-match/, e.g. GPU=1.0,CPU=0.8")
+    #: Standby replicas of each table partition on other workers. 0 by default: docs/operations.md says why.
+    standby_replicas: int = Field(0, ge=0, description="standby replicas of each table partition")
+    #: The repartition process forwards at most this many events per batch...
+    repartition_batch: int = Field(10_000, ge=1, description="most events the repartition process reads per batch")
+    #: ... or what arrived within this many seconds, whichever comes first.
+    repartition_within_s: float = Field(0.1, gt=0, description="longest wait of a repartition batch, seconds")
+    #: Decoded residency entries kept in front of the RocksDB store (a block's events come close together).
+    residency_cache: int = Field(100_000, ge=0, description="decoded residency entries cached in front of RocksDB")
+    #: Longest the changelog copy of one rebalance may take before the worker gives up (seconds).
+    recovery_timeout_s: float = Field(600.0, gt=0, description="longest changelog copy of one rebalance, seconds")
+    #: Log level of the worker and of Faust.
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+
+    @field_validator("bootstrap_servers")
+    @classmethod
+    def _no_url_scheme(cls, value: str) -> str:
+        return check_bootstrap_servers(value)
+
+    @field_validator("clear_scope")
+    @classmethod
+    def _valid_clear_scope(cls, value: str) -> str:
+        SourceSettings.parse(clear_scope=value)
+        return value
+
+    @field_validator("aggregation")
+    @classmethod
+    def _valid_aggregation(cls, value: str) -> str:
+        SourceSettings.parse(aggregation=value)
+        return value
+
+    @field_validator("tier_weights")
+    @classmethod
+    def _valid_tier_weights(cls, value: str) -> str:
+        parse_tier_weights(value)
+        return value
+
+    @cached_property
+    def sources(self) -> SourceSettings:
+        """Clear scopes and aggregation per source, parsed."""
+        return SourceSettings.parse(self.clear_scope, self.aggregation)
+
+    @cached_property
+    def weights(self) -> dict[str, float]:
+        """Tier weights of the prefix match, parsed."""
+        return parse_tier_weights(self.tier_weights)

@@ -1,0 +1,249 @@
+"""The tables' stores: Faust's RocksDB and memory stores, extended for the materializing agent's hot path.
+
+Faust picks a table's store class by the scheme of its store URL from a registry that the ``faust.stores``
+entry point extends; ``pyproject.toml`` registers the two classes here:
+
+- ``kvstream-rocksdb://`` -> :class:`RocksDBTableStore` (the ``residency`` table with ``--store rocksdb://``);
+- ``kvstream-memory://`` -> :class:`MemoryTableStore` (``residency`` with ``--store memory://``, and the small
+  tables: ``clear-watermarks``, ``publisher-epochs``, ``tier-occupancy``, ``sources``).
+
+Both add the same few methods, which the agent uses instead of ``table[key] = value``:
+
+- :meth:`~RocksDBTableStore.entry` / :meth:`~RocksDBTableStore.lookup` read a value for the agent or a query;
+- :meth:`~RocksDBTableStore.write` stores a value and produces its changelog record (same key bytes, same
+  Avro value bytes, the partition being applied) through the worker's output producer
+  (:class:`stream_apps.outputs.OutputTopics`). Faust's own write sends each changelog record through its
+  producer, about 100 µs a key, more than applying the event;
+- :meth:`~RocksDBTableStore.persist` runs at each checkpoint (:class:`stream_apps.checkpoint.Checkpoint`),
+  after every changelog record was acknowledged.
+
+Ordering rule of the RocksDB store: the disk never runs ahead of the changelog. A written entry waits in
+memory (where reads find it) until its changelog record is acknowledged; :meth:`RocksDBTableStore.persist`
+then writes it, with the changelog offset it reaches, in one atomic batch per partition. A worker killed
+mid-batch restarts from the disk plus whatever changelog records did arrive, and the redelivered events
+redo the rest. (Writing the disk first, as Faust does, loses an update for good: the restarted worker keeps
+the newer value, ignores the redelivered event as a duplicate, and the changelog never gets it.)
+
+On each rebalance the RocksDB store also copies the changelog of its newly assigned partitions straight
+into their databases before Faust's recovery starts (:mod:`stream_apps.changelog_recovery`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import OrderedDict, defaultdict
+from typing import TYPE_CHECKING, Any, Callable
+
+import faust.stores.memory
+import faust.stores.rocksdb
+
+from schemas import AvroCodec
+from schemas.avro_writers import ResidencyWriter
+from stream_apps import changelog_recovery
+
+if TYPE_CHECKING:
+    from stream_apps.outputs import OutputTopics
+
+log = logging.getLogger(__name__)
+
+#: Store URL scheme of each ``--store`` choice (the ``faust.stores`` entry points in pyproject.toml).
+STORE_SCHEMES = {"rocksdb://": "kvstream-rocksdb://", "memory://": "kvstream-memory://"}
+
+
+def value_encoder(codec: AvroCodec) -> Callable[[dict], bytes]:
+    """The fastest encoder of a table's values: the hand-written residency writer where it knows the codec's
+    schema (:class:`schemas.avro_writers.ResidencyWriter`), fastavro otherwise."""
+    if codec.family == "residency":
+        try:
+            return ResidencyWriter(codec).encode
+        except ValueError as exc:  # a schema version the writer does not know: correct, only slower
+            log.warning("%s; encoding residency entries with fastavro (slower)", exc)
+    return codec.encode
+
+
+class _BoundStore:
+    """What both store classes need from the worker, given once by :meth:`bind` after the app is built."""
+
+    outputs: OutputTopics
+    codec: AvroCodec
+    encode: Callable[[dict], bytes]
+    changelog: str
+
+    def bind(self, outputs: OutputTopics, *, bootstrap_servers: str, cache_entries: int = 0,
+             recovery_timeout_s: float = 600.0) -> None:
+        """Give the store the output producer and the settings it needs (``kvstream worker`` options)."""
+        self.outputs = outputs
+        self.codec = AvroCodec(self.table.value_type.family)
+        self.encode = value_encoder(self.codec)
+        self.changelog = self.table.changelog_topic.get_topic_name()
+        self.bootstrap_servers = bootstrap_servers
+        self.cache_entries = cache_entries
+        self.recovery_timeout_s = recovery_timeout_s
+
+
+class MemoryTableStore(_BoundStore, faust.stores.memory.Store):
+    """Faust's memory store whose writes produce their changelog records through the output producer.
+
+    Values are the decoded dicts. The key -> partition map is Faust's own (it drops a revoked partition's
+    keys by it); this class keeps it current on every write.
+    """
+
+    def entry(self, partition: int, key: str) -> dict | None:
+        """The value under ``key`` (the agent applying ``partition``)."""
+        return self.data.get(key)
+
+    def lookup(self, key: str, partition: int) -> dict | None:
+        """The value under ``key`` for a query (``partition``: the key's)."""
+        return self.data.get(key)
+
+    def write(self, partition: int, key: str, value: dict | None) -> None:
+        """Store ``value`` (None: delete) and produce its changelog record to ``partition``."""
+        if value is None:
+            self.data.pop(key, None)
+        else:
+            self.data[key] = value
+        self._key_partition[key] = partition
+        self.outputs.produce(self.changelog, key.encode(), None if value is None else self.encode(value), partition)
+
+    def persist(self) -> None:
+        """Nothing to persist: the changelog is this store's only durable copy."""
+
+    def partition_keys(self, partition: int) -> list[str]:
+        """Keys of ``partition`` held here (a scan, for rare source-wide events)."""
+        return [key for key, p in list(self._key_partition.items()) if p == partition and key in self.data]
+
+    def forget_cache(self) -> None:
+        """No cache to drop."""
+
+
+class RocksDBTableStore(_BoundStore, faust.stores.rocksdb.Store):
+    """Faust's RocksDB store with an entry cache, changelog-acknowledged writes and a fast changelog copy.
+
+    Written through its partitions' databases, not Faust's ``_set``/``_del``, which remember every key ever
+    written in a Python dict (``_key_index``): a gigabyte at 10 million rows.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: Highest changelog offset acknowledged per partition since the last :meth:`persist`.
+        self._acked: dict[int, int] = {}
+        #: Key -> decoded entry (None: known absent), least recently used first. An OrderedDict: evicting
+        #: a plain dict's oldest key scans the slots its earlier deletions left at the front, while
+        #: ``popitem(last=False)`` is O(1).
+        self._cache: OrderedDict[str, dict | None] = OrderedDict()
+        #: Partition -> key -> (entry or None, Avro bytes or None): written, not yet acknowledged nor on disk.
+        self._pending: dict[int, dict[str, tuple[dict | None, bytes | None]]] = defaultdict(dict)
+
+    def entry(self, partition: int, key: str) -> dict | None:
+        """The entry under ``key`` for the agent applying ``partition`` (remembered in the cache)."""
+        pending = self._pending[partition].get(key)
+        if pending is not None:
+            return pending[0]
+        cache = self._cache
+        if key in cache:
+            return cache[key]
+        raw = self._db_for_partition(partition).get(key.encode())
+        entry = None if raw is None else self.codec.decode(raw)
+        self._remember(key, entry)
+        return entry
+
+    def lookup(self, key: str, partition: int) -> dict | None:
+        """The entry under ``key`` for a query, if this worker holds ``partition``.
+
+        Never fills the cache: a query can come while a partition is still being recovered (Faust writes
+        recovered entries to the databases directly).
+        """
+        pending = self._pending[partition].get(key)
+        if pending is not None:
+            return pending[0]
+        if key in self._cache:
+            return self._cache[key]
+        db = self._dbs.get(partition)
+        raw = None if db is None else db.get(key.encode())
+        return None if raw is None else self.codec.decode(raw)
+
+    def _remember(self, key: str, entry: dict | None) -> None:
+        cache = self._cache
+        cache[key] = entry
+        cache.move_to_end(key)
+        if len(cache) > self.cache_entries:
+            cache.popitem(last=False)
+
+    def write(self, partition: int, key: str, entry: dict | None) -> None:
+        """Produce ``entry``'s changelog record (None: a tombstone) to ``partition``; it reaches the disk at
+        the first :meth:`persist` after the record is acknowledged."""
+        value = None if entry is None else self.encode(entry)
+        self._pending[partition][key] = (entry, value)
+        self._remember(key, entry)
+        self.outputs.produce(self.changelog, key.encode(), value, partition, on_delivery=self._on_delivery)
+
+    def _on_delivery(self, error, message) -> None:
+        if error is None:
+            partition = message.partition()
+            self._acked[partition] = max(self._acked.get(partition, -1), message.offset())
+        else:
+            self.outputs.on_delivery(error, message)
+
+    def persist(self) -> None:
+        """Write the pending entries and the changelog offset they reach, atomically per partition.
+
+        Call only after a flush that acknowledged every changelog record (:class:`stream_apps.checkpoint.Checkpoint`).
+        """
+        from rocksdict import WriteBatch
+
+        for partition, entries in self._pending.items():
+            if not entries:
+                continue
+            batch = WriteBatch(raw_mode=True)
+            for key, (_, value) in entries.items():
+                if value is None:
+                    batch.delete(key.encode())
+                else:
+                    batch.put(key.encode(), value)
+            if partition in self._acked:
+                batch.put(self.offset_key, str(self._acked[partition]).encode())
+            self._db_for_partition(partition).write(batch)
+            entries.clear()
+        self._acked.clear()
+
+    def partition_keys(self, partition: int) -> list[str]:
+        """Keys of ``partition``: on disk and pending (a scan, for rare source-wide events)."""
+        on_disk = [raw.decode() for raw in self._db_for_partition(partition).keys() if raw != self.offset_key]
+        return list(dict.fromkeys([*on_disk, *self._pending[partition]]))
+
+    def forget_cache(self) -> None:
+        """Drop the cache (partitions were revoked or assigned: another worker may have written their keys).
+
+        Pending entries stay: they belong to the batch in hand, which finishes before the rebalance does.
+        """
+        self._cache.clear()
+
+    async def on_rebalance(self, assigned, revoked, newly_assigned, generation_id: int = 0) -> None:
+        """Faust's rebalance (opens the newly assigned partitions' databases), then the changelog copy into
+        them (:func:`stream_apps.changelog_recovery.fill_from_changelog`), before Faust's recovery reads
+        their persisted offsets."""
+        await super().on_rebalance(assigned, revoked, newly_assigned, generation_id)
+        standbys = self.app.assignor.assigned_standbys()
+        partitions = sorted(tp.partition for tp in newly_assigned
+                            if tp.topic == self.changelog and tp not in standbys)
+        # a database the store could not open (locked, and the group moved on) stays with Faust's recovery
+        dbs = {p: self._dbs[p] for p in partitions if p in self._dbs}
+        if not dbs:
+            return
+        stop = threading.Event()
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(None, lambda: (
+                changelog_recovery.fill_from_changelog(self.bootstrap_servers, self.changelog, dbs, self.offset_key,
+                                                       timeout_s=self.recovery_timeout_s, stop=stop)))
+        except asyncio.CancelledError:
+            stop.set()
+            raise
+        log.info("changelog recovery of %s: %d records from %d partitions %s in %.1f s (%.0f records/s)",
+                 self.changelog, result.records, result.partitions, sorted(dbs), result.seconds,
+                 result.records_per_s)
+        if result.seconds > self.app.conf.broker_session_timeout:
+            log.warning("changelog recovery took %.1f s, longer than the consumer session timeout (%.0f s, "
+                        "BROKER_SESSION_TIMEOUT): the group expels this worker and rebalances once more",
+                        result.seconds, self.app.conf.broker_session_timeout)
