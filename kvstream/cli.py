@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import urllib.error
 import urllib.parse
@@ -48,7 +49,8 @@ def _add_target_topic(p: argparse.ArgumentParser) -> None:
 
 
 def _add_bootstrap(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--bootstrap-servers", default=DEFAULT_BOOTSTRAP_SERVERS, metavar="HOST:PORT[,...]",
+    parser.add_argument("--bootstrap-servers", default=os.environ.get("KVSTREAM_BOOTSTRAP_SERVERS",
+                                                                     DEFAULT_BOOTSTRAP_SERVERS), metavar="HOST:PORT[,...]",
                         help="Kafka bootstrap servers (default: %(default)s; env KVSTREAM_BOOTSTRAP_SERVERS)")
 
 

@@ -72,3 +72,16 @@ def settings_to_argv(settings: BaseSettings) -> list[str]:
         else:
             argv += [flag(name), str(value)]
     return argv
+
+
+def documented_default(settings_class: type[BaseSettings], name: str) -> str:
+    """A field's default as docs/configuration.md writes it (``""`` for an empty string)."""
+    default = settings_class.model_fields[name].default
+    return '""' if default == "" else str(default)
+
+
+def settings_table(settings_class: type[BaseSettings]) -> list[tuple[str, str, str, str, str]]:
+    """Rows ``(setting, flag, variable, default, meaning)`` of a settings class, as docs/configuration.md
+    lists them."""
+    return [(name, flag(name), env_variable(settings_class, name), documented_default(settings_class, name),
+             info.description or "") for name, info in settings_class.model_fields.items()]

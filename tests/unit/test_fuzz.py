@@ -15,7 +15,7 @@ from producers.engine_decode import BatchDecodeError, decode_batch
 from producers.split import BlockEncoder, InvalidEvent, Publisher, split_event
 from schemas import AvroCodec, DecodeError
 from schemas.avro_writers import KvEventWriter
-from tests.test_split import VLLM_PAYLOAD
+from harness.payloads import VLLM_PAYLOAD
 
 FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 PUBLISHER = Publisher("fuzz")

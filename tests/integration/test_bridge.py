@@ -25,7 +25,7 @@ from producers.kafka_sink import KvEventProducer
 from producers.split import rebuild_event
 from schemas import AvroCodec
 from schemas.topics import KV_EVENTS_DEAD_LETTER
-from tests.test_split import VLLM_PAYLOAD
+from harness.payloads import VLLM_PAYLOAD
 
 
 class CollectingSink:
