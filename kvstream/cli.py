@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from kafka_io.config import DEFAULT_BOOTSTRAP_SERVERS, DEFAULT_PARTITIONS
+from kafka_io.config import DEFAULT_PARTITIONS
 from kvstream import broker
 
 
@@ -27,31 +26,6 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
-
-
-def _add_endpoints(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--endpoint", action="append", required=True, metavar="tcp://HOST:PORT",
-                   help="publisher PUB endpoint (repeatable, one per publisher)")
-    p.add_argument("--replay-endpoint", action="append", metavar="tcp://HOST:PORT",
-                   help="publisher ROUTER replay endpoint, one per --endpoint in the same order (optional)")
-    p.add_argument("--instance-id", action="append", metavar="NAME",
-                   help="instance name of each --endpoint, in the same order (vLLM sends no identity)")
-    p.add_argument("--dp-rank", type=int, default=0, help="data-parallel rank of the endpoints (default: 0)")
-    p.add_argument("--data-parallel-size", type=_positive_int, default=1, metavar="N",
-                   help="follow ranks 0..N-1 of one engine on its offset ports (vLLM: port + rank)")
-    p.add_argument("--zmq-topic", default="", help="publisher topic prefix to subscribe to (default: all)")
-
-
-def _add_target_topic(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--topic", default="kv-events", help="Kafka topic (default: %(default)s)")
-    p.add_argument("--partitions", type=_positive_int, default=DEFAULT_PARTITIONS,
-                   help="partitions if the topic is created (default: %(default)s)")
-
-
-def _add_bootstrap(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--bootstrap-servers", default=os.environ.get("KVSTREAM_BOOTSTRAP_SERVERS",
-                                                                     DEFAULT_BOOTSTRAP_SERVERS), metavar="HOST:PORT[,...]",
-                        help="Kafka bootstrap servers (default: %(default)s; env KVSTREAM_BOOTSTRAP_SERVERS)")
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -72,24 +46,32 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from kafka_io.admin import ensure_topics
+    from kvstream.options import settings_from_args
     from producers.kafka_sink import KvEventProducer
-    from producers.simulator import FleetConfig, load_trace, replay_to_kafka
+    from producers.settings import SimulateSettings
+    from producers.simulator import (
+        DEFAULT_TRACE,
+        FleetConfig,
+        load_trace,
+        replay_to_kafka,
+    )
 
-    requests = load_trace(args.trace, args.requests)
-    ensure_topics(args.bootstrap_servers, {args.topic: args.partitions})
-    producer = KvEventProducer(args.bootstrap_servers, args.topic)
-    config = FleetConfig(instances=args.instances, gpu_blocks=args.gpu_blocks, cpu_blocks=args.cpu_blocks,
-                         kvcr_blocks=args.kvcr_blocks)
+    settings = settings_from_args(SimulateSettings, args)
+    requests = load_trace(settings.trace or DEFAULT_TRACE, settings.requests)
+    ensure_topics(settings.bootstrap_servers, {settings.topic: settings.partitions})
+    producer = KvEventProducer(settings.bootstrap_servers, settings.topic)
+    config = FleetConfig(instances=settings.instances, gpu_blocks=settings.gpu_blocks, cpu_blocks=settings.cpu_blocks,
+                         kvcr_blocks=settings.kvcr_blocks)
     with tqdm(total=len(requests), unit="req", disable=None) as bar:
         result = replay_to_kafka(requests, producer, config, progress=bar.update)
     print(f"{result.records:,} block events ({result.messages:,} Kafka messages) in {result.seconds:.1f}s: "
           f"{result.messages / result.seconds:,.0f} events/s")
-    if args.ground_truth:
+    if settings.ground_truth:
         rows = [{"instance_id": i, "data_parallel_rank": dp, "tier": tier, "ownership": own, "locality": loc,
                  "group_idx": group, "block_hash": h.hex(), "copies": copies}
                 for (i, dp, tier, own, loc, group, h), copies in sorted(result.ground_truth.items())]
-        args.ground_truth.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-        print(f"ground truth: {len(rows):,} resident rows written to {args.ground_truth}")
+        settings.ground_truth.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        print(f"ground truth: {len(rows):,} resident rows written to {settings.ground_truth}")
     return 0
 
 
@@ -102,6 +84,10 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
 
 def _cmd_query(args: argparse.Namespace) -> int:
+    from kvstream.options import settings_from_args
+    from kvstream.settings import QuerySettings
+
+    settings = settings_from_args(QuerySettings, args)
     data = None
     hashes = args.block_hash
     if args.what == "residency":
@@ -120,10 +106,10 @@ def _cmd_query(args: argparse.Namespace) -> int:
         return 2
     else:
         path = f"/{args.what}/"
-    request = urllib.request.Request(args.url.rstrip("/") + path, data=data,
+    request = urllib.request.Request(settings.worker_url + path, data=data,
                                      headers={"Content-Type": "application/json"} if data else {})
     try:
-        with urllib.request.urlopen(request, timeout=args.timeout) as response:
+        with urllib.request.urlopen(request, timeout=settings.request_timeout_s) as response:
             print(json.dumps(json.loads(response.read()), indent=2))
             return 0
     except urllib.error.HTTPError as exc:
@@ -134,24 +120,27 @@ def _cmd_query(args: argparse.Namespace) -> int:
             pass
         print(f"error: HTTP {exc.code}: {body}", file=sys.stderr)
     except OSError as exc:
-        print(f"error: no stream-app worker answered at {args.url}: {exc}", file=sys.stderr)
+        print(f"error: no stream-app worker answered at {settings.worker_url}: {exc}", file=sys.stderr)
     return 1
 
 
-def _bridge_endpoints(args: argparse.Namespace):
+def _bridge_endpoints(settings):
+    """The publishers to subscribe to, from a BridgeSettings or CaptureSettings."""
     from producers.bridge import PublisherEndpoint, data_parallel_endpoints
 
-    endpoints, replays, instances = args.endpoint, args.replay_endpoint or [], args.instance_id or []
+    endpoints, replays, instances = settings.endpoint, settings.replay_endpoint, settings.instance_id
+    if not endpoints:
+        raise ValueError("give at least one --endpoint tcp://HOST:PORT (or KVSTREAM_ENDPOINT)")
     if replays and len(replays) != len(endpoints):
         raise ValueError("give one --replay-endpoint per --endpoint, in the same order (or none)")
     if len(instances) != len(endpoints):
         raise ValueError("give one --instance-id per --endpoint, in the same order")
-    if args.data_parallel_size > 1:
+    if settings.data_parallel_size > 1:
         if len(endpoints) != 1:
             raise ValueError("--data-parallel-size follows the ranks of one engine: give a single --endpoint")
         return data_parallel_endpoints(endpoints[0], replays[0] if replays else None, instances[0],
-                                       args.data_parallel_size)
-    return [PublisherEndpoint(e, replays[i] if replays else None, instances[i], args.dp_rank)
+                                       settings.data_parallel_size)
+    return [PublisherEndpoint(e, replays[i] if replays else None, instances[i], settings.dp_rank)
             for i, e in enumerate(endpoints)]
 
 
@@ -168,18 +157,21 @@ def _cmd_bridge(args: argparse.Namespace) -> int:
     from prometheus_client import start_http_server
 
     from kafka_io.admin import ensure_topics
+    from kvstream.options import settings_from_args
     from producers.bridge import Bridge, BridgeMetrics, KafkaBatchSink
     from producers.kafka_sink import KvEventProducer
+    from producers.settings import BridgeSettings
     from schemas.topics import KV_EVENTS_DEAD_LETTER
 
-    endpoints = _bridge_endpoints(args)
-    ensure_topics(args.bootstrap_servers, {args.topic: args.partitions, KV_EVENTS_DEAD_LETTER: 1})
-    producer = KvEventProducer(args.bootstrap_servers, args.topic)
+    settings = settings_from_args(BridgeSettings, args)
+    endpoints = _bridge_endpoints(settings)
+    ensure_topics(settings.bootstrap_servers, {settings.topic: settings.partitions, KV_EVENTS_DEAD_LETTER: 1})
+    producer = KvEventProducer(settings.bootstrap_servers, settings.topic)
     metrics = BridgeMetrics()
-    if args.metrics_port:
-        start_http_server(args.metrics_port, addr="127.0.0.1", registry=metrics.registry)
-    bridge = Bridge(endpoints, KafkaBatchSink(producer, metrics), zmq_topic=args.zmq_topic.encode(),
-                    metrics=metrics, state_file=args.state_file)
+    if settings.metrics_port:
+        start_http_server(settings.metrics_port, addr=settings.metrics_bind, registry=metrics.registry)
+    bridge = Bridge(endpoints, KafkaBatchSink(producer, metrics), zmq_topic=settings.zmq_topic.encode(),
+                    metrics=metrics, state_file=settings.state_file)
     stopping = _stop_on_sigterm()
     for e in endpoints:
         print(f"subscribed to {e.endpoint} (replay: {e.replay_endpoint or 'none'}) as {e.label}")
@@ -197,54 +189,73 @@ def _cmd_bridge(args: argparse.Namespace) -> int:
 def _cmd_capture(args: argparse.Namespace) -> int:
     import time
 
+    from kvstream.options import settings_from_args
     from producers.bridge import Bridge
     from producers.capture import CaptureSink
+    from producers.settings import CaptureSettings
 
-    endpoints = _bridge_endpoints(args)
-    with open(args.output, "a") as out:
+    settings = settings_from_args(CaptureSettings, args)
+    endpoints = _bridge_endpoints(settings)
+    with open(settings.output, "a") as out:
         sink = CaptureSink(out)
-        bridge = Bridge(endpoints, sink, zmq_topic=args.zmq_topic.encode())
-        deadline = None if args.duration is None else time.monotonic() + args.duration
+        bridge = Bridge(endpoints, sink, zmq_topic=settings.zmq_topic.encode())
+        deadline = None if settings.duration_s is None else time.monotonic() + settings.duration_s
         stopping = _stop_on_sigterm()
         try:
             bridge.run(should_stop=lambda: bool(stopping)
-                       or (args.max_batches is not None and sink.batches >= args.max_batches)
+                       or (settings.max_batches is not None and sink.batches >= settings.max_batches)
                        or (deadline is not None and time.monotonic() > deadline))
         except KeyboardInterrupt:
             pass
         finally:
             bridge.close()
-    print(f"captured {sink.batches:,} batches to {args.output}")
+    print(f"captured {sink.batches:,} batches to {settings.output}")
     return 0
 
 
 def _cmd_produce(args: argparse.Namespace) -> int:
     from kafka_io.admin import ensure_topics
+    from kvstream.options import settings_from_args
     from producers.bridge import BridgeMetrics, KafkaBatchSink
     from producers.capture import produce_capture
     from producers.kafka_sink import KvEventProducer
+    from producers.settings import ProduceSettings
     from schemas.topics import KV_EVENTS_DEAD_LETTER
 
-    ensure_topics(args.bootstrap_servers, {args.topic: args.partitions, KV_EVENTS_DEAD_LETTER: 1})
-    producer = KvEventProducer(args.bootstrap_servers, args.topic)
+    settings = settings_from_args(ProduceSettings, args)
+    ensure_topics(settings.bootstrap_servers, {settings.topic: settings.partitions, KV_EVENTS_DEAD_LETTER: 1})
+    producer = KvEventProducer(settings.bootstrap_servers, settings.topic)
     metrics = BridgeMetrics()
-    produce_capture(args.jsonl, KafkaBatchSink(producer, metrics), metrics)
+    produce_capture(settings.jsonl, KafkaBatchSink(producer, metrics), metrics)
     stats = producer.flush()
-    print(f"produced {stats.acked:,} messages from {args.jsonl}, {stats.dead_lettered:,} to the dead-letter topic")
+    print(f"produced {stats.acked:,} messages from {settings.jsonl}, {stats.dead_lettered:,} to the dead-letter "
+          "topic")
     return 0
 
 
 def _cmd_tail(args: argparse.Namespace) -> int:
+    from kvstream.options import settings_from_args
+    from kvstream.settings import TailSettings
     from kvstream.tail import tail
 
-    tail(args.bootstrap_servers, args.topic, from_beginning=args.from_beginning, max_messages=args.max_messages,
-         idle_timeout_s=args.idle_timeout)
+    settings = settings_from_args(TailSettings, args)
+    tail(settings.bootstrap_servers, args.topic, from_beginning=settings.from_beginning,
+         max_messages=settings.max_messages, idle_timeout_s=settings.idle_timeout_s)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvstream`` argument parser (every subcommand sets ``func``)."""
+    from kvstream.options import add_settings_arguments
+    from kvstream.settings import QuerySettings, TailSettings
+    from producers.settings import (
+        BridgeSettings,
+        CaptureSettings,
+        ProduceSettings,
+        SimulateSettings,
+    )
     from producers.simulator import DEFAULT_TRACE, FleetConfig
+    from stream_apps.settings import WorkerSettings
 
     parser = argparse.ArgumentParser(
         prog="kvstream",
@@ -280,22 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Route each request of a Mooncake-format trace to a simulated instance by prefix "
                                    "affinity, simulate its GPU pool, CPU offload tier and KVCR secondary tier, and "
                                    "produce the resulting vLLM-shaped events, one Kafka message per block.")
-    _add_bootstrap(p)
-    _add_target_topic(p)
-    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format trace (default: vendored)")
-    p.add_argument("--requests", type=_positive_int, default=None,
-                   help="replay only the first N requests (default: all)")
-    p.add_argument("--instances", type=_positive_int, default=fleet.instances, help="instances (default: %(default)s)")
-    p.add_argument("--gpu-blocks", type=_positive_int, default=fleet.gpu_blocks, help="GPU pool blocks (default: %(default)s)")
-    p.add_argument("--cpu-blocks", type=_positive_int, default=fleet.cpu_blocks, help="CPU tier blocks (default: %(default)s)")
-    p.add_argument("--kvcr-blocks", type=_positive_int, default=fleet.kvcr_blocks,
-                   help="KVCR tier blocks (default: %(default)s)")
-    p.add_argument("--ground-truth", type=Path, default=None, metavar="FILE",
-                   help="write the final residency (JSON lines, one resident row each) to FILE")
+    add_settings_arguments(p, SimulateSettings)
     p.set_defaults(func=_cmd_simulate)
-
-    from kvstream.options import add_settings_arguments
-    from stream_apps.settings import WorkerSettings
 
     p = sub.add_parser("worker", help="run a stream-app worker (Faust); start several to share the partitions",
                        description="Run one worker of the Faust stream app: re-key kv-events by ownership, "
@@ -317,45 +314,29 @@ def build_parser() -> argparse.ArgumentParser:
                               "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5567\"}': "
                               "kvstream bridge --endpoint tcp://ENGINE:5557 --replay-endpoint tcp://ENGINE:5567 "
                               "--instance-id engine-0 --data-parallel-size 2")
-    _add_bootstrap(p)
-    _add_endpoints(p)
-    _add_target_topic(p)
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus counters on 127.0.0.1:PORT/metrics (default: off)")
-    p.add_argument("--state-file", type=Path, default=Path(".kvstream/bridge-state.json"), metavar="FILE",
-                   help="each source's epoch and last seq, so a restarted bridge continues where it stopped "
-                        "(default: %(default)s)")
+    add_settings_arguments(p, BridgeSettings)
     p.set_defaults(func=_cmd_bridge)
 
     p = sub.add_parser("capture", help="record live engine KV event streams to a JSON-lines file",
                        description="Subscribe like 'kvstream bridge' (same sequencing: replay of gaps, epochs) and "
-                                   "write one JSON line per batch to --output (format: README, 'Capture files'). "
-                                   "Stops on Ctrl-C, SIGTERM, --max-batches or --duration.")
-    _add_endpoints(p)
-    p.add_argument("--output", type=Path, required=True, metavar="FILE", help="JSONL file (appended to)")
-    p.add_argument("--max-batches", type=_positive_int, default=None, metavar="N", help="stop after N batches")
-    p.add_argument("--duration", type=float, default=None, metavar="SECONDS", help="stop after this long")
+                                   "write one JSON line per batch to --output (format: docs/ingesting.md). Stops "
+                                   "on Ctrl-C, SIGTERM, --max-batches or --duration-s.")
+    add_settings_arguments(p, CaptureSettings)
     p.set_defaults(func=_cmd_capture)
 
     p = sub.add_parser("produce", help="publish a capture file (JSON lines) to kv-events through the bridge's path",
                        description="Publish a file written by 'kvstream capture' (or any file in its format) "
                                    "exactly as the bridge publishes a live stream: sequence, restart and epoch "
                                    "handling, per-block messages, dead letters.")
-    _add_bootstrap(p)
-    p.add_argument("--jsonl", type=Path, required=True, metavar="FILE", help="capture file")
-    _add_target_topic(p)
+    add_settings_arguments(p, ProduceSettings)
     p.set_defaults(func=_cmd_produce)
 
     p = sub.add_parser("tail", help="print a pipeline topic's messages decoded, as JSON lines",
                        description="Print the messages of kv-events, <app id>-kv-events-by-ownership, a table changelog "
                                    "(<app id>-<table>-changelog) or the dead-letter topic as JSON lines, values "
                                    "decoded with the project's Avro schemas, bytes as hex.")
-    _add_bootstrap(p)
     p.add_argument("topic", help="topic to read, e.g. kv-events or kvstream-residency-changelog")
-    p.add_argument("--from-beginning", action="store_true", help="start at the earliest offset (default: new only)")
-    p.add_argument("--max-messages", type=int, default=None, metavar="N", help="stop after N messages")
-    p.add_argument("--idle-timeout", type=float, default=None, metavar="SECONDS",
-                   help="stop after this long without a message (default: never)")
+    add_settings_arguments(p, TailSettings)
     p.set_defaults(func=_cmd_tail)
 
     p = sub.add_parser("query", help="ask a running worker: residency of a block, prefix match, occupancy, "
@@ -366,8 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which view")
     p.add_argument("block_hash", nargs="*", help="block hash in hex (residency: one; prefix-match: the "
                                                  "request's blocks in prefix order)")
-    p.add_argument("--url", default="http://127.0.0.1:6066", help="worker URL (default: %(default)s)")
-    p.add_argument("--timeout", type=float, default=10, help="seconds (default: %(default)s)")
+    add_settings_arguments(p, QuerySettings)
     p.set_defaults(func=_cmd_query)
     return parser
 

@@ -12,6 +12,7 @@ import typing
 from pathlib import Path
 
 from pydantic import ValidationError
+from pydantic_core import PydanticUndefined
 from pydantic_settings import BaseSettings
 
 
@@ -33,11 +34,13 @@ def add_settings_arguments(parser: argparse.ArgumentParser, settings_class: type
             continue
         choices = typing.get_args(info.annotation) if typing.get_origin(info.annotation) is typing.Literal else None
         default = info.default
-        shown = "none" if default in ("", None) else default
+        shown = "required" if default is PydanticUndefined else "none" if default in ("", None, []) else default
         help_text = f"{info.description} (default: {shown}; env {env_variable(settings_class, name)})"
         kwargs: dict = {"default": argparse.SUPPRESS, "help": help_text.replace("%", "%%")}
         if info.annotation is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(info.annotation) is list:
+            kwargs.update(action="append", metavar=name.upper())
         else:
             kwargs["metavar"] = "|".join(choices) if choices else name.upper()
             kwargs["type"] = Path if info.annotation is Path else str
@@ -69,7 +72,10 @@ def settings_to_argv(settings: BaseSettings) -> list[str]:
         value = getattr(settings, name)
         if isinstance(value, bool):
             argv.append(flag(name) if value else "--no-" + flag(name)[2:])
-        else:
+        elif isinstance(value, list):
+            for item in value:
+                argv += [flag(name), str(item)]
+        elif value is not None:
             argv += [flag(name), str(value)]
     return argv
 
@@ -77,7 +83,9 @@ def settings_to_argv(settings: BaseSettings) -> list[str]:
 def documented_default(settings_class: type[BaseSettings], name: str) -> str:
     """A field's default as docs/configuration.md writes it (``""`` for an empty string)."""
     default = settings_class.model_fields[name].default
-    return '""' if default == "" else str(default)
+    if default is PydanticUndefined:
+        return "required"
+    return '""' if default == "" else "none" if default is None or default == [] else str(default)
 
 
 def settings_table(settings_class: type[BaseSettings]) -> list[tuple[str, str, str, str, str]]:

@@ -9,6 +9,7 @@ import msgspec
 import pytest
 from confluent_kafka import Consumer
 
+from harness.payloads import VLLM_PAYLOAD
 from harness.vllm_publisher import BlockRemoved, BlockStored, FakeVllmPublisher
 from kafka_io.admin import ensure_topics
 from kafka_io.config import client_config
@@ -25,7 +26,6 @@ from producers.kafka_sink import KvEventProducer
 from producers.split import rebuild_event
 from schemas import AvroCodec
 from schemas.topics import KV_EVENTS_DEAD_LETTER
-from harness.payloads import VLLM_PAYLOAD
 
 
 class CollectingSink:

@@ -416,11 +416,11 @@ def test_query_cli_wraps_the_views(pipeline, capsys):
     from kvstream.cli import main
 
     hashes = [(h).to_bytes(8, "big").hex() for h in (0xA1, 0xA2)]
-    assert main(["query", "prefix-match", *hashes, "--url", pipeline["url"]]) == 0
+    assert main(["query", "prefix-match", *hashes, "--worker-url", pipeline["url"]]) == 0
     assert json.loads(capsys.readouterr().out)["matches"][0]["matched_blocks"] == 2
-    assert main(["query", "residency", hashes[0], "--url", pipeline["url"]]) == 0
+    assert main(["query", "residency", hashes[0], "--worker-url", pipeline["url"]]) == 0
     assert json.loads(capsys.readouterr().out)["rows"][0]["instance_id"] == "case2"
-    assert main(["query", "residency", "zz", "--url", pipeline["url"]]) == 1
+    assert main(["query", "residency", "zz", "--worker-url", pipeline["url"]]) == 1
     assert "HTTP 400: block hash 'zz' is not hex" in capsys.readouterr().err
 
 

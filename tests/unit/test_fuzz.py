@@ -11,11 +11,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from harness.payloads import VLLM_PAYLOAD
 from producers.engine_decode import BatchDecodeError, decode_batch
 from producers.split import BlockEncoder, InvalidEvent, Publisher, split_event
 from schemas import AvroCodec, DecodeError
 from schemas.avro_writers import KvEventWriter
-from harness.payloads import VLLM_PAYLOAD
 
 FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 PUBLISHER = Publisher("fuzz")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from harness.payloads import VLLM_PAYLOAD
 from producers.split import (
     InvalidEvent,
     ParentTracker,
@@ -12,7 +13,6 @@ from producers.split import (
     rebuild_event,
     split_event,
 )
-from harness.payloads import VLLM_PAYLOAD
 from schemas import ALL_BLOCKS_CLEARED, BLOCK_STORED, AvroCodec
 
 PUBLISHER = Publisher("vllm-0", 0, publisher_epoch=1767225600000)

@@ -1,0 +1,126 @@
+"""The settings of the producer commands (``simulate``, ``bridge``, ``capture``, ``produce``): one typed object
+per command, built once and passed down.
+
+Precedence, highest first: the flag, the ``KVSTREAM_<NAME>`` environment variable, the default
+(docs/configuration.md). A variable is named after its setting, so ``KVSTREAM_BOOTSTRAP_SERVERS`` and
+``KVSTREAM_TOPIC`` apply to every command that has them. Lists (``endpoint``, ...) are comma-separated in a
+variable and repeated flags on the command line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from kafka_io.config import (
+    DEFAULT_BOOTSTRAP_SERVERS,
+    DEFAULT_PARTITIONS,
+    check_bootstrap_servers,
+)
+from producers.simulator import FleetConfig
+from schemas.topics import KV_EVENTS
+
+_FLEET = FleetConfig()
+
+
+def _comma_separated(value):
+    """A list from a variable's ``a,b,c`` (flags give lists already)."""
+    if isinstance(value, str):
+        return [item.strip() for item in value.split(",") if item.strip()]
+    return value
+
+
+class _Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVSTREAM_", frozen=True, extra="forbid")
+
+
+class _KafkaTarget(_Settings):
+    """Where events are produced."""
+
+    #: Kafka bootstrap servers, ``HOST:PORT[,HOST:PORT...]`` (no URL scheme).
+    bootstrap_servers: str = Field(DEFAULT_BOOTSTRAP_SERVERS, description="Kafka bootstrap servers, HOST:PORT[,...]")
+    #: The topic of block-level events.
+    topic: str = Field(KV_EVENTS, min_length=1, description="Kafka topic of the block events")
+    #: Partitions of the topic if this command creates it (an existing topic keeps its own).
+    partitions: int = Field(DEFAULT_PARTITIONS, ge=1, description="partitions if the topic is created")
+
+    @field_validator("bootstrap_servers")
+    @classmethod
+    def _no_url_scheme(cls, value: str) -> str:
+        return check_bootstrap_servers(value)
+
+
+class _EngineEndpoints(_Settings):
+    """Which engine publishers to subscribe to (vLLM's and SGLang's ``--kv-events-config``)."""
+
+    #: Publisher PUB endpoints, ``tcp://HOST:PORT``, one per publisher.
+    endpoint: Annotated[list[str], NoDecode] = Field(description="publisher PUB endpoint tcp://HOST:PORT "
+                                                                 "(repeatable, one per publisher)")
+    #: Publisher ROUTER replay endpoints, one per ``endpoint`` in the same order; empty: no replay of gaps.
+    replay_endpoint: Annotated[list[str], NoDecode] = Field([], description="publisher ROUTER replay endpoint, "
+                                                                            "one per --endpoint in order")
+    #: Instance name of each ``endpoint``, in the same order (vLLM sends no identity of its own).
+    instance_id: Annotated[list[str], NoDecode] = Field([], description="instance name of each --endpoint, "
+                                                                        "in order")
+    #: Data-parallel rank of the endpoints.
+    dp_rank: int = Field(0, ge=0, description="data-parallel rank of the endpoints")
+    #: Follow ranks 0..N-1 of one engine on its offset ports (vLLM: port + rank).
+    data_parallel_size: int = Field(1, ge=1, description="follow ranks 0..N-1 of one engine on offset ports")
+    #: Publisher topic prefix to subscribe to; empty: all.
+    zmq_topic: str = Field("", description="publisher topic prefix to subscribe to; empty: all")
+
+    _split_lists = field_validator("endpoint", "replay_endpoint", "instance_id", mode="before")(
+        lambda cls, value: _comma_separated(value))
+
+
+class SimulateSettings(_KafkaTarget):
+    """``kvstream simulate``: replay a Mooncake-format trace through the simulated fleet into ``kv-events``."""
+
+    #: The trace (JSON lines, optionally gzipped); none: the vendored Mooncake conversation trace.
+    trace: Path | None = Field(None, description="Mooncake-format trace; none: the vendored Mooncake trace")
+    #: Replay only the first N requests; none: all.
+    requests: int | None = Field(None, ge=1, description="replay only the first N requests")
+    #: Simulated serving instances.
+    instances: int = Field(_FLEET.instances, ge=1, description="simulated instances")
+    #: GPU block pool per instance, in blocks.
+    gpu_blocks: int = Field(_FLEET.gpu_blocks, ge=1, description="GPU pool blocks per instance")
+    #: CPU offload tier per instance, in blocks.
+    cpu_blocks: int = Field(_FLEET.cpu_blocks, ge=1, description="CPU tier blocks per instance")
+    #: KVCR secondary tier per instance, in blocks.
+    kvcr_blocks: int = Field(_FLEET.kvcr_blocks, ge=1, description="KVCR tier blocks per instance")
+    #: Write the final residency (JSON lines, one resident row each) to this file.
+    ground_truth: Path | None = Field(None, description="write the final residency to this file (JSON lines)")
+
+
+class BridgeSettings(_KafkaTarget, _EngineEndpoints):
+    """``kvstream bridge``: subscribe to live engine publishers and produce their events to ``kv-events``."""
+
+    #: Port of the Prometheus ``/metrics`` endpoint; none: off.
+    metrics_port: int | None = Field(None, ge=1, le=65535, description="port of the Prometheus /metrics "
+                                                                        "endpoint; none: off")
+    #: Address the metrics endpoint binds to (``0.0.0.0`` in a container).
+    metrics_bind: str = Field("127.0.0.1", description="address the metrics endpoint binds to")
+    #: Each source's epoch and last seq, so a restarted bridge continues where it stopped.
+    state_file: Path = Field(Path(".kvstream/bridge-state.json"), description="state file: each source's epoch "
+                                                                              "and last seq")
+
+
+class CaptureSettings(_EngineEndpoints):
+    """``kvstream capture``: record live engine streams to a JSON-lines capture file."""
+
+    #: The capture file (appended to).
+    output: Path = Field(description="capture file (JSON lines, appended to)")
+    #: Stop after this many batches; none: no limit.
+    max_batches: int | None = Field(None, ge=1, description="stop after N batches")
+    #: Stop after this many seconds; none: no limit.
+    duration_s: float | None = Field(None, gt=0, description="stop after this many seconds")
+
+
+class ProduceSettings(_KafkaTarget):
+    """``kvstream produce``: publish a capture file exactly as the bridge publishes a live stream."""
+
+    #: The capture file (``kvstream capture``'s format, docs/ingesting.md).
+    jsonl: Path = Field(description="capture file to publish")
