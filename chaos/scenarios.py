@@ -72,10 +72,10 @@ from producers.simulator import Batch, ClusterSimulator, FleetConfig, load_trace
 from producers.split import split_event
 from schemas import AvroCodec
 from schemas.tiers import tier_of
-from schemas.topics import KV_EVENTS, KV_EVENTS_DEAD_LETTER, by_ownership_topic
+from schemas.topics import KV_EVENTS, KV_EVENTS_DEAD_LETTER, by_ownership_topic, changelog_topic
 from stream_apps.repartition import repartition_group
 from stream_apps.settings import WorkerSettings
-from stream_apps.snapshot import changelog_topic, read_table, resident_rows
+from stream_apps.snapshot import read_table, resident_rows
 
 #: Scenario names, in the order they run.
 SCENARIOS = ("crash", "rebalance", "broker-outage", "bridge-restart", "table-recovery")

@@ -29,10 +29,9 @@ from kvstream import broker
 from kvstream.worker import spawn_worker, stop_worker, wait_until_consumed
 from producers.kafka_sink import KvEventProducer
 from producers.simulator import DEFAULT_TRACE, FleetConfig, load_trace, replay_to_kafka
-from schemas.topics import KV_EVENTS
+from schemas.topics import KV_EVENTS, changelog_topic
 from stream_apps.settings import WorkerSettings
 from stream_apps.snapshot import (
-    changelog_topic,
     compare_rows,
     read_table,
     resident_rows,

@@ -19,30 +19,7 @@ from confluent_kafka import Consumer, KafkaException
 
 from kafka_io.config import client_config, unreachable
 from schemas import AvroCodec, DecodeError
-from schemas.topics import (
-    KV_EVENTS,
-    KV_EVENTS_BY_OWNERSHIP,
-    KV_RESIDENCY_CHANGES,
-    KV_TIER_OCCUPANCY,
-)
-
-#: Changelog topic suffix -> schema family of its values.
-_CHANGELOG_FAMILIES = {"-residency-changelog": "residency", "-tier-occupancy-changelog": "tier_occupancy",
-                       "-source-clears-changelog": "clear_watermark",
-                       "-clear-watermarks-changelog": "clear_watermark"}
-
-
-def family_of(topic: str) -> str | None:
-    """Schema family of a topic's values, or None for raw bytes (dead letters, unknown topics)."""
-    if topic == KV_EVENTS:
-        return "kv_event"
-    if topic.endswith(KV_EVENTS_BY_OWNERSHIP):
-        return "ownership_batch"
-    if topic == KV_RESIDENCY_CHANGES:
-        return "residency_change"
-    if topic == KV_TIER_OCCUPANCY:
-        return "tier_occupancy"
-    return next((family for suffix, family in _CHANGELOG_FAMILIES.items() if topic.endswith(suffix)), None)
+from schemas.topics import topic_family
 
 
 def _jsonable(value: Any) -> Any:
@@ -59,7 +36,7 @@ def _jsonable(value: Any) -> Any:
 
 def decode_message(topic: str, key: bytes | None, value: bytes | None, headers, codecs: dict) -> dict:
     """One message as a JSON-ready dict: ``key``, ``value`` (decoded, or hex with ``error``) and ``headers``."""
-    family = family_of(topic)
+    family = topic_family(topic)
     # changelog and occupancy keys are UTF-8; block hashes and dead-letter keys are not
     text_keys = family not in (None, "kv_event", "residency_change")
     out: dict[str, Any] = {"key": None if key is None else key.decode(errors="replace") if text_keys else key.hex()}
@@ -68,11 +45,11 @@ def decode_message(topic: str, key: bytes | None, value: bytes | None, headers, 
     elif family is None:
         out["value"] = value.hex()
     else:
-        codec = codecs.setdefault(family, AvroCodec(family))
+        codec = codecs.get(family) or codecs.setdefault(family, AvroCodec(family))  # one codec per family
         try:
             decoded = codec.decode(value)
             if family == "ownership_batch":
-                events = codecs.setdefault("kv_event", AvroCodec("kv_event"))
+                events = codecs.get("kv_event") or codecs.setdefault("kv_event", AvroCodec("kv_event"))
                 for item in decoded["events"]:
                     item["event"] = events.decode(item["event"])
             out["value"] = _jsonable(decoded)

@@ -33,3 +33,35 @@ ERROR_HEADER = "kvstream-error"
 #: Header of a dead-letter record: where its bytes came from (``topic/partition/offset``, or the engine
 #: endpoint, seq and event index of a bridge input).
 SOURCE_HEADER = "kvstream-source"
+
+
+#: Table of the stream app -> schema family of its values. Each table's changelog topic is
+#: ``<app id>-<table>-changelog`` (:func:`changelog_topic`), keyed by the table key in UTF-8.
+TABLE_FAMILIES = {"residency": "residency", "clear-watermarks": "clear_watermark",
+                  "publisher-epochs": "clear_watermark", "tier-occupancy": "tier_occupancy",
+                  "sources": "source_status"}
+
+
+def changelog_topic(app_id: str, table: str) -> str:
+    """The changelog topic of a table of the stream app: ``<app id>-<table>-changelog`` (Faust's name)."""
+    return f"{app_id}-{table}-changelog"
+
+
+def source_clears_topic(app_id: str) -> str:
+    """The compacted topic of the repartition process's clear history: ``<app id>-repartition-source-clears``
+    (schemas/source_clears_v1.avsc, keyed ``<kv-events partition>/<instance>/<dp rank>``)."""
+    return f"{app_id}-repartition-source-clears"
+
+
+def topic_family(topic: str) -> str | None:
+    """Schema family of the values of any topic the pipeline writes, or None for raw bytes (dead letters, topics
+    it does not know). Per-app topics are recognised by their suffix, whatever the app id."""
+    fixed = {KV_EVENTS: "kv_event", KV_RESIDENCY_CHANGES: "residency_change", KV_TIER_OCCUPANCY: "tier_occupancy"}
+    if topic in fixed:
+        return fixed[topic]
+    if topic.endswith("-" + KV_EVENTS_BY_OWNERSHIP):
+        return "ownership_batch"
+    if topic.endswith(source_clears_topic("")):
+        return "source_clears"
+    return next((family for table, family in TABLE_FAMILIES.items() if topic.endswith(f"-{table}-changelog")),
+                None)

@@ -25,12 +25,13 @@ from schemas.topics import (
     KV_RESIDENCY_CHANGES,
     KV_TIER_OCCUPANCY,
     by_ownership_topic,
+    source_clears_topic,
 )
 from stream_apps.applier import Materializer
 from stream_apps.checkpoint import Checkpoint, CommitSensor, warn_on_long_gc_pauses
 from stream_apps.materialize import register_agent
 from stream_apps.outputs import OutputTopics
-from stream_apps.repartition import RepartitionService, source_clears_topic
+from stream_apps.repartition import RepartitionService
 from stream_apps.settings import WorkerSettings
 from stream_apps.store import STORE_SCHEMES
 from stream_apps.tables import Tables, define_tables

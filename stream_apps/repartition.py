@@ -70,8 +70,9 @@ from schemas.topics import (
     OWNERSHIP_HEADER,
     SOURCE_HEADER,
     by_ownership_topic,
+    source_clears_topic,
 )
-from stream_apps.residency import PRIMARY, key_partition
+from stream_apps.residency import key_partition, residency_key
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +81,6 @@ log = logging.getLogger(__name__)
 CLEAR_HISTORY = 8
 #: Upper bound of one ownership_batch message's payload; the re-keyed topic allows 8 MiB messages.
 MAX_BATCH_BYTES = 1 << 20
-
-
-def source_clears_topic(app_id: str) -> str:
-    """The compacted topic of the repartition stage's clear history: ``<app id>-repartition-source-clears``."""
-    return f"{app_id}-repartition-source-clears"
 
 
 def repartition_group(app_id: str) -> str:
@@ -306,7 +302,7 @@ class Repartitioner:
                 route = self._route(message, value, partition)
                 if route is not None:  # routed by the ownership header, not decoded (schemas.topics.OWNERSHIP_HEADER)
                     ownership, history = route
-                    key = f"{ownership or PRIMARY}/{block_hash.hex()}"
+                    key = residency_key(ownership, block_hash)
                     mark = b"\x00" if history is None else history.encoded_mark_before(offset)
                     outgoing[key_partition(key, partitions)].append(encode_keyed_event(key, mark, value))
                     continue
@@ -321,7 +317,7 @@ class Repartitioner:
                 block_hash = record["block_hash"]
                 if block_hash is None or record["tier"] is None:
                     raise DecodeError(f"{kind.rsplit('.', 1)[-1]} without block_hash or tier")
-                key = f"{body['ownership'] or PRIMARY}/{block_hash.hex()}"
+                key = residency_key(body["ownership"], block_hash)
                 mark = b"\x00" if history is None else history.encoded_mark_before(offset)
                 outgoing[key_partition(key, partitions)].append(encode_keyed_event(key, mark, value))
             except DecodeError as exc:

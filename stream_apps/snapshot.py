@@ -17,11 +17,6 @@ from schemas import AvroCodec
 RowIdentity = tuple
 
 
-def changelog_topic(app_id: str, table: str) -> str:
-    """Faust's changelog topic name of a table: ``<app id>-<table>-changelog``."""
-    return f"{app_id}-{table}-changelog"
-
-
 def read_table(bootstrap_servers: str, topic: str, family: str, timeout_s: float = 60.0) -> dict[str, dict]:
     """Read a changelog topic from the beginning to its current end and return the table it describes.
 

@@ -21,14 +21,10 @@ import faust
 from faust.serializers import codecs
 
 from schemas import AvroCodec
+from schemas.topics import TABLE_FAMILIES
 from stream_apps.settings import WorkerSettings
 from stream_apps.store import MemoryTableStore, RocksDBTableStore
 from stream_apps.store_settings import residency_rocksdb_options
-
-#: Table name -> schema family of its values (the changelog topics are decoded with these too).
-TABLE_FAMILIES = {"residency": "residency", "clear-watermarks": "clear_watermark",
-                  "publisher-epochs": "clear_watermark", "tier-occupancy": "tier_occupancy",
-                  "sources": "source_status"}
 
 
 class AvroFaustCodec(codecs.Codec):

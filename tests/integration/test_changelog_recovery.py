@@ -22,12 +22,13 @@ from kafka_io.admin import ensure_topics
 from kafka_io.config import client_config
 from kafka_io.reader import messages_to_end
 from schemas import AvroCodec
+from schemas.topics import changelog_topic
 from stream_apps.changelog_recovery import (
     ChangelogRecoveryError,
     fill_from_changelog,
     persisted_offset,
 )
-from stream_apps.snapshot import changelog_topic, read_table
+from stream_apps.snapshot import read_table
 
 pytestmark = pytest.mark.integration
 

@@ -31,10 +31,10 @@ from schemas.topics import (
     KV_EVENTS_DEAD_LETTER,
     KV_RESIDENCY_CHANGES,
     KV_TIER_OCCUPANCY,
+    changelog_topic,
 )
 from stream_apps.settings import WorkerSettings
 from stream_apps.snapshot import (
-    changelog_topic,
     compare_rows,
     read_table,
     resident_rows,
