@@ -12,6 +12,7 @@ WORKDIR /src
 # pyproject.toml names README.md as the package's readme, so the build needs it.
 COPY pyproject.toml README.md ./
 COPY schemas/ schemas/
+COPY kafka_io/ kafka_io/
 COPY producers/ producers/
 COPY stream_apps/ stream_apps/
 COPY kvstream/ kvstream/
