@@ -531,7 +531,7 @@ class Bench:
         shutil.rmtree(path, ignore_errors=True)
         from rocksdict import Rdict
 
-        options = RocksDBOptions(**residency_rocksdb_options())  # as the worker's residency store
+        options = RocksDBOptions(**residency_rocksdb_options())  # as the worker's residency store, default sizes
         db = Rdict(str(path), options=options.as_options())
         value_bytes = 0
         for key, entry in pairs:

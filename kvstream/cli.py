@@ -161,11 +161,12 @@ def _cmd_bridge(args: argparse.Namespace) -> int:
     from producers.bridge import Bridge, BridgeMetrics, KafkaBatchSink
     from producers.kafka_sink import KvEventProducer
     from producers.settings import BridgeSettings
-    from schemas.topics import KV_EVENTS_DEAD_LETTER
+    from schemas.topics import DEAD_LETTER_TOPIC_CONFIG, KV_EVENTS_DEAD_LETTER
 
     settings = settings_from_args(BridgeSettings, args)
     endpoints = _bridge_endpoints(settings)
-    ensure_topics(settings.bootstrap_servers, {settings.topic: settings.partitions, KV_EVENTS_DEAD_LETTER: 1})
+    ensure_topics(settings.bootstrap_servers, {settings.topic: settings.partitions, KV_EVENTS_DEAD_LETTER: 1},
+                  configs={KV_EVENTS_DEAD_LETTER: DEAD_LETTER_TOPIC_CONFIG})
     producer = KvEventProducer(settings.bootstrap_servers, settings.topic)
     metrics = BridgeMetrics()
     if settings.metrics_port:
@@ -220,10 +221,11 @@ def _cmd_produce(args: argparse.Namespace) -> int:
     from producers.capture import produce_capture
     from producers.kafka_sink import KvEventProducer
     from producers.settings import ProduceSettings
-    from schemas.topics import KV_EVENTS_DEAD_LETTER
+    from schemas.topics import DEAD_LETTER_TOPIC_CONFIG, KV_EVENTS_DEAD_LETTER
 
     settings = settings_from_args(ProduceSettings, args)
-    ensure_topics(settings.bootstrap_servers, {settings.topic: settings.partitions, KV_EVENTS_DEAD_LETTER: 1})
+    ensure_topics(settings.bootstrap_servers, {settings.topic: settings.partitions, KV_EVENTS_DEAD_LETTER: 1},
+                  configs={KV_EVENTS_DEAD_LETTER: DEAD_LETTER_TOPIC_CONFIG})
     producer = KvEventProducer(settings.bootstrap_servers, settings.topic)
     metrics = BridgeMetrics()
     produce_capture(settings.jsonl, KafkaBatchSink(producer, metrics), metrics)

@@ -73,10 +73,9 @@ def settings_to_argv(settings: BaseSettings) -> list[str]:
         if isinstance(value, bool):
             argv.append(flag(name) if value else "--no-" + flag(name)[2:])
         elif isinstance(value, list):
-            for item in value:
-                argv += [flag(name), str(item)]
+            argv += [f"{flag(name)}={item}" for item in value]
         elif value is not None:
-            argv += [flag(name), str(value)]
+            argv.append(f"{flag(name)}={value}")  # one word: a value starting with "-" is no flag
     return argv
 
 

@@ -16,6 +16,9 @@ def by_ownership_topic(app_id: str) -> str:
     return f"{app_id}-{KV_EVENTS_BY_OWNERSHIP}"
 #: Records that could not be decoded or applied, with the reason in the ``kvstream-error`` header.
 KV_EVENTS_DEAD_LETTER = "kv-events-dead-letter"
+#: Topic configs of the dead-letter topic, whoever creates it: it must take any record it is handed, up to a
+#: whole re-keyed batch message (8 MiB, the re-keyed topic's own limit).
+DEAD_LETTER_TOPIC_CONFIG = {"max.message.bytes": str(8 << 20)}
 #: One record per residency transition (became / stopped being resident), Avro ``residency_change``, key = block hash.
 KV_RESIDENCY_CHANGES = "kv-residency-changes"
 #: Compacted: resident blocks per partition, ownership, tier and instance (Avro ``tier_occupancy``); sum the

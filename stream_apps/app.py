@@ -20,6 +20,7 @@ import faust
 
 from kafka_io.config import aiokafka_security
 from schemas.topics import (
+    DEAD_LETTER_TOPIC_CONFIG,
     KV_EVENTS,
     KV_EVENTS_DEAD_LETTER,
     KV_RESIDENCY_CHANGES,
@@ -81,7 +82,7 @@ class StreamApp:
         topics = {KV_EVENTS: (partitions, {}),
                   by_ownership_topic(app_id): (partitions, {"max.message.bytes": str(8 << 20)}),
                   source_clears_topic(app_id): (partitions, compacted),
-                  KV_EVENTS_DEAD_LETTER: (1, {}),
+                  KV_EVENTS_DEAD_LETTER: (1, DEAD_LETTER_TOPIC_CONFIG),
                   KV_RESIDENCY_CHANGES: (partitions, {}), KV_TIER_OCCUPANCY: (partitions, compacted),
                   f"{app_id}-__assignor-__leader": (1, {})}
         for table in self.tables.all():

@@ -20,6 +20,11 @@ from stream_apps.outputs import OutputTopics
 log = logging.getLogger(__name__)
 
 
+class CheckpointError(RuntimeError):
+    """Outputs were refused or not acknowledged: nothing may be committed, the worker must stop (a restart reads
+    the messages again)."""
+
+
 class Checkpoint:
     """Makes every output of the messages applied so far durable.
 
@@ -56,10 +61,13 @@ class Checkpoint:
         """Run the steps above.
 
         Raises:
-            RuntimeError: as :meth:`stream_apps.outputs.OutputTopics.flush`.
+            CheckpointError: as :meth:`stream_apps.outputs.OutputTopics.flush`.
         """
         started = time.perf_counter()
-        self.outputs.flush()
+        try:
+            self.outputs.flush()
+        except RuntimeError as exc:
+            raise CheckpointError(str(exc)) from exc
         for store in self.stores:
             store.persist()
         self._freeze_gc()
@@ -97,7 +105,7 @@ class CommitSensor(faust.Sensor):
     def on_commit_initiated(self, consumer) -> None:
         try:
             self.checkpoint.commit()
-        except RuntimeError as exc:
+        except CheckpointError as exc:
             log.error("stopping the worker: %s", exc)
             asyncio.ensure_future(self.crash(exc))
             raise
@@ -106,6 +114,8 @@ class CommitSensor(faust.Sensor):
 def warn_on_long_gc_pauses(threshold_s: float = 0.2) -> None:
     """Log a warning when a full (generation 2) collection of Python's cyclic GC stops the worker for longer
     than ``threshold_s`` seconds: it scans every object the worker holds, a memory store's rows included."""
+    if any(getattr(callback, "_kvstream_gc_pauses", False) for callback in gc.callbacks):
+        return  # once per process, however many apps it builds
     started = [0.0]
 
     def on_gc(phase: str, info: dict) -> None:
@@ -117,4 +127,5 @@ def warn_on_long_gc_pauses(threshold_s: float = 0.2) -> None:
                 log.warning("a full Python GC stopped the worker for %.2f s (%d objects freed)", paused,
                             info["collected"])
 
+    on_gc._kvstream_gc_pauses = True
     gc.callbacks.append(on_gc)

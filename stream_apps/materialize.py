@@ -14,6 +14,7 @@ import faust
 
 from schemas import AvroCodec, DecodeError
 from stream_apps.applier import BatchApplier, InvalidRecord, Materializer
+from stream_apps.checkpoint import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,10 @@ def register_agent(app: faust.App, topic: faust.TopicT, materializer: Materializ
             for item in batch["events"]:
                 try:
                     applier.apply(item, event_codec.decode(item["event"]))
+                except CheckpointError as exc:  # never dead-letter a clear whose removals may be lost: stop
+                    log.error("stopping the worker: %s", exc)
+                    await app.crash(exc)
+                    raise
                 except (DecodeError, InvalidRecord) as exc:
                     outputs.dead_letter(item["key"].encode(), item["event"], str(exc), where)
                 except Exception as exc:  # a record this code cannot apply: keep it, say why, go on

@@ -514,11 +514,15 @@ class RepartitionService(mode.Service):
                  within_s: float, **kwargs) -> None:
         super().__init__(**kwargs)
         self.app = app
-        self.process = RepartitionProcess(bootstrap_servers, app_id, partitions, batch_size=batch_size,
-                                          within_s=within_s)
+        self._arguments = (bootstrap_servers, app_id, partitions, batch_size, within_s)
+        self.process: RepartitionProcess | None = None
         self._spawned = False
 
     async def on_start(self) -> None:
+        # built here, not in __init__: the process takes the log level Faust has configured by now
+        bootstrap_servers, app_id, partitions, batch_size, within_s = self._arguments
+        self.process = RepartitionProcess(bootstrap_servers, app_id, partitions, batch_size=batch_size,
+                                          within_s=within_s)
         self.process.start()
         self._spawned = True
 

@@ -65,6 +65,10 @@ class WorkerSettings(BaseSettings):
     repartition_within_s: float = Field(0.1, gt=0, description="longest wait of a repartition batch, seconds")
     #: Decoded residency entries kept in front of the RocksDB store (a block's events come close together).
     residency_cache: int = Field(100_000, ge=0, description="decoded residency entries cached in front of RocksDB")
+    #: RocksDB memtable size of each residency partition database, MiB (two per database).
+    rocksdb_write_buffer_mib: int = Field(8, ge=1, description="RocksDB memtable size per residency partition, MiB")
+    #: RocksDB block cache of each residency partition database, MiB.
+    rocksdb_block_cache_mib: int = Field(16, ge=1, description="RocksDB block cache per residency partition, MiB")
     #: Longest the changelog copy of one rebalance may take before the worker gives up (seconds).
     recovery_timeout_s: float = Field(600.0, gt=0, description="longest changelog copy of one rebalance, seconds")
     #: Log level of the worker and of Faust.
