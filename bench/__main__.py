@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        ("stream-2w", "two workers end to end"),
                                        ("rss", "peak RSS at --rows rows (rocksdb store), then recovery"),
                                        ("rss-large", "peak RSS at --rows-large rows"))),
-                       epilog="Definitions of every figure: README, 'Benchmarks', and results.json. A failed step "
+                       epilog="Figure definitions: bench/README.md ('Figures') and results.json. A failed step "
                               "is recorded under 'errors' and the others still run (exit code 1). The full run "
                               "takes long (the 10M-row step alone writes and consumes over 10 million events); "
                               "--quick takes a few minutes.")

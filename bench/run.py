@@ -17,8 +17,8 @@ interrupted step leaves the others):
 8. peak RSS of a worker (RocksDB store) at 1 million resident rows, then recovery of those rows by a
    fresh worker with an empty data dir; optionally the same peak RSS at 10 million rows.
 
-Definitions of every figure are in :data:`DEFINITIONS` (written into results.json) and in the
-README's "Benchmarks" section.
+Definitions of every figure are in :data:`DEFINITIONS` (written into results.json) and in
+bench/README.md, "Figures".
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Real engine payloads, byte for byte, for the tests of the decoders, the bridge and the fuzzers."""
 
-#: A real vLLM 0.33.0 KVEventBatch as published by its ZmqEventPublisher (docs/contract.md shows its fields):
+#: A real vLLM 0.33.0 KVEventBatch as published by its ZmqEventPublisher (docs/ingesting.md,
+#: "Capture file format", shows the same batch as a capture line):
 #: [ts, [BlockStored(2 hashes, STORAGE, kvcr), BlockRemoved(GPU), AllBlocksCleared], dp rank 0].
 VLLM_PAYLOAD = bytes.fromhex(
     "93cb41da556e4000000093de000ba474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657392cf1a1eb4e3edd9361acf"

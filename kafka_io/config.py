@@ -177,7 +177,7 @@ def client_config(bootstrap_servers: str = DEFAULT_BOOTSTRAP_SERVERS, **override
 
 
 def producer_config(bootstrap_servers: str = DEFAULT_BOOTSTRAP_SERVERS, **overrides) -> dict:
-    """Settings of the event producers (DESIGN.md: idempotent, ``acks=all``, compressed, murmur2).
+    """Settings of the event producers (docs/contract.md, "Partitioning": idempotent, ``acks=all``, lz4, murmur2).
 
     ``partitioner=murmur2_random`` is librdkafka's Java-compatible murmur2 for
     keyed messages, so a key lands on the partition that Faust (aiokafka) and

@@ -3,7 +3,7 @@
 For development and tests only: the CA's key is kept next to the certificates
 it signed, and nothing is ever revoked. Production brokers get their
 certificates from the operator's own CA; the clients then only need the
-``KVSTREAM_SSL_*`` settings (README, "Security").
+``KVSTREAM_SSL_*`` settings (docs/security.md).
 
 Layout of a TLS directory written by :func:`generate_tls_material` (all PEM)::
 

@@ -1,6 +1,6 @@
 """Engine bridge: subscribe to vLLM/SGLang ZMQ publishers and produce their events to Kafka.
 
-Protocol (research/vllm-kv-events.md, section 3): the publisher binds a PUB
+Protocol (docs/ingesting.md, "Live engines"): the publisher binds a PUB
 socket and sends 3-frame messages ``(topic, seq as 8-byte big-endian, msgpack
 KVEventBatch)``; ``seq`` starts at 0 per publisher and grows by one per batch.
 An optional ROUTER replay socket answers ``[b"", start_seq]`` from a DEALER

@@ -1,6 +1,6 @@
 """Capture files: a live KV event stream recorded as JSON lines, and published again through the bridge's path.
 
-One line per batch (the format is in the README, "Capture files")::
+One line per batch (the format is in docs/ingesting.md, "Capture file format")::
 
     {"instance_id": "engine-0", "data_parallel_rank": 0, "seq": 12, "ts": 1767225600.0,
      "events": [{"type": "BlockStored", "block_hashes": [1882140585328457242], ...}, ...]}

@@ -1,6 +1,6 @@
 """Decode the msgpack payloads that vLLM and SGLang publish, in every shape that is out there.
 
-A payload is one ``KVEventBatch`` (research/vllm-kv-events.md, sections 1 and 7):
+A payload is one ``KVEventBatch`` (docs/ingesting.md, "Live engines"):
 a positional array ``[ts, events, data_parallel_rank]``, or ``[ts, events]``
 from older vLLM. Each event is
 

@@ -4,7 +4,8 @@ Every producer of the project (cluster simulator, engine bridge, capture
 replay) ends here, so the contract is applied once: key = canonical block hash,
 murmur2 partitioner, idempotent, ``acks=all``, compressed; an
 ``AllBlocksCleared`` record (no key) goes to every partition, so each partition
-sees it in order with that source's other events (DESIGN.md).
+sees it in order with that source's other events (docs/contract.md, "One Kafka
+message per block-level event").
 """
 
 from __future__ import annotations

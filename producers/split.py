@@ -1,6 +1,6 @@
 """Split engine event batches into block-level ``kv_event`` records.
 
-DESIGN.md ("One Kafka message per block-level event"): a vLLM ``BlockStored`` or
+docs/contract.md, "One Kafka message per block-level event": a vLLM ``BlockStored`` or
 ``BlockRemoved`` with n block hashes becomes n records keyed by each block's
 canonical hash; an ``AllBlocksCleared`` becomes one record with no key, which
 the producer writes to every partition. Every record keeps the batch ``seq``, the
@@ -53,8 +53,8 @@ class InvalidEvent(ValueError):
 class Publisher:
     """Identity of one event publisher (one seq stream) and how its reports aggregate.
 
-    Source identity (DESIGN.md) is ``instance_id`` + ``data_parallel_rank`` (+
-    ``worker_rank`` where an engine's workers publish separately).
+    Source identity (docs/contract.md, "Source identity, epochs and order") is ``instance_id`` +
+    ``data_parallel_rank`` (+ ``worker_rank`` where an engine's workers publish separately).
     """
 
     #: Serving instance (engine) name, e.g. ``sim-0`` or a pod name.

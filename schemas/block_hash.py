@@ -3,7 +3,7 @@
 vLLM publishes block hashes as unsigned 64-bit ints by default (the low 8 bytes of
 a SHA-256 chain hash, ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``) or as raw digests
 (32 bytes for sha256); SGLang publishes signed 64-bit ints. The contract
-(DESIGN.md, "Canonical block hash = bytes") maps every int to its 8-byte
+(docs/contract.md, "Canonical block hash") maps every int to its 8-byte
 big-endian two's complement, so ``2**64 - 1`` (vLLM) and ``-1`` (SGLang) are the
 same block, and keeps bytes as they are. JSON and HTTP show the hex form.
 """

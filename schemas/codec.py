@@ -1,6 +1,6 @@
 """Avro codec for the project's records: fastavro with single-object framing.
 
-Framing (DESIGN.md, "Framing"):
+Framing (docs/contract.md, "Framing"):
 
 * Avro single-object encoding, the default: ``C3 01`` + the writer schema's
   8-byte CRC-64-AVRO fingerprint (little-endian, as fastavro's ``fingerprint``
@@ -56,7 +56,7 @@ class SchemaVersion:
 
 #: Files that define the named types other schemas refer to, in dependency order. Each named type is
 #: defined once: Tier, AggregationMode and HashEncoding in kv_event_v1, ResidencyRow and ClearMark in
-#: residency_v1 (DESIGN.md "Avro discipline").
+#: residency_v1 (docs/contract.md, "Avro discipline").
 NAMED_TYPE_SOURCES = ("kv_event_v1.avsc", "residency_v1.avsc")
 
 

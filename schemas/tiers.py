@@ -1,6 +1,6 @@
 """Canonical tiers: one vocabulary for every engine's ``medium`` strings.
 
-DESIGN.md ("Tiers"): ``GPU``, ``CPU``, ``STORAGE``, ``EXTERNAL``, ``UNKNOWN``,
+docs/contract.md, "Tiers and media": ``GPU``, ``CPU``, ``STORAGE``, ``EXTERNAL``, ``UNKNOWN``,
 mapped case-insensitively; an unknown medium maps to ``UNKNOWN``, never to GPU,
 and the raw string is kept next to the tier in every record.
 """

@@ -1,4 +1,4 @@
-"""Topic names of the pipeline: part of the contract, named after the domain (STYLE.md)."""
+"""Topic names of the pipeline: part of the contract, named after what they carry (docs/architecture.md, "Topics")."""
 
 #: Block-level KV events from every producer, Avro ``kv_event``, key = canonical block hash.
 KV_EVENTS = "kv-events"

@@ -20,7 +20,7 @@ Heartbeats: the copy runs in a thread, so the worker's event loop keeps running,
 callback, and aiokafka sends no heartbeats until that callback returns. A copy longer than the consumer
 session timeout (``BROKER_SESSION_TIMEOUT``, Faust's default 60 s) gets the worker expelled from the group;
 it rejoins once the copy is done (one more rebalance, which starts at the offsets already written). A
-warning is logged when that happens; docs/operations.md gives the sizes where it starts to.
+warning is logged when that happens; docs/operations.md ("Table recovery") says when to raise the timeout.
 
 Not covered: standby partitions (Faust keeps them), partitions that stay assigned across a rebalance (their
 database is current), and the ``memory://`` store (it persists no offset, so Faust reads its whole

@@ -1,6 +1,7 @@
 """Stage 1 of the stream app: re-key ``kv-events`` by ownership and block hash, off Faust's per-message path.
 
-Every block event is one Kafka message (DESIGN.md), and Faust spends about
+Every block event is one Kafka message (docs/contract.md, "One Kafka message per
+block-level event"), and Faust spends about
 70 µs on each message it consumes, more than the whole re-keying costs, so
 this stage is a confluent-kafka consumer loop in a child process of the worker
 of its own (:class:`RepartitionProcess`, started by the worker), in its own consumer group

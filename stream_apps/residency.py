@@ -5,8 +5,9 @@ in :mod:`stream_apps.app` decode, call these and write tables.
 
 The residency table is keyed by ``<ownership>/<block hash hex>`` (``primary``
 for the framework's own tiers, i.e. ownership null). Its value, an *entry*, holds
-one *row* per residency identity (DESIGN.md): (instance, data-parallel rank,
-tier, locality, group) -- ownership and block hash are in the key. A row keeps
+one *row* per residency identity (docs/residency.md, "Residency identity"):
+(instance, data-parallel rank, tier, locality, group) -- ownership and block
+hash are in the key. A row keeps
 
 * per-worker reference counts (stores minus applied removals) and the position
   ``(publisher_epoch, seq, batch_index, block_index)`` of the last event applied
@@ -46,7 +47,7 @@ from schemas.clear_position import ClearPosition, clear_mark_record
 PRIMARY = "primary"
 
 #: Tiers an AllBlocksCleared removes by default: vLLM emits it on a GPU prefix-cache reset, and offloaded
-#: copies survive it (DESIGN.md "AllBlocksCleared").
+#: copies survive it (docs/residency.md, "Clears").
 DEFAULT_CLEAR_TIERS = frozenset({"GPU"})
 #: Tiers removed with clear scope ``all``.
 ALL_TIERS = frozenset({"GPU", "CPU", "STORAGE", "EXTERNAL", "UNKNOWN"})
@@ -136,7 +137,7 @@ class ApplyStats:
     became_resident: int = 0
     stopped_resident: int = 0
     #: Stores whose parent block the producer had not seen stored by the source (BlockStored.parent_known
-    #: false): still resident (DESIGN.md), counted.
+    #: false): still resident, counted (docs/residency.md, "Reference counting").
     unknown_parents: int = 0
     #: Media that mapped to the UNKNOWN tier, by raw string.
     unknown_media: dict = field(default_factory=dict)

@@ -68,7 +68,7 @@ def _publish_bridge_scenarios(bootstrap: str) -> None:
 
 
 def _publish_residency_cases(bootstrap: str) -> None:
-    """The residency cases of the contract (DESIGN.md), each on its own instances."""
+    """The residency cases of docs/residency.md, each on its own instances."""
     producer = KvEventProducer(bootstrap, KV_EVENTS)
     seqs: dict = {}
 
