@@ -109,7 +109,7 @@ DEFINITIONS = {
     "worker_view": "in 'differences': the copies the (restarted or surviving) worker itself answers for the row "
                    "over GET /residency/{hex}/ (its local table) while the changelog says 'actual'",
     "rekey": "for a run that differs: distinct kv-events payloads, items and distinct payloads in "
-             "<app id>-kv-events-by-ownership, and kv-events payloads never re-keyed (lost by the first agent)",
+             "<app id>-kv-events-by-ownership, and kv-events payloads never re-keyed (lost by the repartition process)",
     "queries": "rebalance: GET /residency/{hex}/ lookups of known blocks; 'answered' got 200 (possibly after "
                "retries), 'retried' counts 503 answers (rebalancing: retry) that were retried, 'failed' never got a "
                "200 within 30 s or got another error",
@@ -291,13 +291,13 @@ def check_residency(bootstrap: str, app_id: str, truth: dict) -> RowCheck:
 
 
 def rekey_check(bootstrap: str, app_id: str) -> dict:
-    """Which events of kv-events never reached ``<app_id>-kv-events-by-ownership`` (the first agent's output).
+    """Which events of kv-events never reached ``<app_id>-kv-events-by-ownership`` (the repartition process's output).
 
     Returns:
         ``{"kv_events_distinct", "rekeyed_items", "rekeyed_distinct", "never_rekeyed"}``: distinct event
         payloads (a clear's copies count once) in kv-events, items in the re-keyed topic, distinct payloads
-        among them, and payloads of kv-events missing from the re-keyed topic. Tells a loss in the first agent
-        (re-keying) from one in the second (materializing).
+        among them, and payloads of kv-events missing from the re-keyed topic. Tells a loss in the repartition
+        process from one in the materializing agent.
     """
     upstream = set(read_topic(bootstrap, KV_EVENTS))
     codec = AvroCodec("ownership_batch")

@@ -287,7 +287,8 @@ class ResidencyWriter(_TableRecordWriter):
     byte for byte what :meth:`AvroCodec.encode` writes, framing included.
 
     fastavro's generic writer costs about 13 µs an entry (it resolves each optional field's union and
-    looks up every field of the nested rows and workers); stage 2 encodes one entry per touched key.
+    looks up every field of the nested rows and workers); the materializing agent encodes one entry per
+    touched key.
     This writer encodes the field layout of ``residency_v1.avsc`` directly. Checked against fastavro
     in ``tests/test_writers.py``.
 
@@ -356,7 +357,8 @@ class ResidencyWriter(_TableRecordWriter):
 
 class ResidencyChangeWriter(_TableRecordWriter):
     """Hand-written encoder of ``residency_change`` records (topic kv-residency-changes), byte for byte what
-    :meth:`AvroCodec.encode` writes, framing included. Stage 2 writes one per residency transition.
+    :meth:`AvroCodec.encode` writes, framing included. The materializing agent writes one per residency
+    transition.
 
     :meth:`change` takes the fields as arguments (no record dict to build); :meth:`encode` takes a
     record. The encoded row identity (``instance_id`` .. ``group_idx``) and the cause are cached. Checked

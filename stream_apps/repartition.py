@@ -1,4 +1,5 @@
-"""Stage 1 of the stream app: re-key ``kv-events`` by ownership and block hash, off Faust's per-message path.
+"""The repartition process of the stream app: re-key ``kv-events`` by ownership and block hash, off Faust's
+per-message path.
 
 Every block event is one Kafka message (docs/contract.md, "One Kafka message per
 block-level event"), and Faust spends about
@@ -19,7 +20,7 @@ of up to ``batch_size`` messages and, per batch:
    :data:`MAX_BATCH_BYTES`); source-wide events (clears, the bridge's
    ``PublisherRestarted`` and ``SourceStale``) keep their partition number;
 4. flushes the producer and only then commits the batch's offsets: at least
-   once. A redelivered event reaches stage 2 again and is ignored there
+   once. A redelivered event reaches the materializing agent again and is ignored there
    (idempotent rows, :mod:`stream_apps.residency`).
 
 Clear marks survive restarts and rebalances: each source's last clears on a
@@ -406,7 +407,7 @@ class Repartitioner:
                         on_delivery=self._on_delivery)
 
 
-# --------------------------------------------------------------------------- stage 1 in a process of its own
+# --------------------------------------------------------------------------- the loop in a process of its own
 
 class _SharedCounters:
     """The ``counters`` mapping of a :class:`Repartitioner` in a child process: each name is a shared
@@ -425,9 +426,9 @@ class _SharedCounters:
 class RepartitionProcess:
     """Runs a :class:`Repartitioner` in a spawned child process for the worker's lifetime.
 
-    Stage 1 costs about 10-15 µs of Python per event. In a thread it shares the worker's GIL with stage 2
-    (Faust's event loop), so each stage waits for the other; in a process of its own it runs on the other
-    core. The child stops after the batch in hand when :meth:`stop` is called, when it gets SIGTERM, or
+    The re-keying costs about 10-15 µs of Python per event. In a thread it shares the worker's GIL with the
+    materializing agent (Faust's event loop), so each waits for the other; in a process of its own it runs
+    on the other core. The child stops after the batch in hand when :meth:`stop` is called, when it gets SIGTERM, or
     when its parent (the worker) is gone; it ignores SIGINT (a terminal's Ctrl-C reaches the whole process
     group; the worker stops it in order). A loop that dies exits with code 1 after logging why; the worker
     watches :attr:`exitcode` and crashes too, so that a supervisor restarts both and the batch that was not
@@ -466,7 +467,7 @@ class RepartitionProcess:
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Ask the child to stop after the batch in hand (flushed and committed) and wait; kill it after
-        ``timeout_s`` (its batch is then read again by the next stage 1: at least once)."""
+        ``timeout_s`` (its batch is then read again by the next repartition process: at least once)."""
         self._stop.set()
         if self._process.pid is None:
             return
@@ -491,10 +492,10 @@ def _run_child(bootstrap_servers: str, app_id: str, partitions: int, batch_size:
                 stop.set()
 
     threading.Thread(target=watch_parent, name="kvstream-parent-watch", daemon=True).start()
-    stage = Repartitioner(bootstrap_servers, app_id, partitions, _SharedCounters(values), batch_size=batch_size,
-                          within_s=within_s, stop_event=stop)
+    repartitioner = Repartitioner(bootstrap_servers, app_id, partitions, _SharedCounters(values),
+                                  batch_size=batch_size, within_s=within_s, stop_event=stop)
     try:
-        stage.run()
+        repartitioner.run()
     except BaseException:  # noqa: BLE001 - the worker learns it from the exit code
         log.exception("the repartition stage stopped")
         raise SystemExit(1)

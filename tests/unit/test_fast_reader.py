@@ -92,7 +92,8 @@ def test_the_record_name_override_reads_a_nullable_record_bare_and_keeps_names_e
                                                             "again": ("M", {"x": -1})}
 
 
-@pytest.mark.parametrize("family", ("kv_event", "residency"))  # stage 2 decodes these per event / per read
+# the materializing agent decodes these per event / per read
+@pytest.mark.parametrize("family", ("kv_event", "residency"))
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_a_truncated_record_is_a_decode_error_at_every_length(family, data):
