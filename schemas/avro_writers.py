@@ -20,7 +20,7 @@ from schemas.codec import AvroCodec, named_types
 def _zigzag_varint(n: int) -> bytes:
     """Avro ``int``/``long``: zig-zag, then a little-endian base-128 varint."""
     n = (n << 1) ^ (n >> 63)
-    # one, two and three bytes (|n| below 2**20: batch seqs, offsets) without the loop: about 3x faster
+    # one, two and three bytes (|n| below 2**20: batch seqs, offsets) without the loop, which is slower
     if n < 0x80:
         return bytes((n,))
     if n < 0x4000:
@@ -286,9 +286,8 @@ class ResidencyWriter(_TableRecordWriter):
     """Hand-written encoder of ``residency`` entries (the stream app's table values and changelog records),
     byte for byte what :meth:`AvroCodec.encode` writes, framing included.
 
-    fastavro's generic writer costs about 13 µs an entry (it resolves each optional field's union and
-    looks up every field of the nested rows and workers); the materializing agent encodes one entry per
-    touched key.
+    fastavro's generic writer is slow here (it resolves each optional field's union and looks up every
+    field of the nested rows and workers), and the materializing agent encodes one entry per touched key.
     This writer encodes the field layout of ``residency_v1.avsc`` directly. Checked against fastavro
     in ``tests/test_writers.py``.
 

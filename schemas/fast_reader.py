@@ -3,7 +3,7 @@ Python.
 
 fastavro's ``schemaless_reader`` is generic: per call it sets up its named-schema maps and walks the schema
 tree, per field it dispatches on the type. For a ``kv_event`` (15 fields, a union of 5 records, the stored
-block's 15) that is about 13 µs on the 2-core development machine, the largest single cost of the materializing agent.
+block's 15) that is the largest single cost of the materializing agent.
 :func:`compile_reader` instead writes the Python source of one function per schema, every field read in
 line in the schema's order (varints, strings and unions unrolled), and compiles it once.
 

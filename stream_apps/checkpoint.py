@@ -76,8 +76,8 @@ class Checkpoint:
 
     @staticmethod
     def _freeze_gc() -> None:
-        # Python's full collection scans every tracked object: with a memory store's million rows it stopped
-        # the worker for 0.5-1 s every few seconds, and freed almost nothing (rows are freed by reference
+        # Python's full collection scans every tracked object: with a memory store's rows it stopped the worker
+        # for long pauses every few seconds, and freed almost nothing (rows are freed by reference
         # counting). Freezing moves what exists now out of the collector's sight, so each collection scans
         # only what was allocated since. The cost: cyclic garbage made before a freeze is never freed.
         gc.freeze()

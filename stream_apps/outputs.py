@@ -2,8 +2,8 @@
 producer.
 
 What goes through it: the tables' changelog records (:mod:`stream_apps.store`), the analytics topics
-``kv-residency-changes`` and ``kv-tier-occupancy``, and dead letters. A Faust send costs about as much as
-applying ten events; librdkafka enqueues in about a microsecond. Nothing here waits for the broker: the
+``kv-residency-changes`` and ``kv-tier-occupancy``, and dead letters. A Faust send costs more than applying
+several events; librdkafka's produce only enqueues. Nothing here waits for the broker: the
 checkpoint (:class:`stream_apps.checkpoint.Checkpoint`) flushes before any offset is committed, so every
 output of an acknowledged message is on the broker before that message's offset is: at least once, like
 Faust's own table writes.

@@ -2,11 +2,10 @@
 per-message path.
 
 Every block event is one Kafka message (docs/contract.md, "One Kafka message per
-block-level event"), and Faust spends about
-70 µs on each message it consumes, more than the whole re-keying costs, so
-this stage is a confluent-kafka consumer loop in a child process of the worker
-of its own (:class:`RepartitionProcess`, started by the worker), in its own consumer group
-``<app id>-repartition``. It reads batches
+block-level event"), and Faust spends more on each message it consumes than the
+whole re-keying costs, so this stage is a confluent-kafka consumer loop in a
+child process of the worker (:class:`RepartitionProcess`, started by the
+worker), in its own consumer group ``<app id>-repartition``. It reads batches
 of up to ``batch_size`` messages and, per batch:
 
 1. decodes each event and computes its residency key
@@ -426,7 +425,7 @@ class _SharedCounters:
 class RepartitionProcess:
     """Runs a :class:`Repartitioner` in a spawned child process for the worker's lifetime.
 
-    The re-keying costs about 10-15 µs of Python per event. In a thread it shares the worker's GIL with the
+    The re-keying is Python work on every event. In a thread it shares the worker's GIL with the
     materializing agent (Faust's event loop), so each waits for the other; in a process of its own it runs
     on the other core. The child stops after the batch in hand when :meth:`stop` is called, when it gets SIGTERM, or
     when its parent (the worker) is gone; it ignores SIGINT (a terminal's Ctrl-C reaches the whole process
@@ -452,7 +451,7 @@ class RepartitionProcess:
                   os.getpid(), logging.getLogger().getEffectiveLevel()))
 
     def start(self) -> None:
-        """Spawn the child (it imports the project, about a second, then joins its consumer group)."""
+        """Spawn the child (it imports the project, then joins its consumer group)."""
         self._process.start()
         log.info("repartition stage started in process %d", self._process.pid)
 

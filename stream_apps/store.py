@@ -13,7 +13,7 @@ Both add the same few methods, which the agent uses instead of ``table[key] = va
 - :meth:`~RocksDBTableStore.write` stores a value and produces its changelog record (same key bytes, same
   Avro value bytes, the partition being applied) through the worker's output producer
   (:class:`stream_apps.outputs.OutputTopics`). Faust's own write sends each changelog record through its
-  producer, about 100 µs a key, more than applying the event;
+  producer, which costs more per key than applying the event;
 - :meth:`~RocksDBTableStore.persist` runs at each checkpoint (:class:`stream_apps.checkpoint.Checkpoint`),
   after every changelog record was acknowledged.
 
@@ -122,7 +122,7 @@ class RocksDBTableStore(_BoundStore, faust.stores.rocksdb.Store):
     """Faust's RocksDB store with an entry cache, changelog-acknowledged writes and a fast changelog copy.
 
     Written through its partitions' databases, not Faust's ``_set``/``_del``, which remember every key ever
-    written in a Python dict (``_key_index``): a gigabyte at 10 million rows.
+    written in a Python dict (``_key_index``), which grows with the table.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
