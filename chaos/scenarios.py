@@ -1,4 +1,4 @@
-"""``make chaos``: the fault scenarios of issue 5, each against a real embedded Kafka broker.
+"""``make chaos``: the fault scenarios, each against a real embedded Kafka broker.
 
 Every run starts a fresh one-node broker (its own data directory under the work
 directory, a free port) and a fresh app id, because the stream app's input topic
@@ -115,7 +115,8 @@ DEFINITIONS = {
                "200 within 30 s or got another error",
 }
 
-#: Small pools (as tests/test_pipeline.py): blocks cascade GPU -> CPU -> KVCR and get evicted; one GPU reset.
+#: Small pools (as tests/integration/test_pipeline.py): blocks cascade GPU -> CPU -> KVCR and get evicted; one GPU
+#: reset.
 CHAOS_FLEET = FleetConfig(gpu_blocks=600, cpu_blocks=900, kvcr_blocks=1200, clear_instance=1, clear_at=0.6)
 
 #: Faust's consumer session timeout for the workers of a chaos run, in seconds (Faust's default is 60). A

@@ -4,7 +4,7 @@ Producers (confluent-kafka), the admin helpers and the tools build their
 settings here, so a setting such as the bootstrap servers or security is given
 once. The Faust stream app takes the same bootstrap servers through
 ``kvstream worker --bootstrap-servers`` and the same security settings through
-:func:`aiokafka_security` (``stream_apps.app._broker_credentials``).
+:func:`aiokafka_security` (``stream_apps.app.broker_credentials``).
 
 Security settings come from the environment only (:data:`SECURITY_ENVIRONMENT`),
 are read at each call and are never logged or put on a command line.

@@ -1,10 +1,11 @@
 """``kvstream``: one command line for the whole pipeline.
 
-Subcommands: ``demo`` (everything, on the embedded broker), ``bench`` (every benchmark figure), ``chaos``
-(the fault scenarios against the embedded broker), ``broker`` (the
-embedded Kafka broker and Kafka's CLI tools), ``simulate`` (replay the trace
-into kv-events), ``worker`` (the Faust stream app), ``tail`` (print a topic
-decoded), ``query`` (ask a worker's HTTP views). Every subcommand that talks to Kafka takes ``--bootstrap-servers``.
+Subcommands: ``demo`` (everything, on the embedded broker), ``broker`` (the embedded Kafka broker and
+Kafka's CLI tools), ``simulate`` (replay the trace into kv-events), ``bridge`` (live engine publishers into
+kv-events), ``capture`` and ``produce`` (record live publishers to a file, publish the file), ``worker``
+(the Faust stream app), ``tail`` (print a topic decoded), ``query`` (ask a worker's HTTP views). Every
+subcommand that talks to Kafka takes ``--bootstrap-servers``. The benchmark and the fault scenarios are
+not subcommands: ``make bench`` (``python -m bench``) and ``make chaos`` (``python -m chaos``).
 """
 
 from __future__ import annotations

@@ -317,11 +317,11 @@ class BlockEncoder:
     """Split an engine event and encode its block records in one step, without building record dicts.
 
     The bytes are exactly those of :func:`split_event`, then :meth:`ParentTracker.note` and
-    :meth:`schemas.codec.AvroCodec.encode` on each record (tests/test_split.py checks it); the parts
+    :meth:`schemas.codec.AvroCodec.encode` on each record (tests/unit/test_split.py checks it); the parts
     that every block of an event shares are encoded once per event.
 
     Args:
-        writer: the ``kv_event`` v2 writer (:class:`schemas.codec.KvEventWriter`).
+        writer: the ``kv_event`` v2 writer (:class:`schemas.avro_writers.KvEventWriter`).
         parents: tracker that sets ``parent_known``; None leaves it null.
     """
 

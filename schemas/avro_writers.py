@@ -97,7 +97,7 @@ class KvEventWriter:
     producer writes hundreds of thousands of records per second that share most of their bytes. This
     writer encodes the field layout of ``kv_event_v2.avsc`` directly and gives the pieces that
     :class:`producers.split.BlockEncoder` reuses across the blocks of one engine event. The
-    output is checked against fastavro in ``tests/test_split.py``.
+    output is checked against fastavro in ``tests/unit/test_split.py``.
 
     Args:
         codec: a ``kv_event`` codec writing version 2 (its framing header is reused).
@@ -289,7 +289,7 @@ class ResidencyWriter(_TableRecordWriter):
     fastavro's generic writer is slow here (it resolves each optional field's union and looks up every
     field of the nested rows and workers), and the materializing agent encodes one entry per touched key.
     This writer encodes the field layout of ``residency_v1.avsc`` directly. Checked against fastavro
-    in ``tests/test_writers.py``.
+    in ``tests/unit/test_writers.py``.
 
     Every field must be present in the dicts (fastavro would write a missing optional field's default;
     here it is a KeyError). ``clear_mark`` is the ClearMark dict or None, as the codec decodes it.
@@ -361,7 +361,7 @@ class ResidencyChangeWriter(_TableRecordWriter):
 
     :meth:`change` takes the fields as arguments (no record dict to build); :meth:`encode` takes a
     record. The encoded row identity (``instance_id`` .. ``group_idx``) and the cause are cached. Checked
-    against fastavro in ``tests/test_writers.py``. Construction as :class:`_TableRecordWriter` (a
+    against fastavro in ``tests/unit/test_writers.py``. Construction as :class:`_TableRecordWriter` (a
     ``residency_change`` v1 codec, or ValueError).
     """
 

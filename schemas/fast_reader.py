@@ -12,7 +12,7 @@ returns, with ``return_record_name_override`` as :func:`compile_reader` is told 
 union of several records as ``(full name, dict)``; enums as their symbol), and raise :class:`ReadError`
 on anything fastavro would refuse: a truncated body, a union branch or enum index out of range, a
 negative length, a string that is not UTF-8, a boolean byte other than 0 or 1.
-``tests/test_fast_reader.py`` checks both against each other, hypothesis included.
+``tests/unit/test_fast_reader.py`` checks both against each other, hypothesis included.
 
 Only the schema shapes the project uses are supported (records, enums, arrays, unions and the primitive
 types); :func:`compile_reader` raises :class:`NotImplementedError` for the others (maps, fixed, logical

@@ -1,7 +1,8 @@
 """Residency semantics as plain functions: what one event does to a block's residency.
 
-No Kafka and no Faust here, so tests can call these directly; the Faust agents
-in :mod:`stream_apps.app` decode, call these and write tables.
+No Kafka and no Faust here, so tests can call these directly; the materializing
+agent (:mod:`stream_apps.materialize`, :mod:`stream_apps.applier`) decodes events,
+calls these and writes the tables.
 
 The residency table is keyed by ``<ownership>/<block hash hex>`` (``primary``
 for the framework's own tiers, i.e. ownership null). Its value, an *entry*, holds
@@ -113,7 +114,7 @@ def key_partition(key: str, partitions: int) -> int:
 
     ``positive(murmur2(key)) % partitions``, the rule of Kafka's default partitioner and of aiokafka's
     ``murmur2`` (which Faust's router uses). The hash comes from the ``murmurhash2`` package (compiled, many
-    times faster than aiokafka's pure-Python one); ``tests/test_residency.py`` checks it against Kafka's own
+    times faster than aiokafka's pure-Python one); ``tests/unit/test_residency.py`` checks it against Kafka's own
     test vectors and against aiokafka's on random keys.
     """
     return (murmurhash2(key.encode(), KAFKA_MURMUR2_SEED) & 0x7FFFFFFF) % partitions

@@ -1,4 +1,4 @@
-"""The engine bridge against publishers that follow vLLM's ZMQ protocol (tests/vllm_publisher.py)."""
+"""The engine bridge against publishers that follow vLLM's ZMQ protocol (harness/vllm_publisher.py)."""
 
 from __future__ import annotations
 

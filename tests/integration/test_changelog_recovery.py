@@ -1,6 +1,6 @@
 """The residency table's fast recovery (stream_apps/changelog_recovery.py) on a real broker.
 
-Like test_chaos.py, the module starts an embedded broker of its own (kvstream.chaos.RunEnv): the stream app
+Like test_chaos.py, the module starts an embedded broker of its own (chaos.scenarios.RunEnv): the stream app
 reads the fixed topic ``kv-events``, which test_pipeline.py fills on the session broker.
 """
 
