@@ -159,15 +159,19 @@ def unreachable(client, bootstrap_servers: str, exc: Exception) -> RuntimeError:
         exc: the KafkaException it raised.
 
     Returns:
-        A RuntimeError naming the servers and pointing at the security settings.
+        A RuntimeError naming the servers, with a hint: the security settings when some are set, else whether
+        a broker runs there at all (a refused connection is not a TLS problem).
     """
     try:
         client.poll(0.2)
     except Exception:  # a closed client: the reason is lost, the error still stands
         pass
-    return RuntimeError(f"Kafka at {bootstrap_servers} did not answer: {exc} (if the reason logged above is a TLS "
-                        f"or SASL error, check KVSTREAM_SECURITY_PROTOCOL and the KVSTREAM_SASL_*, "
-                        f"KVSTREAM_SSL_* settings)")
+    if security_config().get("security.protocol", "PLAINTEXT") == "PLAINTEXT":
+        hint = "is a broker listening there? ('kvstream broker start' runs one on 127.0.0.1:9092)"
+    else:
+        hint = ("if the reason logged above is a TLS or SASL error, check KVSTREAM_SECURITY_PROTOCOL and the "
+                "KVSTREAM_SASL_*, KVSTREAM_SSL_* settings")
+    return RuntimeError(f"Kafka at {bootstrap_servers} did not answer: {exc} ({hint})")
 
 
 def client_config(bootstrap_servers: str = DEFAULT_BOOTSTRAP_SERVERS, **overrides) -> dict:

@@ -22,6 +22,16 @@ from kafka_io.config import DEFAULT_PARTITIONS
 from kvstream import broker
 
 
+def _version() -> str:
+    """The installed distribution's version (``pyproject.toml``)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvstream")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -265,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="KV cache events of LLM serving engines -> Kafka (Avro, keyed by block hash) -> Faust "
                     "stream app -> tier residency tables: which instance holds which block on which tier.",
         epilog="Start with 'kvstream demo'. Each subcommand has its own --help.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     fleet = FleetConfig()
 

@@ -14,7 +14,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import sys
 import time
 import urllib.request
@@ -100,11 +99,6 @@ def _stop_hint(work: Path) -> str:
     return (f"kill $(cat {work / 'worker.pid'}); {kvstream} broker stop --data-dir {work / 'broker'}")
 
 
-def _port_in_use(port: int) -> bool:
-    with socket.socket() as probe:
-        return probe.connect_ex(("127.0.0.1", port)) == 0
-
-
 def run_demo(options: DemoOptions) -> int:
     """Run the demo; returns the exit code (0 when the residency matches the ground truth)."""
     work = options.work_dir.resolve()
@@ -113,9 +107,9 @@ def run_demo(options: DemoOptions) -> int:
     if broker.status(broker_dir).running or _worker_alive(pid_file):
         raise RuntimeError(f"an earlier demo is still running in {work} (--keep-running?). Stop it first:\n"
                            f"  {_stop_hint(work)}\nor pass another --work-dir, --port and --web-port")
-    if _port_in_use(options.web_port):
+    if broker.port_in_use(options.web_port):
         raise RuntimeError(f"port {options.web_port} is in use by another program; choose --web-port")
-    if _port_in_use(options.port):
+    if broker.port_in_use(options.port):
         raise RuntimeError(f"port {options.port} is in use by another program; choose --port")
     shutil.rmtree(work, ignore_errors=True)  # every demo starts from empty topics and tables
     work.mkdir(parents=True)

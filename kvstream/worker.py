@@ -18,6 +18,7 @@ from confluent_kafka.admin import AdminClient
 
 from kafka_io.admin import GroupProgress, ensure_topics, group_progress
 from kafka_io.config import client_config
+from kvstream.broker import port_in_use
 from kvstream.options import settings_to_argv
 from schemas.topics import KV_EVENTS, by_ownership_topic
 from stream_apps.repartition import repartition_group
@@ -31,6 +32,9 @@ def run_worker(settings: WorkerSettings) -> int:
     """
     from stream_apps.app import create_app
 
+    if port_in_use(settings.web_port, settings.web_bind):  # before any topic or group is touched
+        raise RuntimeError(f"port {settings.web_port} on {settings.web_bind} is in use by another program "
+                           "(another worker?); choose --web-port")
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     stream_app = create_app(settings)
     topics = stream_app.declared_topics()

@@ -328,12 +328,13 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
-def _port_in_use(port: int) -> bool:
-    """True if something listens on 127.0.0.1:port (SO_REUSEADDR ignores TIME_WAIT, like Java)."""
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """True if ``host:port`` cannot be bound, i.e. something listens there (SO_REUSEADDR ignores TIME_WAIT,
+    like Java and aiohttp)."""
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((host, port))
         except OSError:
             return True
     return False
@@ -463,7 +464,7 @@ def start(
         pid_file.unlink(missing_ok=True)
 
         for attempt in itertools.count(1):  # retried only if the controller port was raced away
-            if _port_in_use(port):
+            if port_in_use(port):
                 raise BrokerError(
                     f"Port {port} on 127.0.0.1 is already in use by another process "
                     f"(not by the broker of {d}). Pick another port or stop that process."

@@ -1,0 +1,40 @@
+"""Errors a new user meets first: each is refused at once with what to do, before anything is created."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from kafka_io.admin import ensure_topics
+from kvstream.broker import free_port
+from kvstream.cli import main
+
+
+def test_a_busy_web_port_is_refused_before_any_topic_is_created(capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", free_port()))
+        busy.listen()
+        port = busy.getsockname()[1]
+        # the bootstrap address is unreachable: the worker must stop at the port, not at Kafka
+        assert main(["worker", "--web-port", str(port), "--bootstrap-servers", "127.0.0.1:9"]) == 1
+    assert f"port {port} on 127.0.0.1 is in use" in capsys.readouterr().err
+
+
+def test_a_bootstrap_address_with_a_scheme_is_refused_by_every_command(capsys):
+    for command in (["worker"], ["simulate"], ["tail", "kv-events"], ["produce", "--jsonl", "x.jsonl"]):
+        assert main([*command, "--bootstrap-servers", "PLAINTEXT://broker:9092"]) == 1
+        assert "has a URL scheme; give HOST:PORT, e.g. 'broker:9092'" in capsys.readouterr().err
+
+
+def test_a_refused_connection_gets_no_tls_hint(monkeypatch):
+    monkeypatch.delenv("KVSTREAM_SECURITY_PROTOCOL", raising=False)
+    with pytest.raises(RuntimeError, match="is a broker listening there") as error:
+        ensure_topics(f"127.0.0.1:{free_port()}", {"t": 1}, timeout_s=1)
+    assert "TLS" not in str(error.value)
+
+
+def test_version():
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
