@@ -605,13 +605,7 @@ class Bench:
         from schemas import ALL_BLOCKS_CLEARED, SOURCE_WIDE_EVENTS, AvroCodec
         from schemas.clear_position import NO_CLEAR
         from schemas.topics import KV_EVENTS
-        from stream_apps.residency import (
-            ApplyStats,
-            SourceSettings,
-            apply_block_event,
-            apply_clear,
-            residency_key,
-        )
+        from stream_apps.residency import ApplyStats, SourceSettings, apply_block_event, apply_clear, residency_key
 
         codec = AvroCodec("kv_event")
         settings = SourceSettings()
@@ -680,12 +674,7 @@ class Bench:
     def step_bridge(self) -> None:
         """The bridge fed by a local publisher process at full speed."""
         from kafka_io.admin import ensure_topics
-        from producers.bridge import (
-            Bridge,
-            BridgeMetrics,
-            KafkaBatchSink,
-            PublisherEndpoint,
-        )
+        from producers.bridge import Bridge, BridgeMetrics, KafkaBatchSink, PublisherEndpoint
         from producers.kafka_sink import KvEventProducer
 
         topic = "bench-bridge"
@@ -786,7 +775,7 @@ class Bench:
         from kafka_io.config import client_config
         from producers.kafka_sink import KvEventProducer
         from schemas import AvroCodec
-        from schemas.topics import KV_EVENTS, KV_RESIDENCY_CHANGES
+        from schemas.topics import KV_EVENTS, TopicNames
 
         _say(f"[latency] {self.o.latency_rate:,} events/s for {LATENCY_WARMUP_S:.0f}s of warm-up, then "
              f"{self.o.latency_s:.0f}s measured, into a running worker")
@@ -799,8 +788,8 @@ class Bench:
             repetition += 1
         consumer = Consumer(client_config(self.bootstrap, **{"group.id": "bench-latency",
                                                              "enable.auto.commit": False}))
-        starts = [TopicPartition(KV_RESIDENCY_CHANGES, p,
-                                 consumer.get_watermark_offsets(TopicPartition(KV_RESIDENCY_CHANGES, p))[1])
+        changes = TopicNames(group.app_id).residency_changes
+        starts = [TopicPartition(changes, p, consumer.get_watermark_offsets(TopicPartition(changes, p))[1])
                   for p in range(self.o.partitions)]
         producer = KvEventProducer(self.bootstrap, KV_EVENTS)
         sent = 0
@@ -824,7 +813,7 @@ class Bench:
         group.wait_consumed(self._kv_events_messages, self.o.timeout_s, "catch up")
         codec = AvroCodec("residency_change")
         consumer.assign(starts)
-        ends = {p: consumer.get_watermark_offsets(TopicPartition(KV_RESIDENCY_CHANGES, p))[1]
+        ends = {p: consumer.get_watermark_offsets(TopicPartition(changes, p))[1]
                 for p in range(self.o.partitions)}
         ends = {p: end for p, end in ends.items() if end > starts[p].offset}
         delays = []

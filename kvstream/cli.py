@@ -60,17 +60,13 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from kvstream.options import settings_from_args
     from producers.kafka_sink import KvEventProducer
     from producers.settings import SimulateSettings
-    from producers.simulator import (
-        DEFAULT_TRACE,
-        FleetConfig,
-        load_trace,
-        replay_to_kafka,
-    )
+    from producers.simulator import DEFAULT_TRACE, FleetConfig, load_trace, replay_to_kafka
 
     settings = settings_from_args(SimulateSettings, args)
     requests = load_trace(settings.trace or DEFAULT_TRACE, settings.requests)
-    ensure_topics(settings.bootstrap_servers, {settings.topic: settings.partitions})
-    producer = KvEventProducer(settings.bootstrap_servers, settings.topic)
+    ensure_topics(settings.bootstrap_servers, {settings.events_topic: settings.partitions})
+    producer = KvEventProducer(settings.bootstrap_servers, settings.events_topic,
+                               dead_letter_topic=settings.dead_letter_topic)
     config = FleetConfig(instances=settings.instances, gpu_blocks=settings.gpu_blocks, cpu_blocks=settings.cpu_blocks,
                          kvcr_blocks=settings.kvcr_blocks)
     with tqdm(total=len(requests), unit="req", disable=None) as bar:
@@ -172,13 +168,15 @@ def _cmd_bridge(args: argparse.Namespace) -> int:
     from producers.bridge import Bridge, BridgeMetrics, KafkaBatchSink
     from producers.kafka_sink import KvEventProducer
     from producers.settings import BridgeSettings
-    from schemas.topics import DEAD_LETTER_TOPIC_CONFIG, KV_EVENTS_DEAD_LETTER
+    from schemas.topics import DEAD_LETTER_TOPIC_CONFIG
 
     settings = settings_from_args(BridgeSettings, args)
     endpoints = _bridge_endpoints(settings)
-    ensure_topics(settings.bootstrap_servers, {settings.topic: settings.partitions, KV_EVENTS_DEAD_LETTER: 1},
-                  configs={KV_EVENTS_DEAD_LETTER: DEAD_LETTER_TOPIC_CONFIG})
-    producer = KvEventProducer(settings.bootstrap_servers, settings.topic)
+    ensure_topics(settings.bootstrap_servers, {settings.events_topic: settings.partitions,
+                                               settings.dead_letter_topic: 1},
+                  configs={settings.dead_letter_topic: DEAD_LETTER_TOPIC_CONFIG})
+    producer = KvEventProducer(settings.bootstrap_servers, settings.events_topic,
+                               dead_letter_topic=settings.dead_letter_topic)
     metrics = BridgeMetrics()
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.metrics_bind, registry=metrics.registry)
@@ -232,12 +230,14 @@ def _cmd_produce(args: argparse.Namespace) -> int:
     from producers.capture import produce_capture
     from producers.kafka_sink import KvEventProducer
     from producers.settings import ProduceSettings
-    from schemas.topics import DEAD_LETTER_TOPIC_CONFIG, KV_EVENTS_DEAD_LETTER
+    from schemas.topics import DEAD_LETTER_TOPIC_CONFIG
 
     settings = settings_from_args(ProduceSettings, args)
-    ensure_topics(settings.bootstrap_servers, {settings.topic: settings.partitions, KV_EVENTS_DEAD_LETTER: 1},
-                  configs={KV_EVENTS_DEAD_LETTER: DEAD_LETTER_TOPIC_CONFIG})
-    producer = KvEventProducer(settings.bootstrap_servers, settings.topic)
+    ensure_topics(settings.bootstrap_servers, {settings.events_topic: settings.partitions,
+                                               settings.dead_letter_topic: 1},
+                  configs={settings.dead_letter_topic: DEAD_LETTER_TOPIC_CONFIG})
+    producer = KvEventProducer(settings.bootstrap_servers, settings.events_topic,
+                               dead_letter_topic=settings.dead_letter_topic)
     metrics = BridgeMetrics()
     produce_capture(settings.jsonl, KafkaBatchSink(producer, metrics), metrics)
     stats = producer.flush()
@@ -261,12 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``kvstream`` argument parser (every subcommand sets ``func``)."""
     from kvstream.options import add_settings_arguments
     from kvstream.settings import QuerySettings, TailSettings
-    from producers.settings import (
-        BridgeSettings,
-        CaptureSettings,
-        ProduceSettings,
-        SimulateSettings,
-    )
+    from producers.settings import BridgeSettings, CaptureSettings, ProduceSettings, SimulateSettings
     from producers.simulator import DEFAULT_TRACE, FleetConfig
     from stream_apps.settings import WorkerSettings
 

@@ -30,11 +30,7 @@ from producers.kafka_sink import KvEventProducer
 from producers.simulator import DEFAULT_TRACE, FleetConfig, load_trace, replay_to_kafka
 from schemas.topics import KV_EVENTS, changelog_topic
 from stream_apps.settings import WorkerSettings
-from stream_apps.snapshot import (
-    compare_rows,
-    read_table,
-    resident_rows,
-)
+from stream_apps.snapshot import compare_rows, read_table, resident_rows
 
 
 @dataclass

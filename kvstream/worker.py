@@ -20,7 +20,7 @@ from kafka_io.admin import GroupProgress, ensure_topics, group_progress
 from kafka_io.config import client_config
 from kvstream.broker import port_in_use
 from kvstream.options import settings_to_argv
-from schemas.topics import KV_EVENTS, by_ownership_topic
+from schemas.topics import TopicNames
 from stream_apps.repartition import repartition_group
 from stream_apps.settings import WorkerSettings
 
@@ -74,22 +74,26 @@ def stop_worker(process: subprocess.Popen, grace_s: float = 30.0) -> None:
         process.wait()
 
 
-def app_progress(bootstrap_servers: str, app_id: str, admin: AdminClient | None = None) -> dict[str, GroupProgress]:
-    """Progress of both stages: kv-events (repartition group) and the re-keyed topic (the app's group).
+def app_progress(bootstrap_servers: str, app: str | TopicNames,
+                 admin: AdminClient | None = None) -> dict[str, GroupProgress]:
+    """Progress of both consumer groups of an app (an app id, or its :class:`TopicNames` when it has a topic
+    prefix): kv-events (the repartition process's group) and the re-keyed topic (the agent's group).
 
     Raises:
         RuntimeError: as :func:`group_progress`.
     """
+    names = app if isinstance(app, TopicNames) else TopicNames(app)
     admin = admin or AdminClient(client_config(bootstrap_servers))
-    return {**group_progress(bootstrap_servers, repartition_group(app_id), [KV_EVENTS], admin),
-            **group_progress(bootstrap_servers, app_id, [by_ownership_topic(app_id)], admin)}
+    return {**group_progress(bootstrap_servers, repartition_group(names.scoped_app_id), [names.kv_events], admin),
+            **group_progress(bootstrap_servers, names.scoped_app_id, [names.by_ownership], admin)}
 
 
-def wait_until_consumed(bootstrap_servers: str, group: str, process: subprocess.Popen | None, *,
+def wait_until_consumed(bootstrap_servers: str, app: str | TopicNames, process: subprocess.Popen | None, *,
                         timeout_s: float, on_progress=None, poll_s: float = 1.0) -> float:
-    """Wait until the app ``group`` (the app id) has committed everything in kv-events and its re-keyed topic.
+    """Wait until an app (its id, or its :class:`TopicNames`) has committed everything in kv-events and its
+    re-keyed topic.
 
-    kv-events is read by the repartition stage's group ``<app id>-repartition``
+    kv-events is read by the repartition process's group ``<app id>-repartition``
     (:func:`stream_apps.repartition.repartition_group`), the re-keyed topic by the app's own group.
 
     Args:
@@ -103,13 +107,15 @@ def wait_until_consumed(bootstrap_servers: str, group: str, process: subprocess.
         RuntimeError: the worker exited.
         TimeoutError: not consumed within ``timeout_s``.
     """
+    names = app if isinstance(app, TopicNames) else TopicNames(app)
+    group = names.scoped_app_id
     started = time.monotonic()
     admin = AdminClient(client_config(bootstrap_servers))
     while True:
         if process is not None and process.poll() is not None:
             raise RuntimeError(f"the stream-app worker exited with code {process.returncode}")
         try:
-            progress = app_progress(bootstrap_servers, group, admin)
+            progress = app_progress(bootstrap_servers, names, admin)
         except RuntimeError as exc:  # e.g. the group coordinator is still loading: ask again
             if time.monotonic() - started > timeout_s:
                 raise TimeoutError(f"consumer group {group} unreadable after {timeout_s:.0f}s: {exc}") from None
@@ -117,7 +123,7 @@ def wait_until_consumed(bootstrap_servers: str, group: str, process: subprocess.
             continue
         if on_progress:
             on_progress(progress)
-        upstream = progress[KV_EVENTS]
+        upstream = progress[names.kv_events]
         if upstream.end and all(p.lag == 0 for p in progress.values()):
             return time.monotonic() - started
         if time.monotonic() - started > timeout_s:

@@ -20,13 +20,7 @@ from kafka_io.produce import produce_waiting
 from producers.split import BlockEncoder, ParentTracker, Publisher
 from schemas import AvroCodec
 from schemas.avro_writers import KvEventWriter
-from schemas.topics import (
-    ERROR_HEADER,
-    KV_EVENTS,
-    KV_EVENTS_DEAD_LETTER,
-    OWNERSHIP_HEADER,
-    SOURCE_HEADER,
-)
+from schemas.topics import ERROR_HEADER, KV_EVENTS, KV_EVENTS_DEAD_LETTER, OWNERSHIP_HEADER, SOURCE_HEADER
 
 
 class ProduceError(RuntimeError):
@@ -60,6 +54,7 @@ class KvEventProducer:
         config_overrides: librdkafka settings layered over
             :func:`kafka_io.config.producer_config`.
         codec: the Avro codec (default: newest ``kv_event`` schema, single-object framing).
+        dead_letter_topic: where :meth:`dead_letter` sends (``kv-events-dead-letter``, with the topic prefix).
 
     Use :meth:`send_event` per engine event (the fast path: split and encoded in one step, see
     :class:`producers.split.BlockEncoder`) or :meth:`send` per record, then :meth:`flush`, which raises
@@ -67,8 +62,10 @@ class KvEventProducer:
     """
 
     def __init__(self, bootstrap_servers: str = DEFAULT_BOOTSTRAP_SERVERS, topic: str = KV_EVENTS, *,
-                 config_overrides: dict | None = None, codec: AvroCodec | None = None) -> None:
+                 config_overrides: dict | None = None, codec: AvroCodec | None = None,
+                 dead_letter_topic: str = KV_EVENTS_DEAD_LETTER) -> None:
         self.topic = topic
+        self.dead_letter_topic = dead_letter_topic
         self.codec = codec or AvroCodec("kv_event")
         self.partitions = topic_partitions(bootstrap_servers, topic)
         self.stats = ProduceStats()
@@ -169,7 +166,7 @@ class KvEventProducer:
             source: where they came from, e.g. ``tcp://host:5557 seq 42 event 3`` (header ``kvstream-source``).
         """
         self.stats.dead_lettered += 1
-        produce_waiting(self._producer, KV_EVENTS_DEAD_LETTER, value, key,
+        produce_waiting(self._producer, self.dead_letter_topic, value, key,
                         headers={ERROR_HEADER: reason[:1000].encode(), SOURCE_HEADER: source[:500].encode()})
         self.stats.sent += 1
 

@@ -15,13 +15,9 @@ from typing import Annotated
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from kafka_io.config import (
-    DEFAULT_BOOTSTRAP_SERVERS,
-    DEFAULT_PARTITIONS,
-    check_bootstrap_servers,
-)
+from kafka_io.config import DEFAULT_BOOTSTRAP_SERVERS, DEFAULT_PARTITIONS, check_bootstrap_servers
 from producers.simulator import FleetConfig
-from schemas.topics import KV_EVENTS
+from schemas.topics import KV_EVENTS, KV_EVENTS_DEAD_LETTER
 
 _FLEET = FleetConfig()
 
@@ -42,8 +38,10 @@ class _KafkaTarget(_Settings):
 
     #: Kafka bootstrap servers, ``HOST:PORT[,HOST:PORT...]`` (no URL scheme).
     bootstrap_servers: str = Field(DEFAULT_BOOTSTRAP_SERVERS, description="Kafka bootstrap servers, HOST:PORT[,...]")
-    #: The topic of block-level events.
+    #: The topic of block-level events (before the prefix).
     topic: str = Field(KV_EVENTS, min_length=1, description="Kafka topic of the block events")
+    #: Put in front of the topic's and the dead-letter topic's names (as ``kvstream worker --topic-prefix``).
+    topic_prefix: str = Field("", description="prefix of the topic names; empty: none")
     #: Partitions of the topic if this command creates it (an existing topic keeps its own).
     partitions: int = Field(DEFAULT_PARTITIONS, ge=1, description="partitions if the topic is created")
 
@@ -51,6 +49,16 @@ class _KafkaTarget(_Settings):
     @classmethod
     def _no_url_scheme(cls, value: str) -> str:
         return check_bootstrap_servers(value)
+
+    @property
+    def events_topic(self) -> str:
+        """The topic events go to, prefix included."""
+        return self.topic_prefix + self.topic
+
+    @property
+    def dead_letter_topic(self) -> str:
+        """The dead-letter topic, prefix included."""
+        return self.topic_prefix + KV_EVENTS_DEAD_LETTER
 
 
 class _EngineEndpoints(_Settings):

@@ -20,22 +20,8 @@ from typing import Any, Iterable
 
 import msgspec
 
-from schemas import (
-    ALL_BLOCKS_CLEARED,
-    BLOCK_REMOVED,
-    BLOCK_STORED,
-    InvalidBlockHash,
-    canonical_block_hash,
-    tier_of,
-)
-from schemas.avro_writers import (
-    AVRO_NULL,
-    KvEventWriter,
-    avro_bytes,
-    avro_double,
-    avro_int_array,
-    avro_long,
-)
+from schemas import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED, InvalidBlockHash, canonical_block_hash, tier_of
+from schemas.avro_writers import AVRO_NULL, KvEventWriter, avro_bytes, avro_double, avro_int_array, avro_long
 from schemas.block_hash import original_block_hash
 
 _BRANCH_1 = b"\x02"

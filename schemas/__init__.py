@@ -10,11 +10,7 @@
 * :mod:`schemas.tiers`: medium strings to canonical tiers.
 """
 
-from schemas.block_hash import (
-    InvalidBlockHash,
-    canonical_block_hash,
-    parse_hex_block_hash,
-)
+from schemas.block_hash import InvalidBlockHash, canonical_block_hash, parse_hex_block_hash
 from schemas.codec import AvroCodec, DecodeError
 from schemas.tiers import TIERS, tier_of
 

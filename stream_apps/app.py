@@ -19,15 +19,7 @@ from dataclasses import dataclass
 import faust
 
 from kafka_io.config import aiokafka_security
-from schemas.topics import (
-    DEAD_LETTER_TOPIC_CONFIG,
-    KV_EVENTS,
-    KV_EVENTS_DEAD_LETTER,
-    KV_RESIDENCY_CHANGES,
-    KV_TIER_OCCUPANCY,
-    by_ownership_topic,
-    source_clears_topic,
-)
+from schemas.topics import DEAD_LETTER_TOPIC_CONFIG
 from stream_apps.applier import Materializer
 from stream_apps.checkpoint import Checkpoint, CommitSensor, warn_on_long_gc_pauses
 from stream_apps.materialize import register_agent
@@ -77,14 +69,14 @@ class StreamApp:
         group forms is left out of the first assignment (seen with the re-keyed topic and the global tables'
         changelogs: their agents stayed idle until the next rebalance).
         """
-        partitions, app_id = self.settings.partitions, self.settings.app_id
+        partitions, names = self.settings.partitions, self.settings.topics
         compacted = {"cleanup.policy": "compact"}
-        topics = {KV_EVENTS: (partitions, {}),
-                  by_ownership_topic(app_id): (partitions, {"max.message.bytes": str(8 << 20)}),
-                  source_clears_topic(app_id): (partitions, compacted),
-                  KV_EVENTS_DEAD_LETTER: (1, DEAD_LETTER_TOPIC_CONFIG),
-                  KV_RESIDENCY_CHANGES: (partitions, {}), KV_TIER_OCCUPANCY: (partitions, compacted),
-                  f"{app_id}-__assignor-__leader": (1, {})}
+        topics = {names.kv_events: (partitions, {}),
+                  names.by_ownership: (partitions, {"max.message.bytes": str(8 << 20)}),
+                  names.source_clears: (partitions, compacted),
+                  names.dead_letter: (1, DEAD_LETTER_TOPIC_CONFIG),
+                  names.residency_changes: (partitions, {}), names.tier_occupancy: (partitions, compacted),
+                  f"{names.scoped_app_id}-__assignor-__leader": (1, {})}
         for table in self.tables.all():
             topics[table.changelog_topic.get_topic_name()] = (table.partitions or partitions, compacted)
         return topics
@@ -93,8 +85,9 @@ class StreamApp:
 def create_app(settings: WorkerSettings) -> StreamApp:
     """Build the Faust app of one worker: tables, agent, output producer, checkpoint, views, repartition
     process. Nothing is started; ``StreamApp.app.main()`` runs it."""
+    topics = settings.topics
     app = faust.App(
-        settings.app_id,
+        topics.scoped_app_id,  # the consumer group, and the prefix of Faust's changelog topics
         broker=[f"kafka://{server}" for server in settings.bootstrap_servers.split(",")],
         store=STORE_SCHEMES[settings.store],
         datadir=str(settings.data_dir),
@@ -110,17 +103,17 @@ def create_app(settings: WorkerSettings) -> StreamApp:
         table_standby_replicas=settings.standby_replicas,
     )
     tables = define_tables(app, settings)
-    outputs = OutputTopics(settings.bootstrap_servers)
+    outputs = OutputTopics(settings.bootstrap_servers, topics)
     for table in tables.all():
         table.data.bind(outputs, bootstrap_servers=settings.bootstrap_servers,
                         cache_entries=settings.residency_cache, recovery_timeout_s=settings.recovery_timeout_s)
     checkpoint = Checkpoint(outputs, [table.data for table in tables.all()])
     app.sensors.add(CommitSensor(checkpoint, app.crash))
     materializer = Materializer(tables, outputs, checkpoint, settings.sources)
-    by_ownership = app.topic(by_ownership_topic(settings.app_id), key_type=bytes, value_type=bytes,
+    by_ownership = app.topic(topics.by_ownership, key_type=bytes, value_type=bytes,
                              partitions=settings.partitions, internal=True)
     register_agent(app, by_ownership, materializer)
-    repartition = RepartitionService(app, settings.bootstrap_servers, settings.app_id, settings.partitions,
+    repartition = RepartitionService(app, settings.bootstrap_servers, topics, settings.partitions,
                                      batch_size=settings.repartition_batch, within_s=settings.repartition_within_s)
     app.service(repartition)
     stream_app = StreamApp(settings, app, tables, outputs, checkpoint, materializer, repartition)

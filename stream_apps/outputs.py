@@ -19,13 +19,7 @@ from kafka_io.config import producer_config
 from kafka_io.produce import produce_waiting
 from schemas import AvroCodec
 from schemas.avro_writers import ResidencyChangeWriter
-from schemas.topics import (
-    ERROR_HEADER,
-    KV_EVENTS_DEAD_LETTER,
-    KV_RESIDENCY_CHANGES,
-    KV_TIER_OCCUPANCY,
-    SOURCE_HEADER,
-)
+from schemas.topics import ERROR_HEADER, SOURCE_HEADER, TopicNames
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +33,12 @@ class OutputTopics:
 
     Args:
         bootstrap_servers: Kafka bootstrap servers (security from :mod:`kafka_io.config`).
+        topics: the app's topic names (its own output topics, the shared dead-letter topic).
     """
 
-    def __init__(self, bootstrap_servers: str) -> None:
+    def __init__(self, bootstrap_servers: str, topics: TopicNames) -> None:
         self.bootstrap_servers = bootstrap_servers
+        self.topics = topics
         self._producer: Producer | None = None
         #: Outputs the broker refused (after librdkafka's retries): "topic[partition]: error".
         self.delivery_errors: list[str] = []
@@ -71,21 +67,21 @@ class OutputTopics:
     def change(self, block_hash: bytes, ownership: str | None, instance_id: str, data_parallel_rank: int,
                tier: str, medium: str | None, locality: str | None, group_idx: int | None, resident: bool,
                copies: int, ts: float, cause: str) -> None:
-        """One ``kv-residency-changes`` record (schemas/residency_change_v1.avsc), keyed by block hash."""
-        self.produce(KV_RESIDENCY_CHANGES, block_hash, self._encode_change(
+        """One ``<app id>-kv-residency-changes`` record (schemas/residency_change_v1.avsc), keyed by block hash."""
+        self.produce(self.topics.residency_changes, block_hash, self._encode_change(
             block_hash, ownership, instance_id, data_parallel_rank, tier, medium, locality, group_idx, resident,
             copies, ts, cause))
 
     def occupancy(self, key: str, value: dict) -> None:
-        """One ``kv-tier-occupancy`` record (compacted; key ``<partition>/<ownership>/<tier>/<instance>``)."""
-        self.produce(KV_TIER_OCCUPANCY, key.encode(), self._occupancy_codec.encode(value))
+        """One ``<app id>-kv-tier-occupancy`` record (compacted; key ``<partition>/<ownership>/<tier>/<instance>``)."""
+        self.produce(self.topics.tier_occupancy, key.encode(), self._occupancy_codec.encode(value))
 
     def dead_letter(self, key: bytes | None, value: bytes | None, reason: str, source: str) -> None:
         """Send a record's original bytes to ``kv-events-dead-letter`` with the reason and where it came from
         (``topic/partition/offset``) in the headers."""
         self.dead_lettered += 1
         log.warning("dead-lettering %s: %s", source, reason)
-        self.produce(KV_EVENTS_DEAD_LETTER, key, value,
+        self.produce(self.topics.dead_letter, key, value,
                      headers=[(ERROR_HEADER, reason.encode()[:1000]), (SOURCE_HEADER, source.encode())])
 
     def produce(self, topic: str, key: bytes | None, value: bytes | None, partition: int | None = None,

@@ -45,34 +45,15 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import mode
-from confluent_kafka import (
-    OFFSET_BEGINNING,
-    Consumer,
-    KafkaError,
-    KafkaException,
-    Producer,
-    TopicPartition,
-)
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from kafka_io.config import client_config, producer_config
 from kafka_io.produce import produce_waiting
 from schemas import ALL_BLOCKS_CLEARED, SOURCE_WIDE_EVENTS, AvroCodec, DecodeError
-from schemas.avro_writers import (
-    encode_clear_mark,
-    encode_keyed_event,
-    encode_ownership_batch,
-)
+from schemas.avro_writers import encode_clear_mark, encode_keyed_event, encode_ownership_batch
 from schemas.clear_position import NO_CLEAR, ClearPosition
 from schemas.codec import schema_versions
-from schemas.topics import (
-    ERROR_HEADER,
-    KV_EVENTS,
-    KV_EVENTS_DEAD_LETTER,
-    OWNERSHIP_HEADER,
-    SOURCE_HEADER,
-    by_ownership_topic,
-    source_clears_topic,
-)
+from schemas.topics import ERROR_HEADER, OWNERSHIP_HEADER, SOURCE_HEADER, TopicNames
 from stream_apps.residency import key_partition, residency_key
 
 log = logging.getLogger(__name__)
@@ -177,7 +158,7 @@ class Repartitioner:
 
     Args:
         bootstrap_servers: Kafka bootstrap servers.
-        app_id: the stream app's id; names the consumer group, the re-keyed topic and the clear-history topic.
+        topics: the stream app's topic names (the consumer group is ``<scoped app id>-repartition``).
         partitions: partitions of the re-keyed topic (the app's partition count).
         counters: a mapping whose ``repartitioned`` and ``dead_lettered`` counts move here.
         batch_size: messages read per batch (one flush and one commit each).
@@ -185,16 +166,17 @@ class Repartitioner:
         stop_event: set to stop the loop after the batch in hand (anything with ``is_set()``).
     """
 
-    def __init__(self, bootstrap_servers: str, app_id: str, partitions: int, counters, *,
+    def __init__(self, bootstrap_servers: str, topics: TopicNames, partitions: int, counters, *,
                  batch_size: int = 10_000, within_s: float = 0.1, stop_event) -> None:
         self.bootstrap_servers = bootstrap_servers
-        self.app_id = app_id
+        self.topics = topics
+        self.app_id = topics.scoped_app_id
         self.partitions = partitions
         self.counters = counters
         self.batch_size = batch_size
         self.within_s = within_s
-        self.output_topic = by_ownership_topic(app_id)
-        self.clears_topic = source_clears_topic(app_id)
+        self.output_topic = topics.by_ownership
+        self.clears_topic = topics.source_clears
         self._event_codec = AvroCodec("kv_event")
         self._batch_codec = AvroCodec("ownership_batch")
         self._clears_codec = AvroCodec("source_clears")
@@ -220,7 +202,7 @@ class Repartitioner:
         self._producer = Producer(producer_config(self.bootstrap_servers, **{
             "client.id": "kvstream-repartition", "partitioner": "murmur2_random", "linger.ms": 5,
             "message.max.bytes": 8 << 20}))
-        self._consumer.subscribe([KV_EVENTS], on_assign=self._on_assign, on_revoke=self._on_revoke,
+        self._consumer.subscribe([self.topics.kv_events], on_assign=self._on_assign, on_revoke=self._on_revoke,
                                  on_lost=self._on_revoke)
         try:
             while not self._stop.is_set():
@@ -331,7 +313,7 @@ class Repartitioner:
         self.counters["repartitioned"] += len(messages)
         if next_offsets:
             try:
-                self._consumer.commit(offsets=[TopicPartition(KV_EVENTS, p, o) for p, o in next_offsets.items()],
+                self._consumer.commit(offsets=[TopicPartition(self.topics.kv_events, p, o) for p, o in next_offsets.items()],
                                       asynchronous=False)
             except KafkaException as exc:  # e.g. a rebalance took the partitions: they are read again elsewhere
                 log.warning("repartition commit failed (%s); the batch will be redelivered", exc)
@@ -402,7 +384,7 @@ class Repartitioner:
         log.warning("dead-lettering %s[%s]@%s: %s", message.topic(), message.partition(), message.offset(), reason)
         headers = [(ERROR_HEADER, reason.encode()[:1000]),
                    (SOURCE_HEADER, f"{message.topic()}/{message.partition()}/{message.offset()}".encode())]
-        produce_waiting(self._producer, KV_EVENTS_DEAD_LETTER, message.value(), message.key(), headers=headers,
+        produce_waiting(self._producer, self.topics.dead_letter, message.value(), message.key(), headers=headers,
                         on_delivery=self._on_delivery)
 
 
@@ -434,11 +416,11 @@ class RepartitionProcess:
     acknowledged is read again.
 
     Args:
-        bootstrap_servers, app_id, partitions, batch_size, within_s: as :class:`Repartitioner`. The child
+        bootstrap_servers, topics, partitions, batch_size, within_s: as :class:`Repartitioner`. The child
             inherits the environment (security settings, ``BROKER_SESSION_TIMEOUT``).
     """
 
-    def __init__(self, bootstrap_servers: str, app_id: str, partitions: int, *, batch_size: int = 10_000,
+    def __init__(self, bootstrap_servers: str, topics: TopicNames, partitions: int, *, batch_size: int = 10_000,
                  within_s: float = 0.1) -> None:
         context = multiprocessing.get_context("spawn")  # the worker has threads; fork would copy their locks
         self._stop = context.Event()
@@ -447,7 +429,7 @@ class RepartitionProcess:
                         "dead_lettered": context.Value("q", 0, lock=False)}
         self._process = context.Process(
             target=_run_child, name="kvstream-repartition", daemon=True,
-            args=(bootstrap_servers, app_id, partitions, batch_size, within_s, self._stop, self._values,
+            args=(bootstrap_servers, topics, partitions, batch_size, within_s, self._stop, self._values,
                   os.getpid(), logging.getLogger().getEffectiveLevel()))
 
     def start(self) -> None:
@@ -477,7 +459,7 @@ class RepartitionProcess:
             self._process.join(5)
 
 
-def _run_child(bootstrap_servers: str, app_id: str, partitions: int, batch_size: int, within_s: float, stop,
+def _run_child(bootstrap_servers: str, topics: TopicNames, partitions: int, batch_size: int, within_s: float, stop,
                values: dict, parent_pid: int, log_level: int) -> None:
     """The child process of :class:`RepartitionProcess`: run the loop until asked to stop."""
     logging.basicConfig(level=log_level, format="[%(asctime)s] [%(process)d] [%(levelname)s] %(name)s: %(message)s")
@@ -491,7 +473,7 @@ def _run_child(bootstrap_servers: str, app_id: str, partitions: int, batch_size:
                 stop.set()
 
     threading.Thread(target=watch_parent, name="kvstream-parent-watch", daemon=True).start()
-    repartitioner = Repartitioner(bootstrap_servers, app_id, partitions, _SharedCounters(values),
+    repartitioner = Repartitioner(bootstrap_servers, topics, partitions, _SharedCounters(values),
                                   batch_size=batch_size, within_s=within_s, stop_event=stop)
     try:
         repartitioner.run()
@@ -508,21 +490,21 @@ class RepartitionService(mode.Service):
 
     Args:
         app: the Faust app (its ``crash`` is called when the process exits).
-        bootstrap_servers, app_id, partitions, batch_size, within_s: as :class:`Repartitioner`.
+        bootstrap_servers, topics, partitions, batch_size, within_s: as :class:`Repartitioner`.
     """
 
-    def __init__(self, app, bootstrap_servers: str, app_id: str, partitions: int, *, batch_size: int,
+    def __init__(self, app, bootstrap_servers: str, topics: TopicNames, partitions: int, *, batch_size: int,
                  within_s: float, **kwargs) -> None:
         super().__init__(**kwargs)
         self.app = app
-        self._arguments = (bootstrap_servers, app_id, partitions, batch_size, within_s)
+        self._arguments = (bootstrap_servers, topics, partitions, batch_size, within_s)
         self.process: RepartitionProcess | None = None
         self._spawned = False
 
     async def on_start(self) -> None:
         # built here, not in __init__: the process takes the log level Faust has configured by now
-        bootstrap_servers, app_id, partitions, batch_size, within_s = self._arguments
-        self.process = RepartitionProcess(bootstrap_servers, app_id, partitions, batch_size=batch_size,
+        bootstrap_servers, topics, partitions, batch_size, within_s = self._arguments
+        self.process = RepartitionProcess(bootstrap_servers, topics, partitions, batch_size=batch_size,
                                           within_s=within_s)
         self.process.start()
         self._spawned = True

@@ -15,11 +15,8 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from kafka_io.config import (
-    DEFAULT_BOOTSTRAP_SERVERS,
-    DEFAULT_PARTITIONS,
-    check_bootstrap_servers,
-)
+from kafka_io.config import DEFAULT_BOOTSTRAP_SERVERS, DEFAULT_PARTITIONS, check_bootstrap_servers
+from schemas.topics import TopicNames
 from stream_apps.residency import SourceSettings, parse_tier_weights
 
 
@@ -34,6 +31,9 @@ class WorkerSettings(BaseSettings):
     #: (``<app id>-kv-events-by-ownership``, ``<app id>-residency-changelog``, ...). Workers with the same app
     #: id share the partitions; another app id is another, independent set of tables.
     app_id: str = Field("kvstream", min_length=1, description="app id: consumer group and topic prefix")
+    #: Put in front of every topic name the app reads or creates (``kv-events`` included) and of its consumer
+    #: groups, for clusters whose ACLs grant a prefix; empty: none (schemas/topics.py).
+    topic_prefix: str = Field("", description="prefix of every topic name and consumer group; empty: none")
     #: Partitions of kv-events and of every topic and table of the app (Faust needs them co-partitioned).
     partitions: int = Field(DEFAULT_PARTITIONS, ge=1, description="partitions of kv-events and the app's topics")
     #: Store of the residency table: ``rocksdb://`` keeps it on disk in ``data_dir`` (a restart reads only
@@ -96,6 +96,11 @@ class WorkerSettings(BaseSettings):
     def _valid_tier_weights(cls, value: str) -> str:
         parse_tier_weights(value)
         return value
+
+    @property
+    def topics(self) -> TopicNames:
+        """Every topic name of this app."""
+        return TopicNames(self.app_id, self.topic_prefix)
 
     @cached_property
     def sources(self) -> SourceSettings:

@@ -13,13 +13,7 @@ import json
 
 import pytest
 
-from chaos.scenarios import (
-    Chaos,
-    ChaosOptions,
-    compare_residency,
-    naive_residency,
-    simulate_workload,
-)
+from chaos.scenarios import Chaos, ChaosOptions, compare_residency, naive_residency, simulate_workload
 from producers.simulator import FleetConfig
 
 pytestmark = pytest.mark.integration

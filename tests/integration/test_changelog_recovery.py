@@ -11,23 +11,13 @@ import re
 import pytest
 from confluent_kafka import Producer
 
-from chaos.scenarios import (
-    CHAOS_FLEET,
-    RunEnv,
-    _consume,
-    produce_now,
-    simulate_workload,
-)
+from chaos.scenarios import CHAOS_FLEET, RunEnv, _consume, produce_now, simulate_workload
 from kafka_io.admin import ensure_topics
 from kafka_io.config import client_config
 from kafka_io.reader import messages_to_end
 from schemas import AvroCodec
 from schemas.topics import changelog_topic
-from stream_apps.changelog_recovery import (
-    ChangelogRecoveryError,
-    fill_from_changelog,
-    persisted_offset,
-)
+from stream_apps.changelog_recovery import ChangelogRecoveryError, fill_from_changelog, persisted_offset
 from stream_apps.snapshot import read_table
 
 pytestmark = pytest.mark.integration

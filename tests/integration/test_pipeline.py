@@ -19,6 +19,7 @@ from confluent_kafka import Consumer, Producer
 
 from kafka_io.admin import ensure_topics
 from kafka_io.config import client_config
+from kafka_io.reader import messages_to_end
 from kvstream.broker import free_port
 from kvstream.worker import spawn_worker, stop_worker, wait_until_consumed
 from producers.bridge import Bridge, BridgeMetrics, KafkaBatchSink, PublisherEndpoint
@@ -26,19 +27,9 @@ from producers.kafka_sink import KvEventProducer
 from producers.simulator import FleetConfig, load_trace, replay_to_kafka
 from producers.split import Publisher, split_event
 from schemas import AvroCodec
-from schemas.topics import (
-    KV_EVENTS,
-    KV_EVENTS_DEAD_LETTER,
-    KV_RESIDENCY_CHANGES,
-    KV_TIER_OCCUPANCY,
-    changelog_topic,
-)
+from schemas.topics import KV_EVENTS, KV_EVENTS_DEAD_LETTER, TopicNames, changelog_topic
 from stream_apps.settings import WorkerSettings
-from stream_apps.snapshot import (
-    compare_rows,
-    read_table,
-    resident_rows,
-)
+from stream_apps.snapshot import compare_rows, read_table, resident_rows
 
 pytestmark = pytest.mark.integration
 
@@ -187,7 +178,7 @@ def test_residency_changes_topic_replays_to_the_ground_truth(pipeline, kafka_boo
     codec = AvroCodec("residency_change")
     consumer = Consumer(client_config(kafka_bootstrap, **{"group.id": "test-changes", "auto.offset.reset": "earliest",
                                                           "enable.partition.eof": True}))
-    consumer.subscribe([KV_RESIDENCY_CHANGES])
+    consumer.subscribe([TopicNames(pipeline["options"].app_id).residency_changes])
     last: dict[tuple, tuple] = {}
     ended: set[int] = set()
     try:
@@ -216,7 +207,7 @@ def test_residency_changes_topic_replays_to_the_ground_truth(pipeline, kafka_boo
 
 
 def test_tier_occupancy_topic_sums_to_the_occupancy_view(pipeline, kafka_bootstrap):
-    table = read_table(kafka_bootstrap, KV_TIER_OCCUPANCY, "tier_occupancy")
+    table = read_table(kafka_bootstrap, TopicNames(pipeline["options"].app_id).tier_occupancy, "tier_occupancy")
     totals: dict[tuple, int] = {}
     for value in table.values():
         key = (value["ownership"], value["tier"], value["instance_id"])
@@ -481,3 +472,20 @@ def test_case3_with_clear_scope_all_the_clear_also_removes_offloaded_copies(pipe
         assert _rows({"url": url}, 0xC1) == [("case3-e2", 0, "GPU", "GPU", 0, 1)]
     finally:
         stop_worker(process)
+    # each app's output topics hold its own changes only: each replays to its own table, and the tables differ
+    replayed = {app_id: _replayed_changes(kafka_bootstrap, app_id) for app_id in (pipeline["options"].app_id,
+                                                                                   options.app_id)}
+    tables = {app_id: resident_rows(read_table(kafka_bootstrap, changelog_topic(app_id, "residency"), "residency"))
+              for app_id in replayed}
+    assert replayed == tables and tables[options.app_id] != tables[pipeline["options"].app_id]
+
+
+def _replayed_changes(bootstrap: str, app_id: str) -> dict[tuple, int]:
+    """The resident rows an app's kv-residency-changes topic ends with (last change per row wins)."""
+    codec = AvroCodec("residency_change")
+    last = {}
+    for message in messages_to_end(bootstrap, TopicNames(app_id).residency_changes):
+        c = codec.decode(message.value())
+        last[(c["instance_id"], c["data_parallel_rank"], c["tier"], c["ownership"], c["locality"], c["group_idx"],
+              c["block_hash"])] = c["copies"] if c["resident"] else 0
+    return {identity: copies for identity, copies in last.items() if copies}

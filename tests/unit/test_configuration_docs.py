@@ -11,12 +11,7 @@ import pytest
 from kvstream.cli import build_parser
 from kvstream.options import settings_table
 from kvstream.settings import QuerySettings, TailSettings
-from producers.settings import (
-    BridgeSettings,
-    CaptureSettings,
-    ProduceSettings,
-    SimulateSettings,
-)
+from producers.settings import BridgeSettings, CaptureSettings, ProduceSettings, SimulateSettings
 from stream_apps.settings import WorkerSettings
 
 COMMANDS = {"worker": WorkerSettings, "simulate": SimulateSettings, "bridge": BridgeSettings,

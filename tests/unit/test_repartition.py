@@ -8,11 +8,7 @@ import pytest
 
 from producers.split import Publisher, split_event
 from schemas import AvroCodec
-from schemas.avro_writers import (
-    encode_clear_mark,
-    encode_keyed_event,
-    encode_ownership_batch,
-)
+from schemas.avro_writers import encode_clear_mark, encode_keyed_event, encode_ownership_batch
 from schemas.clear_position import NO_CLEAR
 from schemas.codec import schema_versions
 from stream_apps.repartition import ClearHistory, source_of

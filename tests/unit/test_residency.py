@@ -160,11 +160,7 @@ def test_a_newer_epoch_restarts_a_workers_count_and_retire_epoch_zeroes_untouche
 
 
 def test_prefix_match_weights_tiers_and_stops_at_the_first_missing_block():
-    from stream_apps.residency import (
-        DEFAULT_TIER_WEIGHTS,
-        parse_tier_weights,
-        prefix_match,
-    )
+    from stream_apps.residency import DEFAULT_TIER_WEIGHTS, parse_tier_weights, prefix_match
 
     def row(instance, tier, dp=0):
         return {"instance_id": instance, "data_parallel_rank": dp, "tier": tier}

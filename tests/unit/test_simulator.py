@@ -6,13 +6,7 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from producers.simulator import (
-    KVCR,
-    ClusterSimulator,
-    FleetConfig,
-    block_hash_of,
-    load_trace,
-)
+from producers.simulator import KVCR, ClusterSimulator, FleetConfig, block_hash_of, load_trace
 from schemas.tiers import tier_of
 
 

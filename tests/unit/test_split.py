@@ -6,13 +6,7 @@ import msgspec
 import pytest
 
 from harness.payloads import VLLM_PAYLOAD
-from producers.split import (
-    InvalidEvent,
-    ParentTracker,
-    Publisher,
-    rebuild_event,
-    split_event,
-)
+from producers.split import InvalidEvent, ParentTracker, Publisher, rebuild_event, split_event
 from schemas import ALL_BLOCKS_CLEARED, BLOCK_STORED, AvroCodec
 
 PUBLISHER = Publisher("vllm-0", 0, publisher_epoch=1767225600000)

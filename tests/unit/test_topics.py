@@ -1,25 +1,45 @@
-"""Every topic the pipeline writes has a schema family that the tools (kvstream tail) decode it with."""
+"""Topic names: shared and per app, with an optional prefix; every topic the pipeline writes has a schema family
+that the tools (kvstream tail) decode it with."""
 
 from __future__ import annotations
 
 import pytest
 
-from schemas.topics import (KV_EVENTS, KV_EVENTS_DEAD_LETTER, KV_RESIDENCY_CHANGES, KV_TIER_OCCUPANCY, TABLE_FAMILIES,
-                            by_ownership_topic, changelog_topic, source_clears_topic, topic_family)
+from schemas.topics import TABLE_FAMILIES, TopicNames, topic_family
 
 
-@pytest.mark.parametrize("app_id", ["kvstream", "other-app"])
-def test_every_topic_of_an_app_maps_to_its_schema_family(app_id):
-    assert topic_family(KV_EVENTS) == "kv_event"
-    assert topic_family(KV_RESIDENCY_CHANGES) == "residency_change"
-    assert topic_family(KV_TIER_OCCUPANCY) == "tier_occupancy"
-    assert topic_family(by_ownership_topic(app_id)) == "ownership_batch"
-    assert topic_family(source_clears_topic(app_id)) == "source_clears"
-    assert {table: topic_family(changelog_topic(app_id, table)) for table in TABLE_FAMILIES} == {
+def test_names_without_and_with_a_prefix():
+    plain, prefixed = TopicNames("kvstream"), TopicNames("kvstream", prefix="team-a.")
+    assert (plain.kv_events, plain.dead_letter, plain.by_ownership, plain.residency_changes, plain.tier_occupancy,
+            plain.source_clears, plain.changelog("residency")) == (
+        "kv-events", "kv-events-dead-letter", "kvstream-kv-events-by-ownership", "kvstream-kv-residency-changes",
+        "kvstream-kv-tier-occupancy", "kvstream-repartition-source-clears", "kvstream-residency-changelog")
+    assert prefixed.scoped_app_id == "team-a.kvstream"
+    assert prefixed.kv_events == "team-a.kv-events" and prefixed.dead_letter == "team-a.kv-events-dead-letter"
+    assert prefixed.residency_changes == "team-a.kvstream-kv-residency-changes"
+    assert prefixed.changelog("sources") == "team-a.kvstream-sources-changelog"
+
+
+def test_two_apps_share_no_topic_but_kv_events_and_the_dead_letters():
+    def names(topics: TopicNames) -> set[str]:
+        return {topics.kv_events, topics.dead_letter, topics.by_ownership, topics.residency_changes,
+                topics.tier_occupancy, topics.source_clears, *(topics.changelog(t) for t in TABLE_FAMILIES)}
+
+    assert names(TopicNames("gpu-scope")) & names(TopicNames("all-scope")) == {"kv-events", "kv-events-dead-letter"}
+
+
+@pytest.mark.parametrize("topics", [TopicNames("kvstream"), TopicNames("other-app", prefix="team-a.")])
+def test_every_topic_of_an_app_maps_to_its_schema_family(topics):
+    assert topic_family(topics.kv_events) == "kv_event"
+    assert topic_family(topics.residency_changes) == "residency_change"
+    assert topic_family(topics.tier_occupancy) == "tier_occupancy"
+    assert topic_family(topics.by_ownership) == "ownership_batch"
+    assert topic_family(topics.source_clears) == "source_clears"
+    assert {table: topic_family(topics.changelog(table)) for table in TABLE_FAMILIES} == {
         "residency": "residency", "clear-watermarks": "clear_watermark", "publisher-epochs": "clear_watermark",
         "tier-occupancy": "tier_occupancy", "sources": "source_status"}
+    assert topic_family(topics.dead_letter) is None
 
 
-def test_dead_letters_and_unknown_topics_are_raw_bytes():
-    assert topic_family(KV_EVENTS_DEAD_LETTER) is None
+def test_unknown_topics_are_raw_bytes():
     assert topic_family("someone-elses-topic") is None

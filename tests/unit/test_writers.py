@@ -260,13 +260,14 @@ def test_residency_change_writer_matches_fastavro_on_any_change(changes, change)
 
 def test_stream_app_encodes_with_the_writers_and_falls_back_to_fastavro_when_one_refuses(caplog):
     from schemas.avro_writers import ResidencyWriter
+    from schemas.topics import TopicNames
     from stream_apps.outputs import CHANGE_FIELDS, OutputTopics
     from stream_apps.store import value_encoder
 
     assert isinstance(value_encoder(AvroCodec("residency")).__self__, ResidencyWriter)
     change = CHANGES["everything set"]
     fields = [change[name] for name in CHANGE_FIELDS]
-    outputs = OutputTopics("127.0.0.1:9")  # no producer is made until a record is sent
+    outputs = OutputTopics("127.0.0.1:9", TopicNames())  # no producer is made until a record is sent
     assert outputs._encode_change(*fields) == AvroCodec("residency_change").encode(change)
     with caplog.at_level("WARNING"):
         codec = AvroCodec("residency")
