@@ -87,12 +87,27 @@ class GroupProgress:
 
 def group_progress(bootstrap_servers: str, group: str, topics: list[str],
                    admin: AdminClient | None = None) -> dict[str, GroupProgress]:
-    """Per topic: how far ``group`` has committed, against the topic's start and end offsets.
+    """Per topic: how far ``group`` has committed, against the topic's start and end offsets (the sum of
+    :func:`partition_progress` over each topic's partitions).
 
-    Committed offsets come from aiokafka's admin client: librdkafka 2.16's
-    ListConsumerGroupOffsets crashes the process (NULL ``rd_kafka_cgrp_op`` in
-    ``rd_kafka_handle_OffsetFetch``, seen in a core dump) when the group
-    coordinator answers with an error, e.g. while it is still loading.
+    Raises:
+        RuntimeError: as :func:`partition_progress`.
+    """
+    progress = {t: GroupProgress(0, 0) for t in topics}
+    for (topic, _), part in partition_progress(bootstrap_servers, group, topics, admin).items():
+        progress[topic].committed += part.committed
+        progress[topic].end += part.end
+    return progress
+
+
+def partition_progress(bootstrap_servers: str, group: str, topics: list[str],
+                       admin: AdminClient | None = None) -> dict[tuple[str, int], GroupProgress]:
+    """Per (topic, partition): how far ``group`` has committed, counted from the partition's start offset.
+
+    Committed offsets come from aiokafka's admin client: librdkafka 2.16's ListConsumerGroupOffsets crashes
+    the process (NULL ``rd_kafka_cgrp_op`` in ``rd_kafka_handle_OffsetFetch``) when the group coordinator
+    answers with an error, e.g. while it is still loading. Blocking, with an event loop of its own: from a
+    coroutine, run it in a thread.
 
     Raises:
         RuntimeError: the broker did not answer, or the group coordinator is not ready yet.
@@ -103,15 +118,15 @@ def group_progress(bootstrap_servers: str, group: str, topics: list[str],
         partitions = [TopicPartition(t, p) for t in topics if t in metadata.topics
                       for p in metadata.topics[t].partitions]
         if not partitions:
-            return {t: GroupProgress(0, 0) for t in topics}
+            return {}
         committed = asyncio.run(_committed_offsets(bootstrap_servers, group, partitions))
         earliest = admin.list_offsets({tp: OffsetSpec.earliest() for tp in partitions})
         latest = admin.list_offsets({tp: OffsetSpec.latest() for tp in partitions})
-        progress = {t: GroupProgress(0, 0) for t in topics}
+        progress = {}
         for tp in partitions:
             low, high = earliest[tp].result().offset, latest[tp].result().offset
-            progress[tp.topic].end += high - low
-            progress[tp.topic].committed += max(committed.get((tp.topic, tp.partition), 0) - low, 0)
+            done = max(committed.get((tp.topic, tp.partition), 0) - low, 0)
+            progress[(tp.topic, tp.partition)] = GroupProgress(done, high - low)
         return progress
     except (KafkaException, KafkaError) as exc:
         raise RuntimeError(f"could not read consumer group {group}: {exc}") from None

@@ -19,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 from kafka_io.config import DEFAULT_PARTITIONS
+from kafka_io.logs import configure_logging
 from kvstream import broker
 
 
@@ -63,6 +64,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from producers.simulator import DEFAULT_TRACE, FleetConfig, load_trace, replay_to_kafka
 
     settings = settings_from_args(SimulateSettings, args)
+    configure_logging(settings.log_level, settings.log_format)
     requests = load_trace(settings.trace or DEFAULT_TRACE, settings.requests)
     ensure_topics(settings.bootstrap_servers, {settings.events_topic: settings.partitions})
     producer = KvEventProducer(settings.bootstrap_servers, settings.events_topic,
@@ -171,6 +173,7 @@ def _cmd_bridge(args: argparse.Namespace) -> int:
     from schemas.topics import DEAD_LETTER_TOPIC_CONFIG
 
     settings = settings_from_args(BridgeSettings, args)
+    configure_logging(settings.log_level, settings.log_format)
     endpoints = _bridge_endpoints(settings)
     ensure_topics(settings.bootstrap_servers, {settings.events_topic: settings.partitions,
                                                settings.dead_letter_topic: 1},
@@ -205,6 +208,7 @@ def _cmd_capture(args: argparse.Namespace) -> int:
     from producers.settings import CaptureSettings
 
     settings = settings_from_args(CaptureSettings, args)
+    configure_logging(settings.log_level, settings.log_format)
     endpoints = _bridge_endpoints(settings)
     with open(settings.output, "a") as out:
         sink = CaptureSink(out)
@@ -233,6 +237,7 @@ def _cmd_produce(args: argparse.Namespace) -> int:
     from schemas.topics import DEAD_LETTER_TOPIC_CONFIG
 
     settings = settings_from_args(ProduceSettings, args)
+    configure_logging(settings.log_level, settings.log_format)
     ensure_topics(settings.bootstrap_servers, {settings.events_topic: settings.partitions,
                                                settings.dead_letter_topic: 1},
                   configs={settings.dead_letter_topic: DEAD_LETTER_TOPIC_CONFIG})

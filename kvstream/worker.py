@@ -18,6 +18,7 @@ from confluent_kafka.admin import AdminClient
 
 from kafka_io.admin import GroupProgress, ensure_topics, group_progress
 from kafka_io.config import client_config
+from kafka_io.logs import logging_config
 from kvstream.broker import port_in_use
 from kvstream.options import settings_to_argv
 from schemas.topics import TopicNames
@@ -40,9 +41,9 @@ def run_worker(settings: WorkerSettings) -> int:
     topics = stream_app.declared_topics()
     ensure_topics(settings.bootstrap_servers, {name: p for name, (p, _) in topics.items()},
                   configs={name: config for name, (_, config) in topics.items()})
-    sys.argv = ["kvstream worker", "worker", "--loglevel", settings.log_level, "--web-port", str(settings.web_port),
-                "--web-bind", settings.web_bind, "--web-host", settings.web_host]
-    stream_app.app.main()
+    worker = stream_app.app.Worker(loglevel=settings.log_level,
+                                   logging_config=logging_config(settings.log_level, settings.log_format))
+    worker.execute_from_commandline()  # raises SystemExit with the worker's exit code
     return 0
 
 

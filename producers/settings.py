@@ -10,7 +10,7 @@ variable and repeated flags on the command line.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -31,6 +31,11 @@ def _comma_separated(value):
 
 class _Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVSTREAM_", frozen=True, extra="forbid")
+
+    #: Log level of the command.
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+    #: ``text``, or ``json``: one JSON object per line (kafka_io/logs.py).
+    log_format: Literal["text", "json"] = Field("text", description="log format: text, or json (one object per line)")
 
 
 class _KafkaTarget(_Settings):

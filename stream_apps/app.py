@@ -22,7 +22,9 @@ from kafka_io.config import aiokafka_security
 from schemas.topics import DEAD_LETTER_TOPIC_CONFIG
 from stream_apps.applier import Materializer
 from stream_apps.checkpoint import Checkpoint, CommitSensor, warn_on_long_gc_pauses
+from stream_apps.health import Readiness
 from stream_apps.materialize import register_agent
+from stream_apps.metrics import WorkerMetrics
 from stream_apps.outputs import OutputTopics
 from stream_apps.repartition import RepartitionService
 from stream_apps.settings import WorkerSettings
@@ -55,6 +57,8 @@ class StreamApp:
     checkpoint: Checkpoint
     materializer: Materializer
     repartition: RepartitionService
+    readiness: Readiness
+    metrics: WorkerMetrics
 
     def counters(self) -> dict[str, int]:
         """This worker's event counters: the agent's and the repartition process's."""
@@ -114,10 +118,13 @@ def create_app(settings: WorkerSettings) -> StreamApp:
                              partitions=settings.partitions, internal=True)
     register_agent(app, by_ownership, materializer)
     repartition = RepartitionService(app, settings.bootstrap_servers, topics, settings.partitions,
-                                     batch_size=settings.repartition_batch, within_s=settings.repartition_within_s)
+                                     batch_size=settings.repartition_batch, within_s=settings.repartition_within_s,
+                                     log_format=settings.log_format)
     app.service(repartition)
-    stream_app = StreamApp(settings, app, tables, outputs, checkpoint, materializer, repartition)
-    register_views(app, tables, materializer, settings.weights, stream_app.counters)
+    readiness = Readiness(app, lambda: repartition.alive)
+    metrics = WorkerMetrics(settings, materializer, checkpoint, repartition, readiness, lambda: app.in_recovery)
+    stream_app = StreamApp(settings, app, tables, outputs, checkpoint, materializer, repartition, readiness, metrics)
+    register_views(app, tables, materializer, settings.weights, stream_app.counters, readiness, metrics)
 
     store = tables.residency_store
 
@@ -127,8 +134,10 @@ def create_app(settings: WorkerSettings) -> StreamApp:
         store.forget_cache()
 
     @app.on_partitions_assigned.connect
-    async def _forget_cached_entries_on_assign(app, assigned, **kwargs) -> None:
+    async def _on_assigned(app, assigned, **kwargs) -> None:
         store.forget_cache()
+        readiness.assigned = True
+        metrics.rebalances += 1
 
     warn_on_long_gc_pauses()
     return stream_app

@@ -53,9 +53,9 @@ class Checkpoint:
     def __init__(self, outputs: OutputTopics, stores: Iterable) -> None:
         self.outputs = outputs
         self.stores = list(stores)
-        #: Seconds the last :meth:`commit` took, and how many ran (for the metrics).
-        self.last_seconds = 0.0
+        #: How many commits ran, and their seconds in all (``kvstream_checkpoint_seconds``).
         self.commits = 0
+        self.total_seconds = 0.0
 
     def commit(self) -> None:
         """Run the steps above.
@@ -71,7 +71,7 @@ class Checkpoint:
         for store in self.stores:
             store.persist()
         self._freeze_gc()
-        self.last_seconds = time.perf_counter() - started
+        self.total_seconds += time.perf_counter() - started
         self.commits += 1
 
     @staticmethod

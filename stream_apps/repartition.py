@@ -48,6 +48,7 @@ import mode
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from kafka_io.config import client_config, producer_config
+from kafka_io.logs import configure_logging
 from kafka_io.produce import produce_waiting
 from schemas import ALL_BLOCKS_CLEARED, SOURCE_WIDE_EVENTS, AvroCodec, DecodeError
 from schemas.avro_writers import encode_clear_mark, encode_keyed_event, encode_ownership_batch
@@ -421,7 +422,7 @@ class RepartitionProcess:
     """
 
     def __init__(self, bootstrap_servers: str, topics: TopicNames, partitions: int, *, batch_size: int = 10_000,
-                 within_s: float = 0.1) -> None:
+                 within_s: float = 0.1, log_format: str = "text") -> None:
         context = multiprocessing.get_context("spawn")  # the worker has threads; fork would copy their locks
         self._stop = context.Event()
         #: Events re-keyed and records dead-lettered by the child, read by the worker's ``/stats/``.
@@ -430,7 +431,7 @@ class RepartitionProcess:
         self._process = context.Process(
             target=_run_child, name="kvstream-repartition", daemon=True,
             args=(bootstrap_servers, topics, partitions, batch_size, within_s, self._stop, self._values,
-                  os.getpid(), logging.getLogger().getEffectiveLevel()))
+                  os.getpid(), logging.getLevelName(logging.getLogger().getEffectiveLevel()), log_format))
 
     def start(self) -> None:
         """Spawn the child (it imports the project, then joins its consumer group)."""
@@ -460,9 +461,9 @@ class RepartitionProcess:
 
 
 def _run_child(bootstrap_servers: str, topics: TopicNames, partitions: int, batch_size: int, within_s: float, stop,
-               values: dict, parent_pid: int, log_level: int) -> None:
+               values: dict, parent_pid: int, log_level: str, log_format: str) -> None:
     """The child process of :class:`RepartitionProcess`: run the loop until asked to stop."""
-    logging.basicConfig(level=log_level, format="[%(asctime)s] [%(process)d] [%(levelname)s] %(name)s: %(message)s")
+    configure_logging(log_level, log_format)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
 
@@ -494,18 +495,18 @@ class RepartitionService(mode.Service):
     """
 
     def __init__(self, app, bootstrap_servers: str, topics: TopicNames, partitions: int, *, batch_size: int,
-                 within_s: float, **kwargs) -> None:
+                 within_s: float, log_format: str = "text", **kwargs) -> None:
         super().__init__(**kwargs)
         self.app = app
-        self._arguments = (bootstrap_servers, topics, partitions, batch_size, within_s)
+        self._arguments = (bootstrap_servers, topics, partitions, batch_size, within_s, log_format)
         self.process: RepartitionProcess | None = None
         self._spawned = False
 
     async def on_start(self) -> None:
         # built here, not in __init__: the process takes the log level Faust has configured by now
-        bootstrap_servers, topics, partitions, batch_size, within_s = self._arguments
+        bootstrap_servers, topics, partitions, batch_size, within_s, log_format = self._arguments
         self.process = RepartitionProcess(bootstrap_servers, topics, partitions, batch_size=batch_size,
-                                          within_s=within_s)
+                                          within_s=within_s, log_format=log_format)
         self.process.start()
         self._spawned = True
 

@@ -73,6 +73,8 @@ class WorkerSettings(BaseSettings):
     recovery_timeout_s: float = Field(600.0, gt=0, description="longest changelog copy of one rebalance, seconds")
     #: Log level of the worker and of Faust.
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+    #: ``text``, or ``json``: one JSON object per line (kafka_io/logs.py).
+    log_format: Literal["text", "json"] = Field("text", description="log format: text, or json (one object per line)")
 
     @field_validator("bootstrap_servers")
     @classmethod

@@ -135,6 +135,9 @@ class RocksDBTableStore(_BoundStore, faust.stores.rocksdb.Store):
         self._cache: OrderedDict[str, dict | None] = OrderedDict()
         #: Partition -> key -> (entry or None, Avro bytes or None): written, not yet acknowledged nor on disk.
         self._pending: dict[int, dict[str, tuple[dict | None, bytes | None]]] = defaultdict(dict)
+        #: Changelog records copied into the databases at rebalances, and the seconds it took (for the metrics).
+        self.recovered_records = 0
+        self.recovered_seconds = 0.0
 
     def entry(self, partition: int, key: str) -> dict | None:
         """The entry under ``key`` for the agent applying ``partition`` (remembered in the cache)."""
@@ -240,6 +243,8 @@ class RocksDBTableStore(_BoundStore, faust.stores.rocksdb.Store):
         except asyncio.CancelledError:
             stop.set()
             raise
+        self.recovered_records += result.records
+        self.recovered_seconds += result.seconds
         log.info("changelog recovery of %s: %d records from %d partitions %s in %.1f s (%.0f records/s)",
                  self.changelog, result.records, result.partitions, sorted(dbs), result.seconds,
                  result.records_per_s)

@@ -7,9 +7,8 @@ Every view answers for the whole fleet: a lookup of a key held by another worker
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
-import time
-from collections import defaultdict
 from typing import Callable
 from urllib.parse import quote
 
@@ -18,48 +17,15 @@ import faust
 
 from schemas import InvalidBlockHash, parse_hex_block_hash
 from stream_apps.applier import Materializer
+from stream_apps.fleet import known_ownerships, occupancy_rows, source_rows
+from stream_apps.health import Readiness
+from stream_apps.metrics import WorkerMetrics
 from stream_apps.residency import key_partition, prefix_match, residency_key
 from stream_apps.tables import Tables
 
 #: Limits of POST /prefix-match/: request body bytes and block hashes per request.
 MAX_REQUEST_BYTES = 256 * 1024
 MAX_PREFIX_BLOCKS = 2048
-
-
-def occupancy_rows(tables: Tables) -> list[dict]:
-    """Resident blocks per (ownership, tier, instance), summed over partitions, sorted."""
-    totals: dict[tuple, int] = defaultdict(int)
-    for value in tables.tier_occupancy.values():
-        totals[(value["ownership"] or "", value["tier"], value["instance_id"])] += value["resident_blocks"]
-    return [{"ownership": own or None, "tier": tier, "instance_id": inst, "resident_blocks": n}
-            for (own, tier, inst), n in sorted(totals.items()) if n]
-
-
-def known_ownerships(tables: Tables) -> set[str | None]:
-    """Ownerships with resident blocks anywhere (None = primary), from the global occupancy table."""
-    return {None} | {value["ownership"] for value in tables.tier_occupancy.values()}
-
-
-def source_rows(tables: Tables, now: float | None = None) -> list[dict]:
-    """One status per publisher, merged over partitions, sorted.
-
-    Source-wide facts (epoch, restarts, stale) come from the partition copy with the newest epoch and most
-    restarts; ``events_applied`` is the sum over partitions, ``last_event_ts`` and ``last_seq`` the newest.
-    ``lag_s`` is ``now`` minus ``last_event_ts`` (the engine's clock against this worker's).
-    """
-    now = time.time() if now is None else now
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for status in tables.sources.values():
-        groups[(status["instance_id"], status["data_parallel_rank"], status["worker_rank"])].append(status)
-    rows = []
-    for _, copies in sorted(groups.items()):
-        facts = max(copies, key=lambda c: (c["publisher_epoch"], c["restarts"]))
-        newest = max(copies, key=lambda c: c["last_event_ts"] or 0.0)
-        last_ts = newest["last_event_ts"]
-        rows.append({**facts, "worker_rank": None if facts["worker_rank"] < 0 else facts["worker_rank"],
-                     "events_applied": sum(c["events_applied"] for c in copies), "last_event_ts": last_ts,
-                     "last_seq": newest["last_seq"], "lag_s": None if last_ts is None else round(now - last_ts, 3)})
-    return rows
 
 
 def _row_json(ownership: str | None, row: dict) -> dict:
@@ -106,14 +72,34 @@ async def _read_body(request, limit: int) -> bytes:
 
 
 def register_views(app: faust.App, tables: Tables, materializer: Materializer, weights: dict[str, float],
-                   counters: Callable[[], dict[str, int]]) -> None:
+                   counters: Callable[[], dict[str, int]], readiness: Readiness, metrics: WorkerMetrics) -> None:
     """Declare the HTTP views on ``app``.
 
     Args:
         weights: tier weights of the prefix match.
         counters: this worker's event counters (``/stats/``), including the repartition process's.
+        readiness: the conditions of ``GET /ready``; lookups answer 503 until they hold.
+        metrics: ``GET /metrics``; every view's answers are counted there.
     """
     residency = tables.residency
+
+    def counted(view: str):
+        """Count the view's answers by status (``kvstream_http_requests_total``)."""
+        def decorate(handler):
+            @functools.wraps(handler)
+            async def wrapper(*args, **kwargs):
+                response = await handler(*args, **kwargs)
+                metrics.http_requests[(view, response.status)] += 1
+                return response
+            return wrapper
+        return decorate
+
+    def not_ready(web):
+        """A 503 with the reasons, or None when the worker is ready for lookups."""
+        reasons = readiness.reasons()
+        if not reasons:
+            return None
+        return web.json({"error": f"not ready: {'; '.join(reasons)}; retry", "reasons": reasons}, status=503)
     store = tables.residency_store
     partitions = residency.partitions
 
@@ -145,6 +131,7 @@ def register_views(app: faust.App, tables: Tables, materializer: Materializer, w
         return web.json({"rows": entry_json(key)})
 
     @app.page("/residency/{block_hash_hex}/")
+    @counted("residency")
     async def residency_view(web, request, block_hash_hex: str):
         """Every resident row of a block, over all ownerships, and the freshness of each source holding it:
         ``{"block_hash": hex, "rows": [...], "sources": [{..., "last_event_ts", "lag_s", "stale"}]}``."""
@@ -152,6 +139,8 @@ def register_views(app: faust.App, tables: Tables, materializer: Materializer, w
             block_hash = parse_hex_block_hash(block_hash_hex)
         except InvalidBlockHash as exc:
             return web.json({"error": str(exc)}, status=400)
+        if (refusal := not_ready(web)) is not None:
+            return refusal
         try:
             rows = await block_rows(block_hash)
         except (aiohttp.ClientError, OSError, KeyError) as exc:  # the owner is gone or not yet assigned
@@ -169,12 +158,15 @@ def register_views(app: faust.App, tables: Tables, materializer: Materializer, w
         """``POST /prefix-match/`` with ``{"block_hashes": [hex, ...]}`` (prefix order): per (instance, dp rank)
         the longest consecutive prefix resident on each tier and a tier-weighted score, best first."""
 
+        @counted("prefix-match")
         async def post(self, request):
             body = await _read_body(request, MAX_REQUEST_BYTES + 1)
             try:
                 hashes = _prefix_request(body)
             except _BadRequest as exc:
                 return self.json({"error": str(exc)}, status=400)
+            if (refusal := not_ready(self)) is not None:
+                return refusal
             try:
                 rows = await asyncio.gather(*(block_rows(h) for h in hashes))
             except (aiohttp.ClientError, OSError, KeyError) as exc:
@@ -184,16 +176,19 @@ def register_views(app: faust.App, tables: Tables, materializer: Materializer, w
                               "matches": prefix_match(rows, weights)})
 
     @app.page("/occupancy/")
+    @counted("occupancy")
     async def occupancy_view(web, request):
         """Resident blocks per (ownership, tier, instance): ``{"occupancy": [...]}``."""
         return web.json({"occupancy": occupancy_rows(tables)})
 
     @app.page("/sources/")
+    @counted("sources")
     async def sources_view(web, request):
         """Per publisher: epoch, restarts, stale and the last lost seqs: ``{"sources": [...]}``."""
         return web.json({"sources": source_rows(tables)})
 
     @app.page("/stats/")
+    @counted("stats")
     async def stats_view(web, request):
         """This worker's counters: events re-keyed and materialized, duplicates, unknown removals, dead letters."""
         stats = materializer.stats
@@ -202,3 +197,24 @@ def register_views(app: faust.App, tables: Tables, materializer: Materializer, w
                          "unknown_removals": stats.unknown_removals, "unknown_parents": stats.unknown_parents,
                          "became_resident": stats.became_resident, "stopped_resident": stats.stopped_resident,
                          "unknown_media": stats.unknown_media})
+
+    @app.page("/health")
+    @counted("health")
+    async def health_view(web, request):
+        """Liveness: 200 while the worker's event loop answers (the process has not hung)."""
+        return web.json({"status": "alive"})
+
+    @app.page("/ready")
+    @counted("ready")
+    async def ready_view(web, request):
+        """Readiness: 200 once the worker holds its partitions, has recovered its tables and runs its repartition
+        process; 503 with the reasons otherwise (docs/operations.md, "Probes")."""
+        reasons = readiness.reasons()
+        return web.json({"ready": not reasons, "reasons": reasons}, status=503 if reasons else 200)
+
+    @app.page("/metrics")
+    @counted("metrics")
+    async def metrics_view(web, request):
+        """Prometheus metrics in the text format (docs/operations.md, "Metrics")."""
+        await metrics.refresh_lag()
+        return web.bytes(metrics.render(), content_type="text/plain")  # the text exposition format

@@ -1,0 +1,42 @@
+"""Log formats of every process of the pipeline: text for a terminal, JSON lines for a log collector.
+
+``--log-format json`` on the long-running commands (``worker``, ``bridge``, ``capture``, ``produce``,
+``simulate``) writes one JSON object per line to standard error, with ``time``, ``level``, ``logger``,
+``process`` and ``message`` keys (and ``exc_info`` for a traceback); the worker's repartition child process
+logs the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import logging.config
+
+#: The accepted ``--log-format`` values.
+LOG_FORMATS = ("text", "json")
+#: The text format (``[time] [pid] [LEVEL] logger: message``).
+TEXT_FORMAT = "[%(asctime)s] [%(process)d] [%(levelname)s] %(name)s: %(message)s"
+
+
+def logging_config(level: str, log_format: str) -> dict:
+    """A :func:`logging.config.dictConfig` of the root logger at ``level`` in ``log_format`` (one of
+    :data:`LOG_FORMATS`), writing to standard error.
+
+    Raises:
+        ValueError: an unknown format.
+    """
+    if log_format not in LOG_FORMATS:
+        raise ValueError(f"log format {log_format!r}: expected one of {', '.join(LOG_FORMATS)}")
+    formatter = {"format": TEXT_FORMAT} if log_format == "text" else {
+        "()": "pythonjsonlogger.json.JsonFormatter",
+        "fmt": "%(asctime)s %(levelname)s %(name)s %(process)d %(message)s",
+        "rename_fields": {"asctime": "time", "levelname": "level", "name": "logger"}}
+    return {"version": 1, "disable_existing_loggers": False,
+            "formatters": {"default": formatter},
+            "handlers": {"default": {"class": "logging.StreamHandler", "formatter": "default",
+                                     "stream": "ext://sys.stderr"}},
+            "root": {"level": level.upper(), "handlers": ["default"]}}
+
+
+def configure_logging(level: str, log_format: str) -> None:
+    """Configure this process's root logger (see :func:`logging_config`)."""
+    logging.config.dictConfig(logging_config(level, log_format))

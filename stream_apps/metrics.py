@@ -1,0 +1,159 @@
+"""The worker's Prometheus metrics (``GET /metrics``), read from the counters the worker keeps anyway.
+
+Nothing here runs per event: a scrape reads the agent's and the repartition process's counters, the
+checkpoint's timings, the occupancy table and the data directory, and asks the broker for both consumer
+groups' lag (cached for :data:`LAG_CACHE_S`). docs/operations.md, "Metrics", lists every metric.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client.registry import Collector
+
+from kafka_io.admin import partition_progress
+from stream_apps.applier import Materializer
+from stream_apps.checkpoint import Checkpoint
+from stream_apps.fleet import occupancy_rows
+from stream_apps.health import Readiness
+from stream_apps.repartition import RepartitionService, repartition_group
+from stream_apps.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+#: Seconds a consumer-lag reading is reused (each costs a few admin requests to the broker).
+LAG_CACHE_S = 10.0
+#: ApplyStats fields that are counts of events, exported as ``kvstream_events_total{outcome=...}``.
+_OUTCOMES = ("applied", "duplicates", "cleared_late", "retired_late", "unknown_removals", "unknown_parents")
+
+
+class WorkerMetrics(Collector):
+    """Collects the worker's metrics at each scrape.
+
+    Args:
+        settings: the worker's settings (bootstrap servers, topic names, data directory).
+        materializer: the agent's counters and tables.
+        checkpoint: the commit protocol's timings.
+        repartition: the repartition process (its counters).
+        readiness: the readiness conditions.
+        recovering: True while Faust recovers tables.
+    """
+
+    def __init__(self, settings: WorkerSettings, materializer: Materializer, checkpoint: Checkpoint,
+                 repartition: RepartitionService, readiness: Readiness, recovering: Callable[[], bool]) -> None:
+        self.settings = settings
+        self.materializer = materializer
+        self.checkpoint = checkpoint
+        self.repartition = repartition
+        self.readiness = readiness
+        self.recovering = recovering
+        #: (view, status) -> HTTP requests answered.
+        self.http_requests: Counter[tuple[str, int]] = Counter()
+        #: Rebalances this worker took part in (partition assignments received).
+        self.rebalances = 0
+        self._lag: dict[tuple[str, str, int], int] = {}
+        self._lag_at = 0.0
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    def describe(self) -> list:
+        return []  # collected at scrape time only
+
+    async def refresh_lag(self) -> None:
+        """Read both consumer groups' lag per partition (in a thread: it blocks), at most every LAG_CACHE_S."""
+        if time.monotonic() - self._lag_at < LAG_CACHE_S:
+            return
+        names = self.settings.topics
+        groups = {repartition_group(names.scoped_app_id): names.kv_events, names.scoped_app_id: names.by_ownership}
+        lag = {}
+        loop = asyncio.get_running_loop()
+        for group, topic in groups.items():
+            try:
+                progress = await loop.run_in_executor(None, partition_progress, self.settings.bootstrap_servers,
+                                                      group, [topic])
+            except RuntimeError as exc:  # the broker or the group coordinator is not answering: keep the last
+                log.debug("consumer lag of %s unreadable: %s", group, exc)
+                return
+            for (topic_name, partition), part in progress.items():
+                lag[(group, topic_name, partition)] = part.lag
+        self._lag, self._lag_at = lag, time.monotonic()
+
+    def render(self) -> bytes:
+        """The metrics in Prometheus' text format."""
+        return generate_latest(self.registry)
+
+    def collect(self) -> Iterator:
+        stats = self.materializer.stats
+        upstream = self.repartition.counters()
+        outcomes = CounterMetricFamily("kvstream_events", "Events the materializing agent applied or ignored, by "
+                                       "outcome (docs/residency.md)", labels=["outcome"])
+        for name in _OUTCOMES:
+            outcomes.add_metric([name], getattr(stats, name))
+        yield outcomes
+        yield CounterMetricFamily("kvstream_events_materialized", "Events the materializing agent took from the "
+                                  "re-keyed topic, redeliveries included", value=self.materializer.materialized)
+        yield CounterMetricFamily("kvstream_events_repartitioned", "Events the repartition process forwarded",
+                                  value=upstream.get("repartitioned", 0))
+        dead = CounterMetricFamily("kvstream_events_dead_lettered", "Records sent to the dead-letter topic",
+                                   labels=["stage"])
+        dead.add_metric(["repartition"], upstream.get("dead_lettered", 0))
+        dead.add_metric(["materialize"], self.materializer.outputs.dead_lettered)
+        yield dead
+        resident = CounterMetricFamily("kvstream_residency_transitions", "Rows that became or stopped being "
+                                       "resident", labels=["resident"])
+        resident.add_metric(["true"], stats.became_resident)
+        resident.add_metric(["false"], stats.stopped_resident)
+        yield resident
+        lag = GaugeMetricFamily("kvstream_consumer_lag_messages", "Messages not yet committed, per consumer group "
+                                "and partition", labels=["group", "topic", "partition"])
+        for (group, topic, partition), value in sorted(self._lag.items()):
+            lag.add_metric([group, topic, str(partition)], value)
+        yield lag
+        yield CounterMetricFamily("kvstream_rebalances", "Partition assignments this worker received",
+                                  value=self.rebalances)
+        store = self.materializer.tables.residency_store
+        yield CounterMetricFamily("kvstream_recovery_records", "Changelog records copied into RocksDB at "
+                                  "rebalances", value=getattr(store, "recovered_records", 0))
+        yield CounterMetricFamily("kvstream_recovery_seconds", "Seconds spent copying changelogs into RocksDB",
+                                  value=getattr(store, "recovered_seconds", 0.0))
+        yield GaugeMetricFamily("kvstream_recovering", "1 while the worker recovers tables from changelogs",
+                                value=1 if self.recovering() else 0)
+        yield GaugeMetricFamily("kvstream_ready", "1 when GET /ready answers 200", value=0 if
+                                self.readiness.reasons() else 1)
+        blocks = GaugeMetricFamily("kvstream_resident_blocks", "Resident blocks in the fleet, per ownership, tier "
+                                   "and instance (the occupancy view)", labels=["ownership", "tier", "instance"])
+        for row in occupancy_rows(self.materializer.tables):
+            blocks.add_metric([row["ownership"] or "primary", row["tier"], row["instance_id"]], row["resident_blocks"])
+        yield blocks
+        yield GaugeMetricFamily("kvstream_store_bytes", "Bytes of the worker's data directory on disk (RocksDB)",
+                                value=directory_bytes(self.settings.data_dir))
+        flush = SummaryMetricFamily("kvstream_checkpoint_seconds", "Duration of checkpoints: output flush and "
+                                    "store persist before an offset commit")
+        flush.add_metric([], count_value=self.checkpoint.commits, sum_value=self.checkpoint.total_seconds)
+        yield flush
+        http = CounterMetricFamily("kvstream_http_requests", "HTTP requests answered, by view and status",
+                                   labels=["view", "status"])
+        for (view, status), count in sorted(self.http_requests.items()):
+            http.add_metric([view, str(status)], count)
+        yield http
+
+
+def directory_bytes(path: Path) -> int:
+    """Bytes of the regular files below ``path`` (0 if it does not exist)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_size
+            except OSError:  # a file RocksDB removed meanwhile
+                pass
+    return total
+
