@@ -323,6 +323,20 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def free_port_range(n: int, attempts: int = 50) -> int:
+    """The first of ``n`` consecutive TCP ports on 127.0.0.1 that were all free a moment ago (for publishers
+    that bind ``base + rank``, as vLLM's data-parallel ranks do).
+
+    Raises:
+        RuntimeError: no such range found in ``attempts`` tries.
+    """
+    for _ in range(attempts):
+        base = free_port()
+        if base + n <= 65536 and not any(port_in_use(port) for port in range(base + 1, base + n)):
+            return base
+    raise RuntimeError(f"no {n} consecutive free ports found on 127.0.0.1")
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for brokers, workers and publishers)."""
     return free_ports(1)[0]

@@ -13,7 +13,7 @@ from harness.payloads import VLLM_PAYLOAD
 from harness.vllm_publisher import BlockRemoved, BlockStored, FakeVllmPublisher
 from kafka_io.admin import ensure_topics
 from kafka_io.config import client_config
-from kvstream.broker import free_ports
+from kvstream.broker import free_port_range, free_ports
 from producers.bridge import (
     Bridge,
     BridgeMetrics,
@@ -183,7 +183,7 @@ def test_data_parallel_ranks_follow_vllms_port_offset_rule():
     assert offset_endpoint("inproc://kv", 1) == "inproc://kv_dp1"
     with pytest.raises(ValueError, match="inproc' or 'tcp"):
         offset_endpoint("ipc:///tmp/kv", 1)
-    base, replay_base = free_ports(1)[0], None
+    base, replay_base = free_port_range(2), None
     publishers = []
     try:
         # ranks bind base+rank, as vLLM's publisher of each DP rank does
