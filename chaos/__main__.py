@@ -24,7 +24,7 @@ def _cmd_chaos(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, terminate)
     scenarios = tuple(dict.fromkeys(s.strip() for s in args.scenarios.split(",") if s.strip()))
-    return run_chaos(ChaosOptions(scenarios=scenarios, crash_runs=args.runs, requests=args.requests,
+    return run_chaos(ChaosOptions(scenarios=scenarios, crash_runs=args.runs, rebalance_runs=args.rebalance_runs, requests=args.requests,
                                   output=args.output, work_dir=args.work_dir, seed=args.seed,
                                   partitions=args.partitions, outage_s=args.outage, timeout_s=args.timeout))
 
@@ -48,11 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
                                    "changelogs and answers as before). Prints progress and a summary table; writes "
                                    "the results as JSON. Exit code 1 if any run differs from the truth or fails "
                                    "a scenario check.",
-                       epilog="Example: make chaos --scenarios crash --runs 3 --output /tmp/crash.json")
+                       epilog='Example: make chaos CHAOS_ARGS="--scenarios crash --runs 3 --output /tmp/crash.json"')
     p.add_argument("--scenarios", default=",".join(SCENARIOS), metavar="NAME[,NAME...]",
                    help=f"scenarios to run, comma-separated (default: all: {','.join(SCENARIOS)})")
     p.add_argument("--runs", type=_positive_int, default=chaos.crash_runs,
                    help="runs of the crash scenario, each with another seeded kill moment (default: %(default)s)")
+    p.add_argument("--rebalance-runs", type=_positive_int, default=chaos.rebalance_runs,
+                   help="runs of the rebalance scenario: even runs without standby replicas, odd runs with one; "
+                        "the store alternates every two runs (default: %(default)s)")
     p.add_argument("--requests", type=_positive_int, default=chaos.requests,
                    help="trace slice: the first N requests of the vendored trace per run (default: %(default)s)")
     p.add_argument("--output", type=Path, default=chaos.output, metavar="FILE",

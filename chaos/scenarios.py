@@ -135,6 +135,8 @@ class ChaosOptions:
     scenarios: tuple[str, ...] = SCENARIOS
     #: Runs of the crash scenario.
     crash_runs: int = 10
+    #: Runs of the rebalance scenario; even runs have no standby replicas, odd runs one (both must hold).
+    rebalance_runs: int = 6
     #: Requests of the Mooncake trace replayed per run (the first N).
     requests: int = 300
     #: Results file (JSON); None: do not write one.
@@ -382,11 +384,11 @@ class RunEnv:
         broker.stop(self.broker_dir)
 
     def worker(self, name: str, app_id: str, *, store: str = "memory://", data_dir: Path | None = None,
-               web_port: int | None = None) -> Worker:
+               web_port: int | None = None, standby_replicas: int = 0) -> Worker:
         """Spawn a worker (log ``<run dir>/<name>.log``, data dir ``<run dir>/<name>`` unless given)."""
         options = WorkerSettings(bootstrap_servers=self.bootstrap, web_port=web_port or broker.free_port(),
                                 data_dir=data_dir or self.dir / name, store=store, partitions=self.partitions,
-                                app_id=app_id)
+                                app_id=app_id, standby_replicas=standby_replicas)
         worker = Worker(options, self.dir / f"{name}.log")
         worker.start()
         self.workers.append(worker)
@@ -660,16 +662,21 @@ class Chaos:
     # ----------------------------------------------------------------- 2. rebalance
 
     def rebalance(self, run: int) -> dict:
-        """Two workers; one stops mid-stream and rejoins; lookups are asked of the running workers throughout."""
+        """Two workers; one stops mid-stream and rejoins; lookups are asked of the running workers throughout.
+        Odd runs give each table partition a standby replica on the other worker. At the end every worker's
+        views must equal the ground truth (occupancy, a lookup sample) and each other (sources)."""
         o, w = self.options, self.workload
         rng = self.rng("rebalance", run)
         app_id = _fresh_app_id("rebalance", run)
+        standbys = run % 2
+        store = ("memory://", "rocksdb://")[run // 2 % 2]
         started = time.monotonic()
         with self.env(f"rebalance-{run}") as env:
+            self.log(f"      {standbys} standby replicas, store {store}")
             split = int(len(w.records) * 0.3)
             produced = produce_now(env.bootstrap, w.records[:split])
-            first = env.worker("worker-1", app_id)
-            second = env.worker("worker-2", app_id)
+            first = env.worker("worker-1", app_id, store=store, standby_replicas=standbys)
+            second = env.worker("worker-2", app_id, store=store, standby_replicas=standbys)
             first.wait_ready(o.timeout_s)
             second.wait_ready(o.timeout_s)
             known = sorted({r["block_hash"] for r in w.records[:split] if r["block_hash"] is not None})
@@ -705,6 +712,7 @@ class Chaos:
             queries.stop()
             duplicates = sum((x.stats() or {}).get("duplicates", 0) for x in (first, second))
             http = {x.options.web_port: _http_sample(x.url, w.ground_truth, 100, rng) for x in (first, second)}
+            views = _fleet_views([first, second], w.ground_truth)
             check = check_residency(env.bootstrap, app_id, w.ground_truth)
             _explain(first, check)
             in_topic = topic_messages(env.bootstrap)
@@ -716,8 +724,11 @@ class Chaos:
                            checks={"all messages in kv-events": in_topic == produced == w.messages,
                                    "no lookup failed": counts["failed"] == 0,
                                    "both workers answer the sample as the truth": all(
-                                       h["wrong"] == 0 for h in http.values())},
-                           app_id=app_id, stopped_at_materialized=stop_at, worker_2_down_s=round(down_s, 1),
+                                       h["wrong"] == 0 for h in http.values()),
+                                   "every worker's occupancy equals the truth": views["occupancy_equal"],
+                                   "every worker answers the same sources": views["sources_equal"]},
+                           app_id=app_id, standby_replicas=standbys, store=store, views=views,
+                           stopped_at_materialized=stop_at, worker_2_down_s=round(down_s, 1),
                            queries=counts, query_failures=queries.failures[:5],
                            http_sample={str(port): h for port, h in http.items()}, duplicates_ignored=duplicates,
                            rekey=rekey)
@@ -947,7 +958,7 @@ class Chaos:
         """Run every chosen scenario; returns the results (see :data:`DEFINITIONS`)."""
         shutil.rmtree(self.work, ignore_errors=True)
         self.work.mkdir(parents=True)
-        plan = {"crash": (self.crash, self.options.crash_runs), "rebalance": (self.rebalance, 1),
+        plan = {"crash": (self.crash, self.options.crash_runs), "rebalance": (self.rebalance, self.options.rebalance_runs),
                 "broker-outage": (self.broker_outage, 1), "bridge-restart": (self.bridge_restart, 2),
                 "table-recovery": (self.table_recovery, 1)}
         results: dict = {}
@@ -1094,6 +1105,33 @@ def _http_agrees(answers: dict, truth: dict) -> int:
         by_block.setdefault(identity[6].hex(), {})[identity[:6]] = copies
     return sum(1 for block, answer in answers.items()
                if block != "occupancy" and _rows_of(answer["rows"]) != by_block.get(block, {}))
+
+
+def _fleet_views(workers: list, truth: dict, settle_s: float = 20.0) -> dict:
+    """Each worker's ``/occupancy/`` against the truth's resident rows per (ownership, tier, instance), and
+    ``/sources/`` compared across workers (without ``lag_s``), retried for ``settle_s`` while the global
+    tables reach every worker. Returns each worker's occupancy total, the truth's, and whether all agree."""
+    expected = Counter((own, tier, inst) for (inst, _, tier, own, _, _, _) in truth)
+    deadline = time.monotonic() + settle_s
+    while True:
+        occupancy, sources = {}, {}
+        for worker in workers:
+            occupancy[worker.url] = {(r["ownership"], r["tier"], r["instance_id"]): r["resident_blocks"]
+                                     for r in _get_json(f"{worker.url}/occupancy/")["occupancy"]}
+            sources[worker.url] = [{k: v for k, v in s.items() if k != "lag_s"}
+                                   for s in _get_json(f"{worker.url}/sources/")["sources"]]
+        occupancy_equal = all(o == expected for o in occupancy.values())
+        sources_equal = all(s == next(iter(sources.values())) for s in sources.values())
+        if (occupancy_equal and sources_equal) or time.monotonic() > deadline:
+            return {"occupancy_totals": {url: sum(o.values()) for url, o in occupancy.items()},
+                    "truth_total": sum(expected.values()), "occupancy_equal": occupancy_equal,
+                    "sources_equal": sources_equal}
+        time.sleep(0.5)
+
+
+def _get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return json.loads(response.read())
 
 
 def _http_sample(url: str, truth: dict, sample: int, rng: random.Random) -> dict:

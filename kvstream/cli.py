@@ -96,17 +96,23 @@ def _cmd_query(args: argparse.Namespace) -> int:
     from kvstream.options import settings_from_args
     from kvstream.settings import QuerySettings
 
+    from schemas import InvalidBlockHash, parse_block_hash
+
     settings = settings_from_args(QuerySettings, args)
     data = None
-    hashes = args.block_hash
+    try:  # refused here, with the accepted forms, rather than by the worker
+        hashes = [parse_block_hash(text).hex() for text in args.block_hash]
+    except InvalidBlockHash as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.what == "residency":
         if len(hashes) != 1:
-            print("error: query residency needs one block hash (hex)", file=sys.stderr)
+            print("error: query residency needs one block hash", file=sys.stderr)
             return 2
         path = f"/residency/{urllib.parse.quote(hashes[0])}/"
     elif args.what == "prefix-match":
         if not hashes:
-            print("error: query prefix-match needs the request's block hashes (hex), in prefix order",
+            print("error: query prefix-match needs the request's block hashes, in prefix order",
                   file=sys.stderr)
             return 2
         path, data = "/prefix-match/", json.dumps({"block_hashes": hashes}).encode()
@@ -359,7 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "answers: lookups of keys held by another worker are forwarded to it.")
     p.add_argument("what", choices=["residency", "prefix-match", "occupancy", "sources", "stats"],
                    help="which view")
-    p.add_argument("block_hash", nargs="*", help="block hash in hex (residency: one; prefix-match: the "
+    p.add_argument("block_hash", nargs="*", help="block hash: 16 or 64 hex digits, or a decimal integer as vLLM or "
+                                                 "SGLang logs it (residency: one; prefix-match: the "
                                                  "request's blocks in prefix order)")
     add_settings_arguments(p, QuerySettings)
     p.set_defaults(func=_cmd_query)

@@ -10,7 +10,7 @@
 * :mod:`schemas.tiers`: medium strings to canonical tiers.
 """
 
-from schemas.block_hash import InvalidBlockHash, canonical_block_hash, parse_hex_block_hash
+from schemas.block_hash import InvalidBlockHash, canonical_block_hash, parse_block_hash
 from schemas.codec import AvroCodec, DecodeError
 from schemas.tiers import TIERS, tier_of
 
@@ -36,6 +36,6 @@ __all__ = [
     "DecodeError",
     "InvalidBlockHash",
     "canonical_block_hash",
-    "parse_hex_block_hash",
+    "parse_block_hash",
     "tier_of",
 ]

@@ -59,17 +59,36 @@ def original_block_hash(canonical: bytes, encoding: str) -> int | bytes:
     return canonical
 
 
-def parse_hex_block_hash(text: str) -> bytes:
-    """Parse the hex form used in JSON and HTTP (``0x`` prefix optional).
+#: Hex digits of the hashes the engines publish: an 8-byte int, or a 32-byte sha256 digest.
+HEX_DIGITS = (16, 64)
+_HEX = frozenset("0123456789abcdefABCDEF")
+_FORMS = ("expected 16 or 64 hex digits, optionally 0x-prefixed (e.g. 1a1eb4e3edd9361a, as kvstream prints "
+          "hashes), or a decimal integer as vLLM logs it (unsigned, e.g. 1882425186426320410) or SGLang (signed, "
+          "e.g. -1882425186426320410)")
+
+
+def parse_block_hash(text: str) -> bytes:
+    """Parse a block hash as a user gives it to the query API or ``kvstream query``; returns its canonical bytes.
+
+    Accepted (docs/querying.md, "Block hashes"):
+
+    - 16 or 64 hex digits, with an optional ``0x``: the form kvstream prints (an 8-byte int, a 32-byte digest);
+    - a decimal integer, as vLLM logs its unsigned hashes and SGLang its signed ones, converted with the
+      producers' rule (:func:`canonical_block_hash`). A decimal of exactly 16 or 64 digits reads as hex; write
+      it with a leading ``+`` to mean decimal.
 
     Raises:
-        InvalidBlockHash: when the text is not even-length hex of 1..64 bytes.
+        InvalidBlockHash: anything else (e.g. 12 hex digits, ``3e9``); the message shows the accepted forms.
     """
-    body = text[2:] if text[:2].lower() == "0x" else text
-    try:
-        raw = bytes.fromhex(body)
-    except ValueError:
-        raise InvalidBlockHash(f"block hash {text[:80]!r} is not hex") from None
-    if not 0 < len(raw) <= MAX_HASH_BYTES:
-        raise InvalidBlockHash(f"block hash of {len(raw)} bytes (expected 1..{MAX_HASH_BYTES})")
-    return raw
+    stripped = text.strip()
+    digits = stripped[2:] if stripped[:2].lower() == "0x" else None
+    if digits is None and len(stripped) in HEX_DIGITS and set(stripped) <= _HEX:
+        digits = stripped
+    if digits is not None:
+        if len(digits) in HEX_DIGITS and set(digits) <= _HEX:
+            return bytes.fromhex(digits)
+        raise InvalidBlockHash(f"block hash {text[:80]!r}: {len(digits)} hex digits; {_FORMS}")
+    sign, number = (stripped[0], stripped[1:]) if stripped[:1] in ("+", "-") else ("", stripped)
+    if number.isascii() and number.isdigit():
+        return canonical_block_hash(int(sign + number))  # InvalidBlockHash when outside the 64-bit range
+    raise InvalidBlockHash(f"block hash {text[:80]!r}: {_FORMS}")

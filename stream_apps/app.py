@@ -20,6 +20,7 @@ import faust
 
 from kafka_io.config import aiokafka_security
 from schemas.topics import DEAD_LETTER_TOPIC_CONFIG
+from stream_apps import consumer_fixes
 from stream_apps.applier import Materializer
 from stream_apps.checkpoint import Checkpoint, CommitSensor, warn_on_long_gc_pauses
 from stream_apps.health import Readiness
@@ -89,6 +90,7 @@ class StreamApp:
 def create_app(settings: WorkerSettings) -> StreamApp:
     """Build the Faust app of one worker: tables, agent, output producer, checkpoint, views, repartition
     process. Nothing is started; ``StreamApp.app.main()`` runs it."""
+    consumer_fixes.install()
     topics = settings.topics
     app = faust.App(
         topics.scoped_app_id,  # the consumer group, and the prefix of Faust's changelog topics

@@ -34,7 +34,9 @@ def source_rows(tables: Tables, now: float | None = None) -> list[dict]:
     """
     now = time.time() if now is None else now
     groups: dict[tuple, list[dict]] = defaultdict(list)
-    for status in tables.sources.values():
+    # in key order, so that ties (several partitions' copies with the same epoch) resolve alike on every worker,
+    # whatever order its copy of the table was filled in
+    for _, status in sorted(tables.sources.items()):
         groups[(status["instance_id"], status["data_parallel_rank"], status["worker_rank"])].append(status)
     rows = []
     for _, copies in sorted(groups.items()):

@@ -105,10 +105,10 @@ class Tables:
 def define_tables(app: faust.App, settings: WorkerSettings) -> Tables:
     """Declare the tables on ``app`` (``settings.store`` for ``residency``, memory for the others)."""
 
-    def table(name: str, help: str, factory=app.Table, store: str = SMALL_TABLE_STORE, options=None):
+    def table(name: str, help: str, factory=app.Table, store: str = SMALL_TABLE_STORE, options=None, **extra):
         family = TABLE_FAMILIES[name]
         return factory(name, key_type=STRING_KEY, value_type=TableType(_codec_name(family), family),
-                       partitions=settings.partitions, help=help, store=store, options=options)
+                       partitions=settings.partitions, help=help, store=store, options=options, **extra)
 
     return Tables(
         # store None: the app's store (STORE_SCHEMES[settings.store], set by stream_apps.app.create_app)
@@ -118,8 +118,10 @@ def define_tables(app: faust.App, settings: WorkerSettings) -> Tables:
                         if settings.store == "rocksdb://" else None),
         clear_watermarks=table("clear-watermarks", "Latest AllBlocksCleared applied per source and partition."),
         publisher_epochs=table("publisher-epochs", "Latest publisher epoch started per publisher and partition."),
+        # recovery_buffer_size=1: Faust applies the other workers' records of a global table as they arrive, not
+        # once 1,000 have piled up (its default), which left each worker's fleet-wide views a partial picture
         tier_occupancy=table("tier-occupancy", "Resident blocks per partition, ownership, tier, instance.",
-                             factory=app.GlobalTable),
+                             factory=app.GlobalTable, recovery_buffer_size=1),
         sources=table("sources", "Epoch and staleness per publisher, from the bridge's events.",
-                      factory=app.GlobalTable),
+                      factory=app.GlobalTable, recovery_buffer_size=1),
     )

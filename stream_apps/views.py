@@ -15,7 +15,7 @@ from urllib.parse import quote
 import aiohttp
 import faust
 
-from schemas import InvalidBlockHash, parse_hex_block_hash
+from schemas import InvalidBlockHash, parse_block_hash
 from stream_apps.applier import Materializer
 from stream_apps.fleet import known_ownerships, occupancy_rows, source_rows
 from stream_apps.health import Readiness
@@ -50,11 +50,11 @@ def _prefix_request(body: bytes) -> list[bytes]:
         raise _BadRequest("request body is not JSON") from None
     hashes = request.get("block_hashes") if isinstance(request, dict) else None
     if not isinstance(hashes, list) or not hashes or not all(isinstance(h, str) for h in hashes):
-        raise _BadRequest('expected {"block_hashes": ["<hex>", ...]} with at least one hash')
+        raise _BadRequest('expected {"block_hashes": ["<hash>", ...]} with at least one hash (hex or decimal)')
     if len(hashes) > MAX_PREFIX_BLOCKS:
         raise _BadRequest(f"{len(hashes)} block hashes (limit {MAX_PREFIX_BLOCKS})")
     try:
-        return [parse_hex_block_hash(h) for h in hashes]
+        return [parse_block_hash(h) for h in hashes]
     except InvalidBlockHash as exc:
         raise _BadRequest(str(exc)) from None
 
@@ -136,7 +136,7 @@ def register_views(app: faust.App, tables: Tables, materializer: Materializer, w
         """Every resident row of a block, over all ownerships, and the freshness of each source holding it:
         ``{"block_hash": hex, "rows": [...], "sources": [{..., "last_event_ts", "lag_s", "stale"}]}``."""
         try:
-            block_hash = parse_hex_block_hash(block_hash_hex)
+            block_hash = parse_block_hash(block_hash_hex)
         except InvalidBlockHash as exc:
             return web.json({"error": str(exc)}, status=400)
         if (refusal := not_ready(web)) is not None:

@@ -64,9 +64,11 @@ def test_worker_crash_at_a_random_moment(chaos, run):
     _assert_passed(chaos.crash(run), chaos, f"crash-{run}")
 
 
-def test_rebalance_keeps_lookups_answered(chaos):
-    entry = chaos.rebalance(0)
+@pytest.mark.parametrize("run", [0, 1], ids=["no-standbys", "one-standby"])
+def test_rebalance_keeps_lookups_answered_and_every_view_exact(chaos, run):
+    entry = chaos.rebalance(run)
     _assert_passed(entry, chaos, "rebalance")
+    assert entry["standby_replicas"] == run and entry["views"]["occupancy_equal"]
     assert entry["queries"]["answered"] > 0
 
 

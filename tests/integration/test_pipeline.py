@@ -225,9 +225,13 @@ def test_http_residency_view_agrees_with_the_ground_truth(pipeline):
 
 def test_unknown_block_and_bad_hex_get_empty_rows_and_400(pipeline):
     assert _get(f"{pipeline['url']}/residency/{'ab' * 8}/")["rows"] == []
-    with pytest.raises(urllib.error.HTTPError) as excinfo:
-        _get(f"{pipeline['url']}/residency/not-hex/")
-    assert excinfo.value.code == 400
+    for bad in ("not-hex", "a1b2c3d4e5f6", "3e9"):  # 12 hex digits is no hash: refused, not an empty answer
+        with pytest.raises(urllib.error.HTTPError) as excinfo:
+            _get(f"{pipeline['url']}/residency/{bad}/")
+        assert excinfo.value.code == 400
+        assert "16 or 64 hex digits" in json.loads(excinfo.value.read())["error"]
+    # the decimal form vLLM logs finds the same rows as the hex form
+    assert _get(f"{pipeline['url']}/residency/{0xA1}/")["rows"] == _get(f"{pipeline['url']}/residency/{0xA1:016x}/")["rows"]
 
 
 def test_occupancy_view_counts_every_resident_row(pipeline):
@@ -411,14 +415,16 @@ def test_query_cli_wraps_the_views(pipeline, capsys):
     assert json.loads(capsys.readouterr().out)["matches"][0]["matched_blocks"] == 2
     assert main(["query", "residency", hashes[0], "--worker-url", pipeline["url"]]) == 0
     assert json.loads(capsys.readouterr().out)["rows"][0]["instance_id"] == "case2"
-    assert main(["query", "residency", "zz", "--worker-url", pipeline["url"]]) == 1
-    assert "HTTP 400: block hash 'zz' is not hex" in capsys.readouterr().err
+    assert main(["query", "residency", str(0xA1), "--worker-url", pipeline["url"]]) == 0  # vLLM's decimal form
+    assert json.loads(capsys.readouterr().out)["rows"][0]["instance_id"] == "case2"
+    assert main(["query", "residency", "3e9", "--worker-url", pipeline["url"]]) == 2
+    assert "block hash '3e9': expected 16 or 64 hex digits" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("body, reason", [
     (b"not json", "not JSON"),
     (b'{"block_hashes": []}', "at least one hash"),
-    (b'{"block_hashes": ["zz"]}', "not hex"),
+    (b'{"block_hashes": ["zz"]}', "expected 16 or 64 hex digits"),
     (json.dumps({"block_hashes": ["00" * 8] * 3000}).encode(), "limit 2048"),
     (b'{"block_hashes": ["' + b"0" * 300000 + b'"]}', "limit 262144"),
 ])

@@ -14,7 +14,7 @@ from schemas import (
     DecodeError,
     InvalidBlockHash,
     canonical_block_hash,
-    parse_hex_block_hash,
+    parse_block_hash,
     tier_of,
 )
 from schemas.block_hash import original_block_hash
@@ -118,11 +118,23 @@ def test_original_hash_is_rebuilt_from_canonical_bytes(value, encoding):
     assert original_block_hash(canonical_block_hash(value), encoding) == value
 
 
-def test_hex_block_hash_parsing():
-    assert parse_hex_block_hash("0x1A1EB4E3EDD9361A") == bytes.fromhex("1a1eb4e3edd9361a")
-    for bad in ("xyz", "abc", "", "00" * 65):
-        with pytest.raises(InvalidBlockHash):
-            parse_hex_block_hash(bad)
+def test_block_hashes_are_read_as_users_give_them():
+    vllm = 0x1A1EB4E3EDD9361A  # 1882425186426320410 as vLLM logs it
+    canonical = bytes.fromhex("1a1eb4e3edd9361a")
+    assert parse_block_hash("0x1A1EB4E3EDD9361A") == parse_block_hash("1a1eb4e3edd9361a") == canonical
+    assert parse_block_hash(str(vllm)) == canonical  # vLLM's unsigned decimal
+    high = 0xD41BC1F76B956DDE  # at or above 2**63: SGLang's signed form of the same 8 bytes is negative
+    assert parse_block_hash(str(high)) == parse_block_hash(str(high - 2**64)) == bytes.fromhex("d41bc1f76b956dde")
+    assert parse_block_hash("-1") == parse_block_hash(str(2**64 - 1)) == b"\xff" * 8  # SGLang's -1 is vLLM's 2**64-1
+    assert parse_block_hash("0x" + "ab" * 32) == bytes.fromhex("ab" * 32)  # a sha256 digest
+    assert parse_block_hash("+1234567890123456") == (1234567890123456).to_bytes(8, "big")  # '+': decimal
+
+
+@pytest.mark.parametrize("bad", ["3e9", "a1b2c3d4e5f6", "0x1a1eb4e3", "xyz", "", "ab" * 65, str(2**64), "0x",
+                                 "1.5", "١٢٣"])
+def test_other_block_hash_forms_are_refused_with_the_accepted_ones(bad):
+    with pytest.raises(InvalidBlockHash, match="16 or 64 hex digits, optionally 0x-prefixed|64-bit range"):
+        parse_block_hash(bad)
 
 
 @pytest.mark.parametrize("medium, tier", [

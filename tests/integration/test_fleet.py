@@ -1,0 +1,195 @@
+"""A fleet of workers behind one query address: every worker answers every view with the same values, equal to
+the simulator's ground truth, through two workers, three, a join and a leave, and for an ownership only one
+worker holds."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+
+import pytest
+
+from kafka_io.admin import ensure_topics
+from kvstream.broker import free_port
+from kvstream.worker import spawn_worker, stop_worker, wait_until_consumed
+from producers.kafka_sink import KvEventProducer
+from producers.simulator import ClusterSimulator, FleetConfig, load_trace
+from producers.split import Publisher
+from stream_apps.settings import WorkerSettings
+
+pytestmark = pytest.mark.integration
+
+PARTITIONS = 6
+#: A secondary tier that only this test's extra store uses.
+NEW_OWNERSHIP = "own8"
+
+
+def _get(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+class Fleet:
+    """Workers of one app id over this test's own topics (a topic prefix keeps them apart from other tests)."""
+
+    def __init__(self, bootstrap: str, work, prefix: str) -> None:
+        self.bootstrap, self.work, self.prefix = bootstrap, work, prefix
+        self.workers: dict[str, tuple[WorkerSettings, object]] = {}
+
+    def start(self, name: str) -> None:
+        settings = WorkerSettings(bootstrap_servers=self.bootstrap, app_id="fleet", topic_prefix=self.prefix,
+                                  partitions=PARTITIONS, web_port=free_port(), data_dir=self.work / name)
+        self.workers[name] = (settings, spawn_worker(settings, self.work / f"{name}.log"))
+
+    def stop(self, name: str) -> None:
+        stop_worker(self.workers.pop(name)[1])
+
+    def urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{settings.web_port}" for settings, _ in self.workers.values()]
+
+    def wait_ready_and_consumed(self) -> None:
+        deadline = time.monotonic() + 180
+        for url in self.urls():
+            while _get_or_none(f"{url}/ready") != 200:
+                assert time.monotonic() < deadline, f"{url} not ready"
+                time.sleep(0.5)
+        settings, process = next(iter(self.workers.values()))
+        wait_until_consumed(self.bootstrap, settings.topics, process, timeout_s=180)
+
+    def close(self) -> None:
+        for name in list(self.workers):
+            self.stop(name)
+
+
+def _simulate(simulator: ClusterSimulator, requests: list, producer: KvEventProducer) -> None:
+    """Serve ``requests`` on the simulated fleet (its state carries over between calls) and produce its events."""
+    for batch in simulator.run(requests):
+        for index, event in enumerate(batch.events):
+            producer.send_event(batch.publisher, batch.seq, batch.ts, index, event)
+    producer.flush()
+
+
+def _get_or_none(url: str) -> int | None:
+    try:
+        return _get(url)[0]
+    except OSError:
+        return None
+
+
+def _occupancy(url: str) -> dict[tuple, int]:
+    status, body = _get(f"{url}/occupancy/")
+    assert status == 200
+    return {(r["ownership"], r["tier"], r["instance_id"]): r["resident_blocks"] for r in body["occupancy"]}
+
+
+def _sources(url: str) -> list[dict]:
+    status, body = _get(f"{url}/sources/")
+    assert status == 200
+    return [{k: v for k, v in s.items() if k != "lag_s"} for s in body["sources"]]
+
+
+def _rows(url: str, block: bytes) -> dict[tuple, int]:
+    status, body = _get(f"{url}/residency/{block.hex()}/")
+    assert status == 200, body
+    return {(r["instance_id"], r["data_parallel_rank"], r["tier"], r["ownership"], r["locality"], r["group_idx"]):
+            r["copies"] for r in body["rows"]}
+
+
+def _assert_every_worker_answers_the_truth(fleet: Fleet, truth: dict, blocks: list[bytes]) -> None:
+    """Every view on every worker equals the ground truth (occupancy, residency, prefix match), and the views
+    without a truth of their own (sources, prefix match) are equal on all workers. The global tables reach a
+    worker a moment after the agents wrote them, so the comparison is retried for a few seconds."""
+    expected_occupancy = Counter((own, tier, inst) for (inst, _, tier, own, _, _, _) in truth)
+    by_block: dict[bytes, dict] = {}
+    for identity, copies in truth.items():
+        by_block.setdefault(identity[6], {})[identity[:6]] = copies
+    deadline = time.monotonic() + 20
+    while True:
+        occupancies = {url: _occupancy(url) for url in fleet.urls()}
+        sources = {url: _sources(url) for url in fleet.urls()}
+        settled = (all(o == expected_occupancy for o in occupancies.values())
+                   and all(s == next(iter(sources.values())) for s in sources.values()))
+        if settled or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    for url, occupancy in occupancies.items():
+        assert occupancy == expected_occupancy, url
+    first = next(iter(sources.values()))
+    assert first
+    for url, answer in sources.items():
+        assert answer == first, (url, [(a, b) for a, b in zip(answer, first) if a != b])
+    for url in fleet.urls():
+        for block in blocks:
+            assert _rows(url, block) == by_block.get(block, {}), (url, block.hex())
+    request = {"block_hashes": [b.hex() for b in blocks[:8]]}
+    matches = [_post(f"{url}/prefix-match/", request) for url in fleet.urls()]
+    assert all(status == 200 for status, _ in matches)
+    assert all(body == matches[0][1] for _, body in matches)
+
+
+@pytest.fixture()
+def fleet(kafka_bootstrap, tmp_path):
+    fleet = Fleet(kafka_bootstrap, tmp_path, prefix=f"fleet{int(time.time() * 1000)}.")
+    try:
+        yield fleet
+    finally:
+        fleet.close()
+
+
+def test_every_worker_answers_every_view_with_the_ground_truth(fleet, kafka_bootstrap):
+    names = WorkerSettings(app_id="fleet", topic_prefix=fleet.prefix).topics
+    ensure_topics(kafka_bootstrap, {names.kv_events: PARTITIONS, names.dead_letter: 1})
+    producer = KvEventProducer(kafka_bootstrap, names.kv_events, dead_letter_topic=names.dead_letter)
+    simulator = ClusterSimulator(FleetConfig(gpu_blocks=600, cpu_blocks=900, kvcr_blocks=1200, clear_instance=1,
+                                             clear_at=0.5))
+    requests = load_trace(limit=400)
+    _simulate(simulator, requests[:200], producer)
+    truth = simulator.ground_truth()
+    blocks = random.Random(5).sample(sorted({identity[6] for identity in truth}), 30)
+
+    # two workers
+    fleet.start("w1")
+    fleet.start("w2")
+    fleet.wait_ready_and_consumed()
+    _assert_every_worker_answers_the_truth(fleet, truth, blocks)
+
+    # one store of a new ownership, held by one worker only: every worker finds it
+    block = bytes.fromhex("0808080808080808")
+    producer.send_event(Publisher("own8-engine", 0, publisher_epoch=1), 0, 1767225600.0, 0,
+                        {"type": "BlockStored", "block_hashes": [int.from_bytes(block, "big")],
+                         "parent_block_hash": None, "token_ids": [1, 2], "block_size": 2, "lora_id": None,
+                         "medium": "CPU", "ownership": NEW_OWNERSHIP})
+    producer.flush()
+    fleet.wait_ready_and_consumed()
+    row = ("own8-engine", 0, "CPU", NEW_OWNERSHIP, None, None)
+    truth[(*row, block)] = 1
+    _assert_every_worker_answers_the_truth(fleet, truth, [block, *blocks])
+
+    # a third worker joins while events flow, then one leaves
+    flowing = threading.Thread(target=_simulate, args=(simulator, requests[200:], producer))
+    flowing.start()
+    fleet.start("w3")
+    flowing.join()
+    fleet.wait_ready_and_consumed()
+    truth = {**simulator.ground_truth(), (*row, block): 1}
+    _assert_every_worker_answers_the_truth(fleet, truth, [block, *blocks])
+    fleet.stop("w1")
+    fleet.wait_ready_and_consumed()
+    _assert_every_worker_answers_the_truth(fleet, truth, [block, *blocks])
