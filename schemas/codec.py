@@ -95,6 +95,18 @@ def _is_record(schema: Any) -> bool:
         isinstance(schema, str) and schema not in primitives)
 
 
+def _record_unions(schema: dict) -> dict[str, tuple[str, ...]]:
+    """Top-level fields whose type is a union of two or more named records -> the records' full names."""
+    found = {}
+    for field in schema.get("fields", []):
+        kind = field["type"]
+        if isinstance(kind, list):
+            names = tuple(branch["name"] for branch in kind if isinstance(branch, dict) and branch.get("type") == "record")
+            if len(names) >= 2:
+                found[field["name"]] = names
+    return found
+
+
 @lru_cache(maxsize=None)
 def schema_versions(family: str) -> tuple[SchemaVersion, ...]:
     """All versions of a schema family found in ``schemas/``, oldest first.
@@ -165,6 +177,9 @@ class AvroCodec:
             self._fast_read = compile_reader(chosen.parsed, override_names=self._override_names)
         except NotImplementedError:
             pass
+        #: Field -> branch names of each top-level union of several records (kv_event's ``event``): a value
+        #: for it must name its branch, as ``(full name, record)``.
+        self._record_unions = _record_unions(chosen.parsed)
         #: Reused output buffer of :meth:`encode`: the header, written once, then the last body.
         self._out = io.BytesIO()
         self._out.write(self._header)
@@ -187,8 +202,15 @@ class AvroCodec:
         """Serialize one record with this codec's framing.
 
         Raises:
-            ValueError: the record does not match the schema (fastavro's message).
+            ValueError: the record does not match the schema (fastavro's message), or a union of several
+                records gets a bare dict, whose branch fastavro would guess (e.g. ``{}`` written as the first
+                branch whose fields it happens to satisfy).
         """
+        for name, branches in self._record_unions.items():
+            value = record.get(name) if isinstance(record, dict) else None
+            if not (isinstance(value, tuple) and len(value) == 2 and value[0] in branches):
+                raise ValueError(f"field {name!r} is a union of records: give (branch, record) with branch one of "
+                                 f"{', '.join(branches)}, e.g. ({branches[0]!r}, {{...}}); got {value!r:.80}")
         out = self._out
         out.seek(len(self._header))
         out.truncate()

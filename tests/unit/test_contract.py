@@ -172,3 +172,23 @@ def test_every_table_schema_parses_and_has_docs_on_every_field():
     for path in files:
         walk(json.loads(path.read_text()))
         AvroCodec(path.name.rsplit("_v", 1)[0])
+
+
+@pytest.mark.parametrize("event", [{}, {"block_hashes": [1], "medium": "GPU"}, ("NoSuchBranch", {}), None])
+def test_encode_refuses_an_event_whose_union_branch_it_would_have_to_guess(event):
+    record = {**_a_block_record(), "event": event}
+    with pytest.raises(ValueError, match="field 'event' is a union of records: give \\(branch, record\\)"):
+        AvroCodec("kv_event").encode(record)
+
+
+def test_encode_takes_the_branch_it_is_given():
+    record = _a_block_record()
+    codec = AvroCodec("kv_event")
+    assert codec.decode(codec.encode(record))["event"][0] == record["event"][0]
+
+
+def _a_block_record() -> dict:
+    from producers.split import Publisher, split_event
+
+    event = {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"}
+    return split_event(Publisher("e", 0, publisher_epoch=1), 0, 1.0, 0, event)[0]
