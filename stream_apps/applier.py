@@ -264,15 +264,17 @@ class BatchApplier:
             if entry is None:
                 self.new_keys.add(key)
         instance = record["instance_id"]
-        sources = m.sources
+        sources, stats = m.sources, m.stats
+        applied_before = stats.applied
         entry, delta, copies = apply_block_event(entry, record, mark, watermark, sources.clear_tiers(instance),
-                                                 m.stats, sources.aggregation.get(instance))
+                                                 stats, sources.aggregation.get(instance))
         touched[key] = entry
-        seen = self.publishers.get(publisher)
-        if seen is None:
-            seen = self.publishers[publisher] = {"record": record, "count": 0}
-        seen["record"] = record
-        seen["count"] += 1
+        if stats.applied != applied_before:  # a redelivered event is counted as a duplicate only, never applied
+            seen = self.publishers.get(publisher)
+            if seen is None:
+                seen = self.publishers[publisher] = {"record": record, "count": 0}
+            seen["record"] = record
+            seen["count"] += 1
         if delta:
             self.occupancy[(body["ownership"], record["tier"], instance)] += delta
             m.outputs.change(block_hash, body["ownership"], instance, record["data_parallel_rank"], record["tier"],
