@@ -15,9 +15,11 @@ keeps the next expected seq:
 * a gap (seq jumps ahead): replay the missing batches; what the buffer no
   longer holds is an unrecovered gap and marks the source stale;
 * replayed and live batches are merged in seq order without duplicates;
-* a seq that goes backwards (outside a replay's range) means the publisher
-  restarted: a new ``publisher_epoch`` begins (milliseconds now, always larger
-  than the previous one).
+* the epoch's last seq again is a duplicate: dropped and counted
+  (``kvstream_bridge_batches_duplicate_total``);
+* a seq below the epoch's last one (outside a replay's range) means the
+  publisher restarted (vLLM's starts again at 0): a new ``publisher_epoch``
+  begins (milliseconds now, always larger than the previous one).
 
 Every batch is decoded event by event (:mod:`producers.engine_decode`), split
 per block (:mod:`producers.split`) and produced through
@@ -292,7 +294,9 @@ class Bridge:
         self.metrics.batches_received.labels(*labels).inc()
         state = self.state.get(endpoint)
         if state is not None and state.last_seq is not None and seq <= state.last_seq:
-            if seq in state.replayed:
+            if seq in state.replayed or seq == state.last_seq:
+                # the same batch again (a replay overlapping live, a capture file concatenated twice): only a seq
+                # below the epoch's last one is a restart, as vLLM's publisher starts again at 0
                 self.metrics.batches_duplicate.labels(*labels).inc()
                 return
             log.warning("%s: seq went back from %d to %d: publisher restarted, new epoch", endpoint.label,
