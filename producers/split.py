@@ -247,12 +247,14 @@ def split_event(publisher: Publisher, seq: int, ts: float, batch_index: int, eve
 
 
 class ParentTracker:
-    """Marks ``BlockStored.parent_known`` on the first block of each run: has this source stored the parent?
+    """Marks ``BlockStored.parent_known`` on the first block of each run: has this engine stored the parent?
 
-    The producer sees each source's events in order, which the stream app (partitioned by block hash)
-    cannot. It remembers the last ``capacity`` blocks stored per source and publisher epoch (about 140
-    bytes each), least recently stored forgotten first, so "unknown" means "not stored by this source
-    within that window since the producer started".
+    The producer sees each engine's events in order, which the stream app (partitioned by block hash)
+    cannot. It remembers the last ``capacity`` blocks stored per engine, ``(instance_id,
+    data_parallel_rank)``, least recently stored forgotten first, so "unknown" means "not stored by this
+    engine within that window since the producer started". Per engine, not per worker rank: in SHARDED
+    mode the ranks store different blocks of one engine's cache, so a parent stored by another rank is
+    known (docs/residency.md, "Reference counting").
     """
 
     def __init__(self, capacity: int = 200_000) -> None:
@@ -264,8 +266,7 @@ class ParentTracker:
         kind, body = record["event"]
         if kind != BLOCK_STORED:
             return
-        source = (record["instance_id"], record["data_parallel_rank"], record["worker_rank"],
-                  record["publisher_epoch"])
+        source = (record["instance_id"], record["data_parallel_rank"])
         stored = self._stored.get(source)
         if stored is None:
             stored = self._stored[source] = OrderedDict()
@@ -281,7 +282,7 @@ class ParentTracker:
         """:meth:`note` for a whole BlockStored run at once: returns the first block's ``parent_known``.
 
         Args:
-            source: ``(instance_id, data_parallel_rank, worker_rank, publisher_epoch)``.
+            source: the engine, ``(instance_id, data_parallel_rank)``.
             parent: the run's parent hash (None: ``parent_known`` stays None).
             hashes: the run's block hashes, in order.
         """
@@ -352,8 +353,7 @@ class BlockEncoder:
             parsed.lookahead
         parent_known = None
         if self.parents is not None:
-            parent_known = self.parents.note_run((publisher.instance_id, publisher.data_parallel_rank,
-                                                  publisher.worker_rank, publisher.publisher_epoch),
+            parent_known = self.parents.note_run((publisher.instance_id, publisher.data_parallel_rank),
                                                  parsed.parent, hashes)
         no_tokens = b"\x00" if not tokens else None
         out = []

@@ -92,6 +92,10 @@ def test_parent_tracker_marks_a_parent_the_source_never_stored():
     assert store([0xD6], 0xD4, Publisher("other")) == [False]  # another source stored nothing
     assert store([0xD7], 0xD3) == [False]  # capacity 2 per source: 0xD3 has been forgotten
     assert store([0xD8], None) == [None]
+    # SHARDED: the ranks of one engine store different blocks; a parent another rank stored is known
+    rank0, rank1 = (Publisher("tp-engine", 0, worker_rank=r, world_size=2, aggregation="SHARDED") for r in (0, 1))
+    assert store([0xE1], None, rank0) == [None]
+    assert store([0xE2], 0xE1, rank1) == [True]
 
 
 def _simulated_events(requests: int = 400):
