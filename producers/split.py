@@ -29,6 +29,7 @@ _BRANCH_1 = b"\x02"
 _encode_msgpack = msgspec.msgpack.Encoder().encode
 _decode_msgpack = msgspec.msgpack.Decoder().decode
 _INT32 = (-(1 << 31), (1 << 31) - 1)
+_LONG = (-(1 << 63), (1 << 63) - 1)
 
 
 class InvalidEvent(ValueError):
@@ -74,6 +75,18 @@ def _encoding(values: Iterable[Any]) -> str:
         if isinstance(v, int) and v < 0:
             kind = "INT64"
     return kind
+
+
+def _check_envelope(seq: int, batch_index: int, publisher: Publisher) -> None:
+    """The batch fields every record of an event carries must fit their Avro types (``long``).
+
+    Raises:
+        InvalidEvent: naming the field, e.g. a batch ``seq`` of 2**63 (the bridge reads it from 8 unsigned
+            bytes; Avro's long is signed).
+    """
+    for name, value in (("seq", seq), ("batch_index", batch_index), ("publisher_epoch", publisher.publisher_epoch)):
+        if not isinstance(value, int) or isinstance(value, bool) or not _LONG[0] <= value <= _LONG[1]:
+            raise InvalidEvent(f"{name}={value!r} is not an integer in Avro's long range [-2**63, 2**63)")
 
 
 def _opt_int(event: dict, name: str, bounds: tuple[int, int] | None = _INT32) -> int | None:
@@ -171,7 +184,7 @@ def _parse_event(event: dict) -> _ParsedEvent:
         lookahead = [_int_list(tokens_i, "lookahead_token_ids") for tokens_i in lookahead]
     common = {
         "block_size": block_size,
-        "lora_id": _opt_int(event, "lora_id", bounds=(-(1 << 63), (1 << 63) - 1)),
+        "lora_id": _opt_int(event, "lora_id", bounds=_LONG),
         "medium": medium,
         "lora_name": _opt_str(event, "lora_name"),
         "group_idx": group_idx,
@@ -208,6 +221,7 @@ def split_event(publisher: Publisher, seq: int, ts: float, batch_index: int, eve
         InvalidEvent: unknown ``type``, missing or ill-typed fields, bad hashes.
     """
     parsed = _parse_event(event)
+    _check_envelope(seq, batch_index, publisher)
     envelope = {
         "instance_id": publisher.instance_id,
         "data_parallel_rank": publisher.data_parallel_rank,
@@ -329,6 +343,7 @@ class BlockEncoder:
             InvalidEvent: as :func:`split_event`.
         """
         parsed = _parse_event(event)
+        _check_envelope(seq, batch_index, publisher)
         w = self.writer
         head = b"".join((w.prefix(publisher.instance_id, publisher.data_parallel_rank, publisher.worker_rank,
                                   publisher.world_size, publisher.aggregation, publisher.publisher_epoch),

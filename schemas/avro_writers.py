@@ -17,8 +17,19 @@ from schemas.clear_position import NO_CLEAR
 from schemas.codec import AvroCodec, named_types
 
 
+#: Avro ``long``: a signed 64-bit integer.
+LONG_MIN, LONG_MAX = -(1 << 63), (1 << 63) - 1
+
+
 def _zigzag_varint(n: int) -> bytes:
-    """Avro ``int``/``long``: zig-zag, then a little-endian base-128 varint."""
+    """Avro ``int``/``long``: zig-zag, then a little-endian base-128 varint.
+
+    Raises:
+        OverflowError: ``n`` is outside Avro's long range (fastavro refuses it too; the zig-zag of a larger
+            int would be a varint no reader can read back).
+    """
+    if not LONG_MIN <= n <= LONG_MAX:
+        raise OverflowError(f"{n} is outside Avro's long range [-2**63, 2**63)")
     n = (n << 1) ^ (n >> 63)
     # one, two and three bytes (|n| below 2**20: batch seqs, offsets) without the loop, which is slower
     if n < 0x80:
@@ -60,8 +71,12 @@ def avro_string(value: str) -> bytes:
 
 
 def avro_int_array(values: list[int]) -> bytes:
-    """Avro ``{"type": "array", "items": "int"}`` as fastavro writes it: one block of all items, then 0."""
-    if not values:
+    """Avro ``{"type": "array", "items": "int"}`` as fastavro writes it: one block of all items, then 0.
+
+    Raises:
+        TypeError: ``values`` is None or holds a non-integer (fastavro refuses both).
+    """
+    if not len(values):
         return b"\x00"
     return b"".join([avro_long(len(values)), *map(avro_long, values), b"\x00"])
 
@@ -326,7 +341,7 @@ class ResidencyWriter(_TableRecordWriter):
         block_hash = entry["block_hash"]
         out = [self.header, long_(len(block_hash)), block_hash, optional_string(entry["ownership"])]
         rows = entry["rows"]
-        if rows:
+        if len(rows):  # len, not truth: None is refused (TypeError), as fastavro refuses it
             out.append(long_(len(rows)))
             for row in rows:
                 group = row["group_idx"]
