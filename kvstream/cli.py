@@ -154,9 +154,9 @@ def _bridge_endpoints(settings):
         if len(endpoints) != 1:
             raise ValueError("--data-parallel-size follows the ranks of one engine: give a single --endpoint")
         return data_parallel_endpoints(endpoints[0], replays[0] if replays else None, instances[0],
-                                       settings.data_parallel_size)
-    return [PublisherEndpoint(e, replays[i] if replays else None, instances[i], settings.dp_rank)
-            for i, e in enumerate(endpoints)]
+                                       settings.data_parallel_size, settings.engine)
+    return [PublisherEndpoint(e, replays[i] if replays else None, instances[i], settings.dp_rank,
+                              engine=settings.engine) for i, e in enumerate(endpoints)]
 
 
 def _stop_on_sigterm() -> list:
@@ -250,7 +250,7 @@ def _cmd_produce(args: argparse.Namespace) -> int:
     producer = KvEventProducer(settings.bootstrap_servers, settings.events_topic,
                                dead_letter_topic=settings.dead_letter_topic)
     metrics = BridgeMetrics()
-    produce_capture(settings.jsonl, KafkaBatchSink(producer, metrics), metrics)
+    produce_capture(settings.jsonl, KafkaBatchSink(producer, metrics), metrics, settings.engine)
     stats = producer.flush()
     print(f"produced {stats.acked:,} messages from {settings.jsonl}, {stats.dead_lettered:,} to the dead-letter "
           "topic")

@@ -69,6 +69,8 @@ class PublisherEndpoint:
     world_size: int | None = None
     #: REPLICATED or SHARDED (see kv_event.aggregation); None means REPLICATED.
     aggregation: str | None = None
+    #: The engine's protocol, ``vllm`` or ``sglang`` (:attr:`producers.split.Publisher.engine`).
+    engine: str = "vllm"
 
     @property
     def label(self) -> str:
@@ -99,11 +101,11 @@ def offset_endpoint(endpoint: str, rank: int) -> str:
 
 
 def data_parallel_endpoints(endpoint: str, replay_endpoint: str | None, instance_id: str,
-                            data_parallel_size: int) -> list[PublisherEndpoint]:
+                            data_parallel_size: int, engine: str = "vllm") -> list[PublisherEndpoint]:
     """Every rank's endpoints of one engine with ``data_parallel_size`` ranks (vLLM's port-offset rule)."""
     return [PublisherEndpoint(offset_endpoint(endpoint, rank),
                               None if replay_endpoint is None else offset_endpoint(replay_endpoint, rank),
-                              instance_id, rank) for rank in range(data_parallel_size)]
+                              instance_id, rank, engine=engine) for rank in range(data_parallel_size)]
 
 
 def _state_key(endpoint: PublisherEndpoint) -> str:
@@ -169,7 +171,8 @@ class KafkaBatchSink:
             return
         if decoded.data_parallel_rank is not None and decoded.data_parallel_rank != publisher.data_parallel_rank:
             publisher = Publisher(publisher.instance_id, decoded.data_parallel_rank, publisher.worker_rank,
-                                  publisher.world_size, publisher.aggregation, publisher.publisher_epoch)
+                                  publisher.world_size, publisher.aggregation, publisher.publisher_epoch,
+                                  publisher.engine)
         for failure in decoded.failures:
             self.producer.dead_letter(failure.raw, failure.reason, f"{where} event {failure.batch_index}")
             self.metrics.dead_lettered.labels(*labels).inc()
@@ -254,7 +257,7 @@ class Bridge:
 
     def _publisher(self, endpoint: PublisherEndpoint, state: _SourceState) -> Publisher:
         return Publisher(endpoint.instance_id, endpoint.data_parallel_rank, endpoint.worker_rank, endpoint.world_size,
-                         endpoint.aggregation, state.epoch)
+                         endpoint.aggregation, state.epoch, endpoint.engine)
 
     def poll(self, timeout_ms: int = 100) -> int:
         """Receive what has arrived (waiting up to ``timeout_ms``); returns the number of live messages handled."""

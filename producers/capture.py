@@ -7,8 +7,10 @@ One line per batch (the format is in docs/ingesting.md, "Capture file format")::
 
 Events are vLLM's map-encoded events in JSON; block hashes are integers (vLLM's
 unsigned or SGLang's signed 64-bit ints) or hex strings (byte digests); other
-bytes are hex strings. Lines of a publisher that is one of several workers of
-an engine add ``worker_rank``, ``world_size`` and ``aggregation``. Events the
+bytes are hex strings. ``engine`` names the protocol (``vllm`` or ``sglang``;
+``kvstream produce --engine`` for lines without it). Lines of a publisher that
+is one of several workers of an engine add ``worker_rank``, ``world_size`` and
+``aggregation``. Events the
 capture could not decode are kept in ``undecodable`` with their reason and
 msgpack bytes (hex), so nothing is lost silently.
 
@@ -28,7 +30,7 @@ import msgspec
 
 from producers.bridge import Bridge, PublisherEndpoint
 from producers.engine_decode import BatchDecodeError, decode_batch
-from producers.split import Publisher
+from producers.split import ENGINE_INT_ENCODING, Publisher
 
 _HASH_FIELDS = ("block_hashes", "parent_block_hash")
 
@@ -60,7 +62,8 @@ class CaptureSink:
 
     def batch(self, endpoint: PublisherEndpoint, publisher: Publisher, seq: int, payload: bytes) -> None:
         line: dict[str, Any] = {"instance_id": publisher.instance_id,
-                                "data_parallel_rank": publisher.data_parallel_rank, "seq": seq}
+                                "data_parallel_rank": publisher.data_parallel_rank, "seq": seq,
+                                "engine": publisher.engine}
         try:
             decoded = decode_batch(payload)
         except BatchDecodeError as exc:
@@ -88,8 +91,10 @@ class CaptureSink:
         """Not written: ``produce`` finds restarts (seq going back) and lost batches (gaps) in the file again."""
 
 
-def read_capture(path: Path) -> Iterator[tuple[PublisherEndpoint, int, bytes]]:
+def read_capture(path: Path, engine: str = "vllm") -> Iterator[tuple[PublisherEndpoint, int, bytes]]:
     """Each line of a capture as (source, seq, msgpack payload as the engine would have sent it).
+
+    ``engine`` is the protocol of lines that do not name theirs (``"engine"``: ``vllm`` or ``sglang``).
 
     Hex-string hashes become bytes again; undecodable events are put back as their original msgpack,
     so they reach the dead-letter topic as they would have live.
@@ -103,9 +108,12 @@ def read_capture(path: Path) -> Iterator[tuple[PublisherEndpoint, int, bytes]]:
                 continue
             try:
                 line = json.loads(text)
+                line_engine = line.get("engine", engine)
+                if line_engine not in ENGINE_INT_ENCODING:
+                    raise ValueError(f"engine {line_engine!r} is not one of {', '.join(ENGINE_INT_ENCODING)}")
                 source = PublisherEndpoint(f"file:{path}", None, line["instance_id"],
                                            int(line.get("data_parallel_rank") or 0), line.get("worker_rank"),
-                                           line.get("world_size"), line.get("aggregation"))
+                                           line.get("world_size"), line.get("aggregation"), line_engine)
                 whole = [f for f in line.get("undecodable", []) if f.get("batch_index") is None]
                 if whole:  # the payload was not a batch at all: give back its bytes as they came
                     yield source, int(line["seq"]), bytes.fromhex(whole[0]["msgpack"])
@@ -128,9 +136,11 @@ def read_capture(path: Path) -> Iterator[tuple[PublisherEndpoint, int, bytes]]:
                 raise CaptureError(f"{path}:{number}: not a capture line ({type(exc).__name__}: {exc})") from None
 
 
-def produce_capture(path: Path, sink, metrics=None) -> Bridge:
-    """Publish a capture file through the bridge's sequencing into ``sink``; returns the bridge (its metrics)."""
+def produce_capture(path: Path, sink, metrics=None, engine: str = "vllm") -> Bridge:
+    """Publish a capture file through the bridge's sequencing into ``sink``; returns the bridge (its metrics).
+
+    ``engine``: the protocol of lines that do not name theirs."""
     bridge = Bridge([], sink, metrics=metrics)
-    for source, seq, payload in read_capture(path):
+    for source, seq, payload in read_capture(path, engine):
         bridge.on_live(source, seq, payload)
     return bridge

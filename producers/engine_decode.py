@@ -86,7 +86,8 @@ def normalize_event(event: Any) -> dict:
             raise ValueError(f"unknown event type {kind!r}"[:200])
         if len(values) > len(names):
             values = values[:len(names)]  # fields from a newer release than this reader: ignored, as in maps
-        return {"type": kind, **dict(zip(names, values))}
+        # a field absent at the tail is one an older release did not have yet: None, as an omitted default
+        return {"type": kind, **dict.fromkeys(names), **dict(zip(names, values))}
     raise ValueError(f"event is a {type(event).__name__}, not a tagged map or array")
 
 

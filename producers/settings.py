@@ -84,6 +84,8 @@ class _EngineEndpoints(_Settings):
     data_parallel_size: int = Field(1, ge=1, description="follow ranks 0..N-1 of one engine on offset ports")
     #: Publisher topic prefix to subscribe to; empty: all.
     zmq_topic: str = Field("", description="publisher topic prefix to subscribe to; empty: all")
+    #: The engines' protocol: vLLM's (unsigned hashes) or SGLang's (signed hashes, fewer required fields).
+    engine: Literal["vllm", "sglang"] = Field("vllm", description="the engines' protocol: vllm or sglang")
 
     _split_lists = field_validator("endpoint", "replay_endpoint", "instance_id", mode="before")(
         lambda cls, value: _comma_separated(value))
@@ -137,3 +139,6 @@ class ProduceSettings(_KafkaTarget):
 
     #: The capture file (``kvstream capture``'s format, docs/ingesting.md).
     jsonl: Path = Field(description="capture file to publish")
+    #: The protocol of capture lines that do not name theirs.
+    engine: Literal["vllm", "sglang"] = Field("vllm", description="protocol of lines without an engine: vllm or "
+                                                                  "sglang")

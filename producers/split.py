@@ -56,6 +56,10 @@ class Publisher:
     aggregation: str | None = None
     #: Milliseconds since the Unix epoch when this run of the publisher was first seen.
     publisher_epoch: int = 0
+    #: The serving engine's protocol: ``vllm`` (unsigned 64-bit hashes; medium and lora_name always sent) or
+    #: ``sglang`` (signed 64-bit hashes). It decides which fields must be present and the hash encoding
+    #: (:data:`REQUIRED_FIELDS`, :func:`hash_encoding`).
+    engine: str = "vllm"
 
 
 def _hashes(values: Any, what: str) -> list[bytes]:
@@ -67,14 +71,41 @@ def _hashes(values: Any, what: str) -> list[bytes]:
         raise InvalidEvent(f"{what}: {exc}") from None
 
 
-def _encoding(values: Iterable[Any]) -> str:
-    kind = "UINT64"
+#: The engines whose protocols the producers read, and the HashEncoding of their integer block hashes:
+#: vLLM publishes unsigned 64-bit ints (the low 8 bytes of a SHA-256 chain hash), SGLang signed ones
+#: (``hash_str_to_int64``). Byte digests are ``BYTES`` in both.
+ENGINE_INT_ENCODING = {"vllm": "UINT64", "sglang": "INT64"}
+
+#: Fields an engine always puts on the wire, per event type: its structs (``omit_defaults=True``) leave out
+#: only fields whose default is None. vLLM 0.33's ``BlockStored`` has no default for its first seven fields and
+#: ``BlockRemoved`` for its first two; SGLang 0.5.23's have none for five and one (medium, lora_name,
+#: cache_salt and session_id default to None there). An event without one of these is malformed and is
+#: dead-lettered naming the field; every other field may be absent and then means None (docs/contract.md,
+#: "Absent fields").
+REQUIRED_FIELDS = {
+    "vllm": {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                             "lora_name"),
+             "BlockRemoved": ("block_hashes", "medium")},
+    "sglang": {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id"),
+               "BlockRemoved": ("block_hashes",)},
+}
+
+
+def hash_encoding(values: Iterable[Any], engine: str) -> str:
+    """The HashEncoding of an event's hashes, from the engine's protocol (never from the values' signs).
+
+    Raises:
+        InvalidEvent: an int outside the engine's range (a negative vLLM hash, an SGLang hash of 2**63 or more).
+    """
+    encoding = ENGINE_INT_ENCODING[engine]
     for v in values:
         if isinstance(v, (bytes, bytearray, memoryview)):
             return "BYTES"
-        if isinstance(v, int) and v < 0:
-            kind = "INT64"
-    return kind
+        if encoding == "UINT64" and v < 0:
+            raise InvalidEvent(f"block hash {v} is negative; {engine} publishes unsigned 64-bit hashes")
+        if encoding == "INT64" and v >= 1 << 63:
+            raise InvalidEvent(f"block hash {v} is beyond 2**63-1; {engine} publishes signed 64-bit hashes")
+    return encoding
 
 
 def _check_envelope(seq: int, batch_index: int, publisher: Publisher) -> None:
@@ -137,7 +168,7 @@ class _ParsedEvent:
     lookahead: list[list[int]] | None = None
 
 
-def _parse_event(event: dict) -> _ParsedEvent:
+def _parse_event(event: dict, engine: str = "vllm") -> _ParsedEvent:
     """Validate one engine event (vLLM map form) and canonicalize its hashes and tier.
 
     Raises:
@@ -150,8 +181,10 @@ def _parse_event(event: dict) -> _ParsedEvent:
         return _ParsedEvent(ALL_BLOCKS_CLEARED, [])
     if kind not in ("BlockStored", "BlockRemoved"):
         raise InvalidEvent(f"unknown event type {kind!r}")
-    if "block_hashes" not in event:
-        raise InvalidEvent(f"{kind} has no block_hashes")
+    missing = [name for name in REQUIRED_FIELDS[engine][kind] if name not in event]
+    if missing:
+        raise InvalidEvent(f"{kind} from {engine} lacks required field {missing[0]!r}"
+                           + (f" (and {', '.join(map(repr, missing[1:]))})" if len(missing) > 1 else ""))
     raw_hashes = event["block_hashes"]
     hashes = _hashes(raw_hashes, "block_hashes")
     medium = _opt_str(event, "medium")
@@ -162,14 +195,12 @@ def _parse_event(event: dict) -> _ParsedEvent:
     count = len(hashes)
 
     if kind == "BlockRemoved":
-        return _ParsedEvent(BLOCK_REMOVED, hashes, _encoding(raw_hashes), tier,
+        return _ParsedEvent(BLOCK_REMOVED, hashes, hash_encoding(raw_hashes, engine), tier,
                             {"medium": medium, "group_idx": group_idx, "locality": locality, "ownership": ownership})
 
     parent_raw = event.get("parent_block_hash")
     parent = None if parent_raw is None else _hashes([parent_raw], "parent_block_hash")[0]
-    encoding = _encoding(raw_hashes if parent_raw is None else [*raw_hashes, parent_raw])
-    if "token_ids" not in event or "block_size" not in event:
-        raise InvalidEvent("BlockStored needs token_ids and block_size")
+    encoding = hash_encoding(raw_hashes if parent_raw is None else [*raw_hashes, parent_raw], engine)
     tokens = _int_list(event["token_ids"], "token_ids")
     block_size = _opt_int(event, "block_size")
     if block_size is None or block_size < 0:
@@ -220,7 +251,7 @@ def split_event(publisher: Publisher, seq: int, ts: float, batch_index: int, eve
     Raises:
         InvalidEvent: unknown ``type``, missing or ill-typed fields, bad hashes.
     """
-    parsed = _parse_event(event)
+    parsed = _parse_event(event, publisher.engine)
     _check_envelope(seq, batch_index, publisher)
     envelope = {
         "instance_id": publisher.instance_id,
@@ -342,7 +373,7 @@ class BlockEncoder:
         Raises:
             InvalidEvent: as :func:`split_event`.
         """
-        parsed = _parse_event(event)
+        parsed = _parse_event(event, publisher.engine)
         _check_envelope(seq, batch_index, publisher)
         w = self.writer
         head = b"".join((w.prefix(publisher.instance_id, publisher.data_parallel_rank, publisher.worker_rank,

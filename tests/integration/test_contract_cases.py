@@ -21,6 +21,7 @@ from kvstream.worker import spawn_worker, stop_worker, wait_until_consumed
 from producers.bridge import BridgeMetrics, KafkaBatchSink
 from producers.capture import produce_capture
 from producers.kafka_sink import KvEventProducer
+from schemas import AvroCodec
 from schemas.topics import ERROR_HEADER
 from stream_apps.repartition import repartition_group
 from stream_apps.settings import WorkerSettings
@@ -54,6 +55,13 @@ CASES = {
     # 4. seq 6, 7, then 7 again: a duplicate, not a restart
     "repeat": [_line("repeat-e7", 6, [_stored([0x306])]), _line("repeat-e7", 7, [_stored([0x307])]),
                _line("repeat-e7", 7, [_stored([0x307])])],
+    # 2. a required field absent: dead-lettered naming it, never published as a default
+    "missing": [_line("missing-e", 0, [{k: v for k, v in _stored([0x501]).items() if k != "parent_block_hash"},
+                                       {k: v for k, v in _stored([0x502]).items() if k != "token_ids"},
+                                       _stored([0x503])])],
+    # 11. SGLang's hashes are signed whatever their values' signs
+    "sglang": [_line("sglang-e", 0, [{"type": "BlockStored", "block_hashes": [0x601], "parent_block_hash": None,
+                                      "token_ids": [1, 2], "block_size": 2, "lora_id": None}], engine="sglang")],
     # 8. SHARDED: rank 1 stores a child of the block rank 0 stored: its parent is known
     "sharded": [_line("shard-e", 0, [_stored([0x401])], worker_rank=0, world_size=2, aggregation="SHARDED"),
                 _line("shard-e", 0, [_stored([0x402], parent=0x401)], worker_rank=1, world_size=2,
@@ -120,6 +128,23 @@ def test_a_repeated_batch_is_a_duplicate_not_a_restart(worker):
 def test_a_parent_stored_by_another_sharded_rank_is_known(worker):
     assert _get(f"{worker['url']}/stats/")["unknown_parents"] == 0
     assert _rows(worker["url"], 0x402) == [("shard-e", "GPU", 1)]
+
+
+def test_an_absent_required_field_is_dead_lettered_naming_it(worker, kafka_bootstrap):
+    reasons = [dict(m.headers())[ERROR_HEADER].decode()
+               for m in messages_to_end(kafka_bootstrap, worker["settings"].topics.dead_letter)]
+    assert sum("BlockStored from vllm lacks required field 'parent_block_hash'" in r for r in reasons) == 1
+    assert sum("BlockStored from vllm lacks required field 'token_ids'" in r for r in reasons) == 1
+    assert _rows(worker["url"], 0x501) == _rows(worker["url"], 0x502) == []  # not a root block, not a default
+    assert _rows(worker["url"], 0x503) == [("missing-e", "GPU", 1)]  # the rest of the batch flowed
+
+
+def test_an_sglang_hash_is_int64_whatever_its_sign(worker, kafka_bootstrap):
+    codec = AvroCodec("kv_event")
+    records = [codec.decode(m.value()) for m in messages_to_end(kafka_bootstrap, worker["settings"].topics.kv_events)]
+    ours = [r for r in records if r["instance_id"] == "sglang-e"]
+    assert ours and {r["hash_encoding"] for r in ours} == {"INT64"}
+    assert _rows(worker["url"], 0x601) == [("sglang-e", "GPU", 1)]
 
 
 def test_events_applied_counts_each_event_once_when_everything_is_delivered_again(worker, kafka_bootstrap):

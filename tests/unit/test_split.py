@@ -6,10 +6,11 @@ import msgspec
 import pytest
 
 from harness.payloads import VLLM_PAYLOAD
-from producers.split import InvalidEvent, ParentTracker, Publisher, rebuild_event, split_event
+from producers.split import REQUIRED_FIELDS, InvalidEvent, ParentTracker, Publisher, rebuild_event, split_event
 from schemas import ALL_BLOCKS_CLEARED, BLOCK_STORED, AvroCodec
 
 PUBLISHER = Publisher("vllm-0", 0, publisher_epoch=1767225600000)
+SGLANG = Publisher("sglang-0", 0, publisher_epoch=1767225600000, engine="sglang")
 
 
 def _split_batch(payload: bytes) -> list[list[dict]]:
@@ -44,21 +45,25 @@ def test_rebuild_keeps_signed_hashes_extra_keys_lookahead_and_trailing_tokens():
              "extra_keys": [["adapter", ["mm", 0]], None], "group_idx": 1, "kv_cache_spec_kind": "sliding_window",
              "kv_cache_spec_sliding_window": 128, "locality": "LOCAL", "session_id": "s",
              "lookahead_token_ids": [[9], [10]]}
-    records = split_event(PUBLISHER, 3, 1.0, 0, event)
+    records = split_event(SGLANG, 3, 1.0, 0, event)  # signed hashes: SGLang's protocol
     assert [r["event"][1]["token_ids"] for r in records] == [[0, 1, 2, 3], [4, 5, 6, 7, 8, 9]]
     assert {r["hash_encoding"] for r in records} == {"INT64"} and records[0]["tier"] == "CPU"
     assert rebuild_event(records) == event
 
 
+STORED = {"type": "BlockStored", "parent_block_hash": None, "lora_id": None, "medium": "GPU", "lora_name": None}
+
+
 @pytest.mark.parametrize("event, reason", [
     ({"type": "TierBlocksCleared"}, "unknown event type"),
-    ({"type": "BlockStored", "block_hashes": []}, "non-empty list"),
-    ({"type": "BlockRemoved", "block_hashes": [2**64]}, "outside the 64-bit range"),
+    ({**STORED, "block_hashes": [], "token_ids": [], "block_size": 4}, "non-empty list"),
+    ({"type": "BlockRemoved", "block_hashes": [2**64], "medium": "GPU"}, "outside the 64-bit range"),
     ({"type": "BlockRemoved", "block_hashes": [1], "medium": 5}, "medium must be a string"),
-    ({"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "block_size": 4}, "token_ids"),
-    ({"type": "BlockStored", "block_hashes": [1], "token_ids": ["a"], "block_size": 4}, "not a 32-bit integer"),
-    ({"type": "BlockStored", "block_hashes": [1, 2], "token_ids": [], "block_size": 0, "extra_keys": [None]},
+    ({**STORED, "block_hashes": [1], "block_size": 4}, "lacks required field 'token_ids'"),
+    ({**STORED, "block_hashes": [1], "token_ids": ["a"], "block_size": 4}, "not a 32-bit integer"),
+    ({**STORED, "block_hashes": [1, 2], "token_ids": [], "block_size": 0, "extra_keys": [None]},
      "one entry per block"),
+    ({"type": "BlockRemoved", "block_hashes": [-1], "medium": "GPU"}, "vllm publishes unsigned"),
     ([1, 2, 3], "not a map"),
 ])
 def test_malformed_events_are_rejected_with_a_reason(event, reason):
@@ -128,9 +133,11 @@ def test_block_encoder_writes_the_bytes_of_split_event_and_fastavro():
            "locality": "LOCAL", "ownership": "kvcr", "session_id": "s", "lookahead_token_ids": [[9], [], [1, 2]]}
     publishers = [PUBLISHER, Publisher("sim-1", 3, worker_rank=1, world_size=2, aggregation="SHARDED",
                                        publisher_epoch=(1 << 62))]
+    unsigned = {**odd, "block_hashes": [5, 7, b"\x01" * 32], "parent_block_hash": 9}
     events = [*_simulated_events(),
               *((p, seq, 1767225600.25, i, e) for p in publishers for seq in (0, 5000, 1 << 40)
-                for i, e in enumerate([*events, odd, {**odd, "parent_block_hash": 7}]))]
+                for i, e in enumerate([*events, unsigned, {**unsigned, "parent_block_hash": 7}])),
+              *((SGLANG, seq, 1767225600.25, 0, e) for seq in (0, 1 << 40) for e in (odd, {**odd, "parent_block_hash": 7}))]
     encoder = BlockEncoder(KvEventWriter(AvroCodec("kv_event")), ParentTracker())
     fast = [pair for args in events for pair in encoder.encode_event(*args)]
     assert fast == _reference(events)
@@ -151,3 +158,28 @@ def test_kv_event_writer_encodes_every_event_type_like_fastavro():
     assert [writer.encode(r) for r in records] == [codec.encode(r) for r in records]
     with pytest.raises(ValueError, match="kv_event v2"):
         KvEventWriter(AvroCodec("kv_event", version=1))
+
+
+@pytest.mark.parametrize("engine, kind", [(engine, kind) for engine, kinds in REQUIRED_FIELDS.items() for kind in kinds])
+def test_every_required_field_of_each_engine_is_refused_when_absent_naming_it(engine, kind):
+    publisher = Publisher("e", 0, engine=engine)
+    complete = {"type": kind, "block_hashes": [1], "parent_block_hash": None, "token_ids": [1, 2], "block_size": 2,
+                "lora_id": None, "medium": "GPU", "lora_name": None}
+    if kind == "BlockRemoved":
+        complete = {"type": kind, "block_hashes": [1], "medium": "GPU"}
+    assert split_event(publisher, 0, 1.0, 0, complete)
+    for name in REQUIRED_FIELDS[engine][kind]:
+        event = {k: v for k, v in complete.items() if k != name}
+        with pytest.raises(InvalidEvent, match=f"{kind} from {engine} lacks required field '{name}'"):
+            split_event(publisher, 0, 1.0, 0, event)
+    # fields with a default may be absent: they mean None
+    optional = {k: v for k, v in complete.items() if k == "type" or k in REQUIRED_FIELDS[engine][kind]}
+    assert split_event(publisher, 0, 1.0, 0, optional)
+
+
+def test_the_hash_encoding_is_the_engines_not_the_values_sign():
+    event = {"type": "BlockRemoved", "block_hashes": [5], "medium": "GPU"}
+    assert split_event(SGLANG, 0, 1.0, 0, event)[0]["hash_encoding"] == "INT64"  # non-negative, still SGLang's
+    assert split_event(PUBLISHER, 0, 1.0, 0, event)[0]["hash_encoding"] == "UINT64"
+    with pytest.raises(InvalidEvent, match="sglang publishes signed"):
+        split_event(SGLANG, 0, 1.0, 0, {**event, "block_hashes": [2**63]})
