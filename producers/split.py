@@ -147,6 +147,24 @@ def _opt_str(event: dict, name: str) -> str | None:
     return value
 
 
+def _token_positions(value: Any) -> tuple[list[int], int]:
+    """``token_ids`` as (flat ints, ints per position): plain ints (width 1), or positions that are tuples of w
+    ints each, as SGLang publishes them with EAGLE speculative decoding (bigram pages: w = 2).
+
+    Raises:
+        InvalidEvent: not a list, mixed shapes, tuples of different lengths, or ints outside 32 bits.
+    """
+    if not isinstance(value, (list, tuple)):
+        raise InvalidEvent("token_ids must be a list of integers (or of equal-length lists of integers)")
+    if not value or not isinstance(value[0], (list, tuple)):
+        return _int_list(value, "token_ids"), 1
+    width = len(value[0])
+    if width < 2 or not all(isinstance(p, (list, tuple)) and len(p) == width for p in value):
+        raise InvalidEvent(f"token_ids holds token tuples of different lengths (the first has {width}); "
+                           "expected ints, or lists of 2 or more ints all of one length")
+    return _int_list([t for p in value for t in p], "token_ids"), width
+
+
 def _int_list(value: Any, name: str) -> list[int]:
     if not isinstance(value, (list, tuple)):
         raise InvalidEvent(f"{name} must be a list of integers")
@@ -175,6 +193,8 @@ class _ParsedEvent:
     tokens: list[int] | None = None
     extra_keys: Any = None
     lookahead: list[list[int]] | None = None
+    #: Ints per token position: 1, or w when the engine sent each position as a w-tuple (flattened in tokens).
+    token_width: int = 1
 
 
 def _parse_event(event: dict, engine: str = "vllm") -> _ParsedEvent:
@@ -210,7 +230,7 @@ def _parse_event(event: dict, engine: str = "vllm") -> _ParsedEvent:
     parent_raw = event.get("parent_block_hash")
     parent = None if parent_raw is None else _hashes([parent_raw], "parent_block_hash")[0]
     encoding = hash_encoding(raw_hashes if parent_raw is None else [*raw_hashes, parent_raw], engine)
-    tokens = _int_list(event["token_ids"], "token_ids")
+    tokens, token_width = _token_positions(event["token_ids"])
     block_size = _opt_int(event, "block_size")
     if block_size is None or block_size < 0:
         raise InvalidEvent("block_size must be a non-negative integer")
@@ -233,8 +253,11 @@ def _parse_event(event: dict, engine: str = "vllm") -> _ParsedEvent:
         "locality": locality,
         "ownership": ownership,
         "session_id": _opt_str(event, "session_id"),
+        "cache_salt": _opt_str(event, "cache_salt"),
+        "token_id_width": None if token_width == 1 else token_width,
     }
-    return _ParsedEvent(BLOCK_STORED, hashes, encoding, tier, common, parent, tokens, extra_keys, lookahead)
+    return _ParsedEvent(BLOCK_STORED, hashes, encoding, tier, common, parent, tokens, extra_keys, lookahead,
+                        token_width)
 
 
 def _block_tokens(tokens: list[int], block_size: int, i: int, count: int) -> list[int]:
@@ -284,12 +307,12 @@ def split_event(publisher: Publisher, seq: int, ts: float, batch_index: int, eve
                  "tier": tier, "event": (BLOCK_REMOVED, dict(body))} for i, h in enumerate(hashes)]
 
     common, extra_keys, lookahead = parsed.common, parsed.extra_keys, parsed.lookahead
-    block_size = common["block_size"]
+    block_ints = common["block_size"] * parsed.token_width
     records = []
     for i, h in enumerate(hashes):
         body = {
             "parent_block_hash": parsed.parent if i == 0 else hashes[i - 1],
-            "token_ids": _block_tokens(parsed.tokens, block_size, i, count),
+            "token_ids": _block_tokens(parsed.tokens, block_ints, i, count),
             "extra_keys": None if extra_keys is None else _encode_msgpack(extra_keys[i]),
             "lookahead_token_ids": None if lookahead is None else lookahead[i],
             "parent_known": None,
@@ -404,8 +427,9 @@ class BlockEncoder:
         after_index += self._stored_branch
         middle = w.stored_middle(common)
         tail = w.stored_tail(common)
-        block_size, tokens, extra_keys, lookahead = common["block_size"], parsed.tokens, parsed.extra_keys, \
-            parsed.lookahead
+        block_ints, tokens, extra_keys, lookahead = common["block_size"] * parsed.token_width, parsed.tokens, \
+            parsed.extra_keys, parsed.lookahead
+        suffix = w.stored_suffix(common["cache_salt"], common["token_id_width"])
         parent_known = None
         if self.parents is not None:
             parent_known = self.parents.note_run((publisher.instance_id, publisher.data_parallel_rank),
@@ -418,10 +442,11 @@ class BlockEncoder:
             out.append((h, b"".join((
                 head, _BRANCH_1, encoded_hash, encoding, avro_long(i), after_index,
                 AVRO_NULL if parent is None else _BRANCH_1 + avro_bytes(parent),
-                no_tokens or avro_int_array(_block_tokens(tokens, block_size, i, count)), middle,
+                no_tokens or avro_int_array(_block_tokens(tokens, block_ints, i, count)), middle,
                 AVRO_NULL if extra_keys is None else _BRANCH_1 + avro_bytes(_encode_msgpack(extra_keys[i])), tail,
                 AVRO_NULL if lookahead is None else _BRANCH_1 + avro_int_array(lookahead[i]),
-                AVRO_NULL if i or parent_known is None else (b"\x02\x01" if parent_known else b"\x02\x00")))))
+                AVRO_NULL if i or parent_known is None else (b"\x02\x01" if parent_known else b"\x02\x00"),
+                suffix))))
             parent = h
         return out
 
@@ -439,7 +464,11 @@ def source_event(publisher: Publisher, kind: str, body: dict, seq: int, ts: floa
 
 
 def rebuild_event(records: list[dict]) -> dict:
-    """Rebuild the engine event (vLLM map form, None fields omitted) from all of its block records.
+    """Rebuild the engine event as the engine sent it, in map form, from all of its block records.
+
+    Fields the engine always sends (:data:`REQUIRED_FIELDS`; the engine is SGLang when the hashes are
+    ``INT64``) are present even when None, the others only when set; token tuples (``token_id_width``) are
+    regrouped.
 
     Args:
         records: every record of one event (same publisher, seq and batch_index),
@@ -457,10 +486,15 @@ def rebuild_event(records: list[dict]) -> dict:
         return {"type": "AllBlocksCleared"}
     encoding = first["hash_encoding"]
     hashes = [original_block_hash(r["block_hash"], encoding) for r in records]
+    # the fields the engine always sends appear even when None; the others only when set (INT64 hashes are
+    # SGLang's, whose medium and lora_name have defaults; REQUIRED_FIELDS)
+    required = REQUIRED_FIELDS["sglang" if encoding == "INT64" else "vllm"]
     if kind == BLOCK_REMOVED:
         event = {"type": "BlockRemoved", "block_hashes": hashes, "medium": body["medium"]}
-        for name in ("group_idx", "locality", "ownership"):
-            if body[name] is not None:
+        for name in ("medium", "group_idx", "locality", "ownership"):
+            if body[name] is None and name not in required["BlockRemoved"]:
+                event.pop(name, None)
+            elif body[name] is not None:
                 event[name] = body[name]
         return event
     bodies = [r["event"][1] for r in records]
@@ -469,18 +503,28 @@ def rebuild_event(records: list[dict]) -> dict:
         "type": "BlockStored",
         "block_hashes": hashes,
         "parent_block_hash": None if parent is None else original_block_hash(parent, encoding),
-        "token_ids": [t for b in bodies for t in b["token_ids"]],
+        "token_ids": _regroup([t for b in bodies for t in b["token_ids"]], body.get("token_id_width")),
         "block_size": body["block_size"],
         "lora_id": body["lora_id"],
         "medium": body["medium"],
         "lora_name": body["lora_name"],
     }
+    for name in ("medium", "lora_name"):
+        if event[name] is None and name not in required["BlockStored"]:
+            del event[name]
     if body["extra_keys"] is not None:
         event["extra_keys"] = [_decode_msgpack(b["extra_keys"]) for b in bodies]
     for name in ("group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality", "ownership",
-                 "session_id"):
-        if body[name] is not None:
+                 "session_id", "cache_salt"):
+        if body.get(name) is not None:  # get: records of older schema versions lack the newer fields
             event[name] = body[name]
     if body["lookahead_token_ids"] is not None:
         event["lookahead_token_ids"] = [b["lookahead_token_ids"] for b in bodies]
     return event
+
+
+def _regroup(tokens: list[int], width: int | None) -> list:
+    """Flattened token tuples back into the engine's shape: ``width`` ints per position (None or 1: as they are)."""
+    if not width or width == 1:
+        return tokens
+    return [tokens[i:i + width] for i in range(0, len(tokens), width)]

@@ -110,7 +110,7 @@ class KvEventWriter:
 
     fastavro's generic writer resolves every union and looks up every field of every record; a
     producer writes hundreds of thousands of records per second that share most of their bytes. This
-    writer encodes the field layout of ``kv_event_v2.avsc`` directly and gives the pieces that
+    writer encodes the field layout of ``kv_event_v3.avsc`` directly and gives the pieces that
     :class:`producers.split.BlockEncoder` reuses across the blocks of one engine event. The
     output is checked against fastavro in ``tests/unit/test_split.py``.
 
@@ -123,7 +123,7 @@ class KvEventWriter:
     """
 
     #: The writer schema whose field layout this class encodes.
-    VERSION = 2
+    VERSION = 3
 
     def __init__(self, codec: AvroCodec) -> None:
         if codec.family != "kv_event" or codec.schema.version != self.VERSION:
@@ -143,6 +143,7 @@ class KvEventWriter:
         self._middles: dict[tuple, bytes] = {}
         self._tails: dict[tuple, bytes] = {}
         self._removed: dict[tuple, bytes] = {}
+        self._suffixes: dict[tuple, bytes] = {}
 
     def prefix(self, instance_id: str, data_parallel_rank: int, worker_rank: int | None, world_size: int | None,
                aggregation: str | None, publisher_epoch: int) -> bytes:
@@ -173,6 +174,15 @@ class KvEventWriter:
         cached = self._tails.get(key)
         if cached is None:
             cached = self._tails[key] = self._bounded(self._tails, self._stored_tail(body))
+        return cached
+
+    def stored_suffix(self, cache_salt: str | None, token_id_width: int | None) -> bytes:
+        """BlockStored's fields after ``parent_known`` (``cache_salt``, ``token_id_width``, added in v3), cached."""
+        key = (cache_salt, token_id_width)
+        cached = self._suffixes.get(key)
+        if cached is None:
+            cached = self._suffixes[key] = self._bounded(self._suffixes, avro_optional(cache_salt, avro_string)
+                                                         + avro_optional(token_id_width, avro_long))
         return cached
 
     def removed_body(self, body: dict) -> bytes:
@@ -221,7 +231,8 @@ class KvEventWriter:
             event = b"".join((avro_optional(body["parent_block_hash"], avro_bytes), avro_int_array(body["token_ids"]),
                               self.stored_middle(body), avro_optional(body["extra_keys"], avro_bytes),
                               self.stored_tail(body), avro_optional(body["lookahead_token_ids"], avro_int_array),
-                              AVRO_NULL if pk is None else (b"\x02\x01" if pk else b"\x02\x00")))
+                              AVRO_NULL if pk is None else (b"\x02\x01" if pk else b"\x02\x00"),
+                              self.stored_suffix(body.get("cache_salt"), body.get("token_id_width"))))
         elif kind == "kvstream.v1.BlockRemoved":
             event = self.removed_body(body)
         elif kind == "kvstream.v1.AllBlocksCleared":

@@ -21,6 +21,7 @@ from kvstream.worker import spawn_worker, stop_worker, wait_until_consumed
 from producers.bridge import BridgeMetrics, KafkaBatchSink
 from producers.capture import produce_capture
 from producers.kafka_sink import KvEventProducer
+from producers.split import rebuild_event
 from schemas import AvroCodec
 from schemas.topics import ERROR_HEADER
 from stream_apps.repartition import repartition_group
@@ -45,6 +46,10 @@ def _line(instance: str, seq: int, events: list[dict], **publisher) -> dict:
             **publisher}
 
 
+EAGLE_STORE = {"type": "BlockStored", "block_hashes": [0x701, -0x702], "parent_block_hash": None,
+               "token_ids": [[11, 12], [12, 13], [13, 14], [14, 15]], "block_size": 2, "lora_id": None,
+               "cache_salt": "tenant-a"}
+
 #: instance -> the capture lines of one case.
 CASES = {
     # 1. a batch seq beyond Avro's long: refused with a reason naming the field; the next batch flows
@@ -62,6 +67,8 @@ CASES = {
     # 11. SGLang's hashes are signed whatever their values' signs
     "sglang": [_line("sglang-e", 0, [{"type": "BlockStored", "block_hashes": [0x601], "parent_block_hash": None,
                                       "token_ids": [1, 2], "block_size": 2, "lora_id": None}], engine="sglang")],
+    # 9, 10. SGLang with EAGLE: bigram token ids; and its cache_salt: stored, and rebuilt from Kafka as sent
+    "eagle": [_line("eagle-e", 0, [EAGLE_STORE], engine="sglang")],
     # 8. SHARDED: rank 1 stores a child of the block rank 0 stored: its parent is known
     "sharded": [_line("shard-e", 0, [_stored([0x401])], worker_rank=0, world_size=2, aggregation="SHARDED"),
                 _line("shard-e", 0, [_stored([0x402], parent=0x401)], worker_rank=1, world_size=2,
@@ -145,6 +152,14 @@ def test_an_sglang_hash_is_int64_whatever_its_sign(worker, kafka_bootstrap):
     ours = [r for r in records if r["instance_id"] == "sglang-e"]
     assert ours and {r["hash_encoding"] for r in ours} == {"INT64"}
     assert _rows(worker["url"], 0x601) == [("sglang-e", "GPU", 1)]
+
+
+def test_eagle_bigram_tokens_and_cache_salt_are_stored_and_rebuilt_as_sent(worker, kafka_bootstrap):
+    codec = AvroCodec("kv_event")
+    records = [codec.decode(m.value()) for m in messages_to_end(kafka_bootstrap, worker["settings"].topics.kv_events)]
+    assert rebuild_event([r for r in records if r["instance_id"] == "eagle-e"]) == EAGLE_STORE
+    assert _rows(worker["url"], 0x701) == [("eagle-e", "GPU", 1)]
+    assert _rows(worker["url"], 2**64 - 0x702) == [("eagle-e", "GPU", 1)]  # -0x702 as SGLang's signed hash
 
 
 def test_events_applied_counts_each_event_once_when_everything_is_delivered_again(worker, kafka_bootstrap):

@@ -6,8 +6,17 @@ import msgspec
 import pytest
 
 from harness.payloads import VLLM_PAYLOAD
-from producers.split import REQUIRED_FIELDS, InvalidEvent, ParentTracker, Publisher, rebuild_event, split_event
+from producers.split import (
+    REQUIRED_FIELDS,
+    BlockEncoder,
+    InvalidEvent,
+    ParentTracker,
+    Publisher,
+    rebuild_event,
+    split_event,
+)
 from schemas import ALL_BLOCKS_CLEARED, BLOCK_STORED, AvroCodec
+from schemas.avro_writers import KvEventWriter
 
 PUBLISHER = Publisher("vllm-0", 0, publisher_epoch=1767225600000)
 SGLANG = Publisher("sglang-0", 0, publisher_epoch=1767225600000, engine="sglang")
@@ -156,8 +165,8 @@ def test_kv_event_writer_encodes_every_event_type_like_fastavro():
                source_event(publisher, SOURCE_STALE, {"first_lost_seq": 3, "last_lost_seq": 1 << 50}, 9, 1.5),
                *(r for args in _simulated_events(60) for r in split_event(*args))]
     assert [writer.encode(r) for r in records] == [codec.encode(r) for r in records]
-    with pytest.raises(ValueError, match="kv_event v2"):
-        KvEventWriter(AvroCodec("kv_event", version=1))
+    with pytest.raises(ValueError, match="kv_event v3"):
+        KvEventWriter(AvroCodec("kv_event", version=2))
 
 
 @pytest.mark.parametrize("engine, kind", [(engine, kind) for engine, kinds in REQUIRED_FIELDS.items() for kind in kinds])
@@ -183,3 +192,26 @@ def test_the_hash_encoding_is_the_engines_not_the_values_sign():
     assert split_event(PUBLISHER, 0, 1.0, 0, event)[0]["hash_encoding"] == "UINT64"
     with pytest.raises(InvalidEvent, match="sglang publishes signed"):
         split_event(SGLANG, 0, 1.0, 0, {**event, "block_hashes": [2**63]})
+
+
+def test_sglang_eagle_bigram_tokens_and_cache_salt_survive_avro_and_rebuild_as_sent():
+    """SGLang with EAGLE publishes each position as a bigram; its pages are bigrams. Nothing may be lost."""
+    event = {"type": "BlockStored", "block_hashes": [-3, 4], "parent_block_hash": None,
+             "token_ids": [[11, 12], [12, 13], [13, 14], [14, 15], [15, 16]], "block_size": 2, "lora_id": None,
+             "cache_salt": "tenant-a", "session_id": "s"}
+    records = split_event(SGLANG, 0, 1.0, 0, event)
+    assert [r["event"][1]["token_ids"] for r in records] == [[11, 12, 12, 13], [13, 14, 14, 15, 15, 16]]
+    assert {r["event"][1]["token_id_width"] for r in records} == {2}
+    codec = AvroCodec("kv_event")
+    encoder = BlockEncoder(KvEventWriter(codec), None)
+    wire = [value for _, value in encoder.encode_event(SGLANG, 0, 1.0, 0, event)]
+    assert wire == [codec.encode(r) for r in records]
+    assert rebuild_event([codec.decode(v) for v in wire]) == event
+
+
+@pytest.mark.parametrize("tokens", [[[1, 2], [3]], [[1, 2], 3], [[1]], [[1, "x"]]])
+def test_token_tuples_of_other_shapes_are_refused(tokens):
+    event = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": tokens,
+             "block_size": 1, "lora_id": None}
+    with pytest.raises(InvalidEvent, match="token"):
+        split_event(SGLANG, 0, 1.0, 0, event)
