@@ -64,11 +64,11 @@ def _stored(h: int, medium: str = "GPU") -> BlockStored:
 def publisher_and_bridge():
     made = []
 
-    def make(buffer_steps=10_000, replay=True, sink=None):
+    def make(buffer_steps=10_000, replay=True, sink=None, engine="vllm"):
         port, replay_port = free_ports(2)
         publisher = FakeVllmPublisher(port, replay_port if replay else None, buffer_steps=buffer_steps)
         endpoint = PublisherEndpoint(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}" if replay else None,
-                                     "engine-a")
+                                     "engine-a", engine=engine)
         bridge = Bridge([endpoint], sink or CollectingSink(), replay_timeout_s=2)
         made.append((publisher, bridge))
         time.sleep(0.3)  # ZMQ slow joiner: let the SUB connection settle before publishing
@@ -245,8 +245,9 @@ def test_events_arrive_in_kafka_losslessly_and_bad_input_is_dead_lettered(publis
     producer.flush(30)
 
     codec = AvroCodec("kv_event")
-    # blocks per event per payload; a clear is one message per partition (2)
-    expected_records = (2 + 1 + 2) + (1 + 1) + (2 + 1) + (2 + 1) + 2
+    # blocks per event per payload; a clear is one message per partition (2); the SGLang-shaped batch (signed
+    # hashes) sent to this vLLM bridge is dead-lettered: vLLM's hashes are unsigned
+    expected_records = (2 + 1 + 2) + (1 + 1) + (2 + 1) + 2
     records = [codec.decode(m.value()) for m in _consume(kafka_bootstrap, kafka_topic, expected_records)]
     assert len(records) == expected_records
     by_event: dict[tuple, list] = {}
@@ -261,21 +262,42 @@ def test_events_arrive_in_kafka_losslessly_and_bad_input_is_dead_lettered(publis
         if kind.endswith("AllBlocksCleared"):
             group = group[:1]  # one copy per partition
         rebuilt[(seq, index)] = rebuild_event(group)
-    expected = {k: v for k, v in originals.items() if not (isinstance(v, dict) and v.get("type") == "TierBlocksCleared")}
-    # older vLLM's positional events come back in map form; SGLang's unknown cache_salt is not kept
+    expected = {k: v for k, v in originals.items() if not (isinstance(v, dict) and v.get("type") == "TierBlocksCleared")
+                and k[0] != 2}
+    # older vLLM's positional events come back in map form
     expected[(3, 0)] = {"type": "BlockStored", "block_hashes": [5, 6], "parent_block_hash": None,
                         "token_ids": [1, 2, 3, 4], "block_size": 2, "lora_id": None, "medium": "GPU",
                         "lora_name": None}
     expected[(3, 1)] = {"type": "BlockRemoved", "block_hashes": [5], "medium": "GPU"}
-    expected[(2, 0)] = {k: v for k, v in expected[(2, 0)].items() if k != "cache_salt"} | {"lora_name": None}
     assert rebuilt == expected
-    assert {r["data_parallel_rank"] for r in records if r["seq"] == 2} == {1}  # SGLang's attn_dp_rank
 
     dead = _consume(kafka_bootstrap, KV_EVENTS_DEAD_LETTER, 100, timeout_s=5)
     reasons = {dict(m.headers())["kvstream-error"].decode() for m in dead
                if dict(m.headers())["kvstream-source"].decode().startswith(bridge.endpoints[0].endpoint)}
     assert "unknown event type 'TierBlocksCleared'" in reasons
+    assert "block hash -7 is negative; vllm publishes unsigned 64-bit hashes" in reasons
     assert any(r.startswith("not a msgpack KV event batch") for r in reasons)
+
+
+def test_an_sglang_bridge_keeps_signed_hashes_cache_salt_and_eagle_pairs(publisher_and_bridge, kafka_bootstrap,
+                                                                       kafka_topic):
+    producer = KvEventProducer(kafka_bootstrap, kafka_topic)
+    publisher, bridge, endpoint = publisher_and_bridge(sink=KafkaBatchSink(producer, BridgeMetrics()), engine="sglang")
+    events = [{"type": "BlockStored", "block_hashes": [-7, 2**63 - 1], "parent_block_hash": -1, "token_ids": [1, 2],
+               "block_size": 1, "lora_id": None, "medium": "CPU_PINNED", "cache_salt": "x"},
+              {"type": "BlockStored", "block_hashes": [5], "parent_block_hash": None,
+               "token_ids": [[11, 12], [12, 13]], "block_size": 2, "lora_id": None},  # EAGLE: bigram positions
+              {"type": "BlockRemoved", "block_hashes": [-7], "medium": "CPU_PINNED"}]
+    publisher.publish_payload(msgspec.msgpack.encode([1767225601.0, events, 1]))  # SGLang's attn_dp_rank 1
+    _pump(bridge, lambda: endpoint in bridge.state and bridge.state[endpoint].last_seq == 0)
+    producer.flush(30)
+    codec = AvroCodec("kv_event")
+    records = [codec.decode(m.value()) for m in _consume(kafka_bootstrap, kafka_topic, 4)]
+    assert {r["hash_encoding"] for r in records} == {"INT64"} and {r["data_parallel_rank"] for r in records} == {1}
+    by_index: dict[int, list] = {}
+    for r in records:
+        by_index.setdefault(r["batch_index"], []).append(r)
+    assert [rebuild_event(by_index[i]) for i in range(3)] == events
 
 
 def test_capture_file_round_trips_every_batch_and_keeps_undecodable_events(publisher_and_bridge, tmp_path):
@@ -322,7 +344,8 @@ def test_produce_jsonl_publishes_a_capture_through_the_bridge_path(kafka_bootstr
              {"instance_id": "cap", "data_parallel_rank": 0, "seq": 1, "ts": 2.0, "worker_rank": 1, "world_size": 2,
               "aggregation": "REPLICATED", "events": [{"type": "BlockRemoved", "block_hashes": ["ff" * 8],
                                                        "medium": "CPU"}]},
-             {"instance_id": "cap", "data_parallel_rank": 0, "seq": 0, "ts": 3.0,  # the engine restarted
+             {"instance_id": "cap", "data_parallel_rank": 0, "seq": 1, "ts": 2.5, "events": []},
+             {"instance_id": "cap", "data_parallel_rank": 0, "seq": 0, "ts": 3.0,  # below 1: the engine restarted
               "events": [{"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU"}]}]
     path.write_text("".join(__import__("json").dumps(line) + "\n" for line in lines))
     producer = KvEventProducer(kafka_bootstrap, kafka_topic)

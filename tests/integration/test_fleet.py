@@ -175,7 +175,7 @@ def test_every_worker_answers_every_view_with_the_ground_truth(fleet, kafka_boot
     producer.send_event(Publisher("own8-engine", 0, publisher_epoch=1), 0, 1767225600.0, 0,
                         {"type": "BlockStored", "block_hashes": [int.from_bytes(block, "big")],
                          "parent_block_hash": None, "token_ids": [1, 2], "block_size": 2, "lora_id": None,
-                         "medium": "CPU", "ownership": NEW_OWNERSHIP})
+                         "medium": "CPU", "lora_name": None, "ownership": NEW_OWNERSHIP})
     producer.flush()
     fleet.wait_ready_and_consumed()
     row = ("own8-engine", 0, "CPU", NEW_OWNERSHIP, None, None)

@@ -46,7 +46,8 @@ def test_probes_metrics_json_logs_and_a_clean_stop(kafka_bootstrap, tmp_path):
     for seq in range(20):
         producer.send_event(Publisher("ops-engine", 0, publisher_epoch=1), seq, 1767225600.0 + seq, 0,
                             {"type": "BlockStored", "block_hashes": [1000 + seq], "parent_block_hash": None,
-                             "token_ids": [1, 2, 3, 4], "block_size": 4, "lora_id": None, "medium": "GPU"})
+                             "token_ids": [1, 2, 3, 4], "block_size": 4, "lora_id": None, "medium": "GPU",
+                             "lora_name": None})
     producer.flush()
     url = f"http://127.0.0.1:{settings.web_port}"
     process = spawn_worker(settings, tmp_path / "worker.log")

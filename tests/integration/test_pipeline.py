@@ -97,8 +97,11 @@ def _publish_residency_cases(bootstrap: str) -> None:
     send(e5, removed(0xE1, "CPU", 1))
     send(Publisher("case6", 0), stored(0x61))
     send(Publisher("case6", 1), stored(0x62))
-    e7 = Publisher("case7")
-    send(e7, stored(42), stored(2**64 - 1), stored(-1), stored(-7), stored(bytes(31) + b"\x2a"))
+    # vLLM's unsigned 2**64-1 and SGLang's signed -1 are one block (the same instance sends both here, in turn)
+    e7, e7_sglang = Publisher("case7"), Publisher("case7", engine="sglang")
+    send(e7, stored(42), stored(2**64 - 1), stored(bytes(31) + b"\x2a"))
+    seqs[e7_sglang] = seqs[e7]
+    send(e7_sglang, stored(-1), stored(-7))
     producer.flush(30)
 
 
