@@ -7,24 +7,13 @@ import sys
 from pathlib import Path
 
 from kafka_io.config import DEFAULT_PARTITIONS
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+from kvstream.options import interrupt_on_sigterm, positive_int, run_command
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    import signal
-
     from bench.run import STEPS, BenchOptions, run_bench
 
-    def terminate(signum, frame):  # stop the bench's broker and workers, as on Ctrl-C
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, terminate)
+    interrupt_on_sigterm()
     only = None
     if args.only:
         only = tuple(name.strip() for name in args.only.split(",") if name.strip())
@@ -65,24 +54,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 3000 requests for the producer and bridge, 600 for the stream app, 60,000 "
                         "rows, 5 s of latency, no 10M-row step")
-    p.add_argument("--requests", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--requests", type=positive_int, default=None, metavar="N",
                    help="trace requests replayed by the producer and bridge steps (default: the whole trace, "
                         "12,031)")
-    p.add_argument("--stream-requests", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--stream-requests", type=positive_int, default=None, metavar="N",
                    help="trace requests written to kv-events for the plain-consumer and stream-app steps "
                         "(default: as --requests; --quick: 600)")
-    p.add_argument("--rows", type=_positive_int, default=1_000_000, metavar="N",
+    p.add_argument("--rows", type=positive_int, default=1_000_000, metavar="N",
                    help="resident rows of the RSS and recovery step (default: %(default)s)")
     p.add_argument("--rows-large", type=int, default=10_000_000, metavar="N",
                    help="resident rows of the large RSS step; 0 skips it (default: %(default)s; --quick: 0)")
-    p.add_argument("--latency-rate", type=_positive_int, default=10_000, metavar="EVENTS_PER_S",
+    p.add_argument("--latency-rate", type=positive_int, default=10_000, metavar="EVENTS_PER_S",
                    help="steady produce rate of the latency step (default: %(default)s)")
     p.add_argument("--latency-seconds", type=float, default=30.0, metavar="S",
                    help="measured duration of the latency step, after 5 s of warm-up at the same rate "
                         "(default: %(default)s)")
-    p.add_argument("--memory-rows", type=_positive_int, default=200_000, metavar="N",
+    p.add_argument("--memory-rows", type=positive_int, default=200_000, metavar="N",
                    help="rows of the bytes-per-row step (default: %(default)s)")
-    p.add_argument("--partitions", type=_positive_int, default=DEFAULT_PARTITIONS,
+    p.add_argument("--partitions", type=positive_int, default=DEFAULT_PARTITIONS,
                    help="partitions of kv-events and the app's topics (default: %(default)s)")
     p.add_argument("--only", default=None, metavar="STEP[,STEP...]",
                    help="run only these steps (stream-1w is needed for latency)")
@@ -97,14 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m bench``."""
-    args = build_parser().parse_args(argv)
-    try:
-        return _cmd_bench(args)
-    except KeyboardInterrupt:
-        return 130
-    except (RuntimeError, TimeoutError, ValueError) as exc:
-        print(f"python -m bench: error: {exc}", file=sys.stderr)
-        return 1
+    return run_command("python -m bench", _cmd_bench, build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

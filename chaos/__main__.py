@@ -6,23 +6,13 @@ import argparse
 import sys
 from pathlib import Path
 
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+from kvstream.options import interrupt_on_sigterm, positive_int, run_command
 
 
 def _cmd_chaos(args: argparse.Namespace) -> int:
-    import signal
-
     from chaos.scenarios import ChaosOptions, run_chaos
 
-    def terminate(signum, frame):  # stop the brokers and workers of the current run, as on Ctrl-C
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, terminate)
+    interrupt_on_sigterm()
     scenarios = tuple(dict.fromkeys(s.strip() for s in args.scenarios.split(",") if s.strip()))
     return run_chaos(ChaosOptions(scenarios=scenarios, crash_runs=args.runs, rebalance_runs=args.rebalance_runs, requests=args.requests,
                                   output=args.output, work_dir=args.work_dir, seed=args.seed,
@@ -51,12 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog='Example: make chaos CHAOS_ARGS="--scenarios crash --runs 3 --output /tmp/crash.json"')
     p.add_argument("--scenarios", default=",".join(SCENARIOS), metavar="NAME[,NAME...]",
                    help=f"scenarios to run, comma-separated (default: all: {','.join(SCENARIOS)})")
-    p.add_argument("--runs", type=_positive_int, default=chaos.crash_runs,
+    p.add_argument("--runs", type=positive_int, default=chaos.crash_runs,
                    help="runs of the crash scenario, each with another seeded kill moment (default: %(default)s)")
-    p.add_argument("--rebalance-runs", type=_positive_int, default=chaos.rebalance_runs,
+    p.add_argument("--rebalance-runs", type=positive_int, default=chaos.rebalance_runs,
                    help="runs of the rebalance scenario: even runs without standby replicas, odd runs with one; "
                         "the store alternates every two runs (default: %(default)s)")
-    p.add_argument("--requests", type=_positive_int, default=chaos.requests,
+    p.add_argument("--requests", type=positive_int, default=chaos.requests,
                    help="trace slice: the first N requests of the vendored trace per run (default: %(default)s)")
     p.add_argument("--output", type=Path, default=chaos.output, metavar="FILE",
                    help="results file (default: %(default)s)")
@@ -64,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="brokers, worker data dirs and logs; emptied at start (default: %(default)s)")
     p.add_argument("--seed", type=int, default=chaos.seed, help="seed of the kill moments and split points "
                                                                 "(default: %(default)s)")
-    p.add_argument("--partitions", type=_positive_int, default=chaos.partitions,
+    p.add_argument("--partitions", type=positive_int, default=chaos.partitions,
                    help="partitions of kv-events and the app's topics (default: %(default)s)")
     p.add_argument("--outage", type=float, default=chaos.outage_s, metavar="SECONDS",
                    help="how long the broker stays down in broker-outage (default: %(default)s)")
@@ -76,14 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m chaos``."""
-    args = build_parser().parse_args(argv)
-    try:
-        return _cmd_chaos(args)
-    except KeyboardInterrupt:
-        return 130
-    except (RuntimeError, TimeoutError, ValueError) as exc:
-        print(f"python -m chaos: error: {exc}", file=sys.stderr)
-        return 1
+    return run_command("python -m chaos", _cmd_chaos, build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

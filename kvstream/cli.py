@@ -21,6 +21,7 @@ from pathlib import Path
 from kafka_io.config import DEFAULT_PARTITIONS
 from kafka_io.logs import configure_logging
 from kvstream import broker
+from kvstream.options import interrupt_on_sigterm, positive_int, run_command
 
 
 def _version() -> str:
@@ -33,22 +34,10 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def _cmd_demo(args: argparse.Namespace) -> int:
-    import signal
-
     from kvstream.demo import DemoOptions, run_demo
 
-    def terminate(signum, frame):  # stop what the demo started, as on Ctrl-C
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, terminate)
+    interrupt_on_sigterm()
     return run_demo(DemoOptions(port=args.port, web_port=args.web_port, work_dir=args.work_dir, trace=args.trace,
                                 requests=args.requests, partitions=args.partitions, instances=args.instances,
                                 keep_running=args.keep_running, timeout_s=args.timeout))
@@ -95,7 +84,6 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 def _cmd_query(args: argparse.Namespace) -> int:
     from kvstream.options import settings_from_args
     from kvstream.settings import QuerySettings
-
     from schemas import InvalidBlockHash, parse_block_hash
 
     settings = settings_from_args(QuerySettings, args)
@@ -295,10 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work-dir", type=Path, default=Path(".kvstream/demo"),
                    help="broker and worker files; emptied at start (default: %(default)s)")
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format trace (default: vendored)")
-    p.add_argument("--requests", type=_positive_int, default=None,
+    p.add_argument("--requests", type=positive_int, default=None,
                    help="replay only the first N requests (default: all)")
-    p.add_argument("--partitions", type=_positive_int, default=DEFAULT_PARTITIONS, help="partitions (default: %(default)s)")
-    p.add_argument("--instances", type=_positive_int, default=fleet.instances, help="simulated instances (default: %(default)s)")
+    p.add_argument("--partitions", type=positive_int, default=DEFAULT_PARTITIONS, help="partitions (default: %(default)s)")
+    p.add_argument("--instances", type=positive_int, default=fleet.instances, help="simulated instances (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=1800, metavar="SECONDS",
                    help="give up if the worker has not consumed everything by then (default: %(default)s)")
     p.add_argument("--keep-running", action="store_true",
@@ -376,13 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvstream`` command."""
     args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except KeyboardInterrupt:
-        return 130
-    except (RuntimeError, TimeoutError, ValueError) as exc:
-        print(f"kvstream {args.command}: error: {exc}", file=sys.stderr)
-        return 1
+    return run_command(f"kvstream {args.command}", args.func, args)
 
 
 if __name__ == "__main__":

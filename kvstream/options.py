@@ -92,3 +92,35 @@ def settings_table(settings_class: type[BaseSettings]) -> list[tuple[str, str, s
     lists them."""
     return [(name, flag(name), env_variable(settings_class, name), documented_default(settings_class, name),
              info.description or "") for name, info in settings_class.model_fields.items()]
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def interrupt_on_sigterm() -> None:
+    """Make SIGTERM stop the command as Ctrl-C does (KeyboardInterrupt), so it stops what it started."""
+    import signal
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def run_command(prog: str, command, *args) -> int:
+    """``command(*args)``'s exit code; Ctrl-C is 130, and a RuntimeError, TimeoutError or ValueError is printed
+    as ``<prog>: error: <message>`` with exit code 1 (no traceback: these are the errors users meet)."""
+    import sys
+
+    try:
+        return command(*args)
+    except KeyboardInterrupt:
+        return 130
+    except (RuntimeError, TimeoutError, ValueError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 1
