@@ -6,10 +6,12 @@
   into ``<app id>-kv-events-by-ownership``, stamping each event with its source's latest clear);
 - :mod:`stream_apps.tables` and :mod:`stream_apps.store`: the tables and their stores;
 - :mod:`stream_apps.materialize` and :mod:`stream_apps.applier`: the agent that applies the re-keyed events;
-- :mod:`stream_apps.outputs`: the output producer (changelogs, ``kv-residency-changes``,
-  ``kv-tier-occupancy``, dead letters);
+- :mod:`stream_apps.outputs`: the output producer (changelogs, ``<app id>-kv-residency-changes``,
+  ``<app id>-kv-tier-occupancy``, dead letters);
 - :mod:`stream_apps.checkpoint`: the commit protocol;
-- :mod:`stream_apps.views`: the HTTP views.
+- :mod:`stream_apps.views`, :mod:`stream_apps.fleet`, :mod:`stream_apps.health`, :mod:`stream_apps.metrics`:
+  the HTTP views, the fleet-wide views they share, readiness and Prometheus metrics;
+- :mod:`stream_apps.consumer_fixes`: two corrections to faust-streaming's aiokafka driver.
 """
 
 from __future__ import annotations
