@@ -91,6 +91,9 @@ REQUIRED_FIELDS = {
 }
 
 
+#: BlockStored's v3 fields ``cache_salt`` and ``token_id_width``, both null: what nearly every store ends with.
+_NO_SUFFIX = AVRO_NULL + AVRO_NULL
+
 _REQUIRED_SETS = {engine: {kind: frozenset(names) for kind, names in kinds.items()}
                   for engine, kinds in REQUIRED_FIELDS.items()}
 
@@ -230,7 +233,11 @@ def _parse_event(event: dict, engine: str = "vllm") -> _ParsedEvent:
     parent_raw = event.get("parent_block_hash")
     parent = None if parent_raw is None else _hashes([parent_raw], "parent_block_hash")[0]
     encoding = hash_encoding(raw_hashes if parent_raw is None else [*raw_hashes, parent_raw], engine)
-    tokens, token_width = _token_positions(event["token_ids"])
+    raw_tokens = event["token_ids"]
+    if raw_tokens and isinstance(raw_tokens, list) and type(raw_tokens[0]) is int:  # plain token ids: most events
+        tokens, token_width = _int_list(raw_tokens, "token_ids"), 1
+    else:
+        tokens, token_width = _token_positions(raw_tokens)
     block_size = _opt_int(event, "block_size")
     if block_size is None or block_size < 0:
         raise InvalidEvent("block_size must be a non-negative integer")
@@ -406,7 +413,9 @@ class BlockEncoder:
             InvalidEvent: as :func:`split_event`.
         """
         parsed = _parse_event(event, publisher.engine)
-        _check_envelope(seq, batch_index, publisher)
+        if not (type(seq) is int and type(batch_index) is int and _LONG[0] <= seq <= _LONG[1]
+                and _LONG[0] <= batch_index <= _LONG[1]):  # the common case inline: this runs per engine event
+            _check_envelope(seq, batch_index, publisher)
         w = self.writer
         head = b"".join((w.prefix(publisher.instance_id, publisher.data_parallel_rank, publisher.worker_rank,
                                   publisher.world_size, publisher.aggregation, publisher.publisher_epoch),
@@ -429,7 +438,8 @@ class BlockEncoder:
         tail = w.stored_tail(common)
         block_ints, tokens, extra_keys, lookahead = common["block_size"] * parsed.token_width, parsed.tokens, \
             parsed.extra_keys, parsed.lookahead
-        suffix = w.stored_suffix(common["cache_salt"], common["token_id_width"])
+        salt, width = common["cache_salt"], common["token_id_width"]
+        suffix = _NO_SUFFIX if salt is None and width is None else w.stored_suffix(salt, width)
         parent_known = None
         if self.parents is not None:
             parent_known = self.parents.note_run((publisher.instance_id, publisher.data_parallel_rank),
