@@ -1,4 +1,5 @@
-"""Two corrections to faust-streaming 0.15.3's aiokafka driver that keep a rebalance from skipping messages.
+"""Three corrections to faust-streaming 0.15.3 (its aiokafka driver, and mode's flow control) that keep a
+rebalance from skipping messages.
 
 Both were found by ``make chaos``'s rebalance scenario, which lost rows about once in six runs, with or without
 standby replicas (docs/operations.md, "Standby replicas"). The sequence that lost them:
@@ -13,29 +14,46 @@ standby replicas (docs/operations.md, "Standby replicas"). The sequence that los
 3. Faust then seeks each partition to its committed offset, but aiokafka only seeks partitions that have one
    above 0, so the position stays past the message and the message is never applied.
 
-The corrections, each a method of Faust's ``AIOKafkaConsumerThread``:
+A second sequence lost rows the same way, with committed offsets: at the end of a recovery Faust resumes the
+stream partitions, awaits the seek to their committed offsets (the fetcher keeps running, and a message can
+reach the agent's queue meanwhile, moving Faust's read offset past it), then calls
+``flow_control.resume()``, which in mode empties every agent queue on every call, suspended before or not. A
+message dropped there is never acknowledged; when it is the first after the committed offset, Faust's gap
+check (``min(acked) - committed > 1``) lets the next commit pass it.
 
-- :func:`_fetch_records`: fetch with a snapshot of the active set, and nothing at all when it is empty;
-- :func:`_seek_to_committed`: a stream partition with no committed offset goes to its beginning (what
-  ``consumer_auto_offset_reset="earliest"`` means); the events read again are ignored as duplicates.
+The corrections:
 
-:func:`install` applies them once per process; ``pyproject.toml`` pins the faust-streaming version they were
-written against, and :data:`FAUST_VERSION` is checked.
+- :func:`_fetch_records` (Faust's ``AIOKafkaConsumerThread``): fetch with a snapshot of the active set, and
+  nothing at all when it is empty;
+- :func:`_seek_to_committed` (the same class): a stream partition with no committed offset goes to its
+  beginning (what ``consumer_auto_offset_reset="earliest"`` means); the events read again are ignored as
+  duplicates;
+- :func:`_resume_flow_control` (mode's ``FlowControlEvent.resume``): empty the queues only when flow was
+  suspended. Stale events of a previous assignment are still dropped: Faust clears the queues when
+  partitions are revoked, the first resume after a suspend clears them, and streams skip messages of
+  another generation.
+
+:func:`install` applies them once per process; ``pyproject.toml`` pins the faust-streaming and
+mode-streaming versions they were written against, and both are checked.
 """
 
 from __future__ import annotations
 
 import logging
 
-import faust
+from importlib.metadata import version
+
 from faust.transport.drivers import aiokafka as driver
+from mode.utils.queues import FlowControlEvent
 
 log = logging.getLogger(__name__)
 
-#: The faust-streaming version whose driver these methods replace.
+#: The faust-streaming and mode-streaming versions whose methods these replace.
 FAUST_VERSION = "0.15.3"
+MODE_VERSION = "0.7.1"
 
 _original_fetch_records = driver.AIOKafkaConsumerThread._fetch_records
+_original_resume = FlowControlEvent.resume
 
 
 async def _fetch_records(self, consumer, active_partitions, timeout=None, max_records=None):
@@ -63,14 +81,23 @@ async def _seek_to_committed(self):
     return await self.call_thread(seek, self._ensure_consumer())
 
 
+def _resume_flow_control(self) -> None:
+    """mode's ``FlowControlEvent.resume``, which empties the agents' queues only when flow was suspended."""
+    if self._suspend.is_set():
+        _original_resume(self)
+
+
 def install() -> None:
-    """Replace the two driver methods (idempotent).
+    """Replace the three methods (idempotent).
 
     Raises:
-        RuntimeError: another faust-streaming version is installed; the corrections must be checked against it.
+        RuntimeError: another faust-streaming or mode-streaming version is installed; the corrections must be
+            checked against it.
     """
-    if faust.__version__ != FAUST_VERSION:
-        raise RuntimeError(f"stream_apps.consumer_fixes was written for faust-streaming {FAUST_VERSION}, not "
-                           f"{faust.__version__}: check whether its driver still needs them")
+    for package, pinned in (("faust-streaming", FAUST_VERSION), ("mode-streaming", MODE_VERSION)):
+        if version(package) != pinned:
+            raise RuntimeError(f"stream_apps.consumer_fixes was written for {package} {pinned}, not "
+                               f"{version(package)}: check whether it still needs them")
     driver.AIOKafkaConsumerThread._fetch_records = _fetch_records
     driver.AIOKafkaConsumerThread.seek_to_committed = _seek_to_committed
+    FlowControlEvent.resume = _resume_flow_control
