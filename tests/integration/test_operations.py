@@ -81,11 +81,9 @@ def test_probes_metrics_json_logs_and_a_clean_stop(kafka_bootstrap, tmp_path):
         assert samples['kvstream_http_requests_total{status="200",view="ready"}'] >= 1
         assert any(name.startswith("kvstream_consumer_lag_messages{") and f'topic="{topics.kv_events}"' in name
                    for name in samples)
-        # SIGTERM: the worker leaves its group and exits 0 within the documented limit
-        started = time.monotonic()
+        # SIGTERM: the worker leaves its group and exits 0 (wait raises if it is still running at the limit)
         process.send_signal(signal.SIGTERM)
         assert process.wait(STOP_LIMIT_S) == 0
-        assert time.monotonic() - started < STOP_LIMIT_S
         admin = AdminClient(client_config(kafka_bootstrap))
         group = admin.describe_consumer_groups([topics.scoped_app_id])[topics.scoped_app_id].result()
         assert not group.members
