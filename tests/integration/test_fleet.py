@@ -106,7 +106,13 @@ def _sources(url: str) -> list[dict]:
 
 
 def _rows(url: str, block: bytes) -> dict[tuple, int]:
+    """A block's rows as a router asks for them: a 503 (a worker left and the group is still rebalancing)
+    is retried for up to 30 s, as the API says to."""
+    deadline = time.monotonic() + 30
     status, body = _get(f"{url}/residency/{block.hex()}/")
+    while status == 503 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        status, body = _get(f"{url}/residency/{block.hex()}/")
     assert status == 200, body
     return {(r["instance_id"], r["data_parallel_rank"], r["tier"], r["ownership"], r["locality"], r["group_idx"]):
             r["copies"] for r in body["rows"]}
@@ -139,7 +145,7 @@ def _assert_every_worker_answers_the_truth(fleet: Fleet, truth: dict, blocks: li
         for block in blocks:
             assert _rows(url, block) == by_block.get(block, {}), (url, block.hex())
     request = {"block_hashes": [b.hex() for b in blocks[:8]]}
-    matches = [_post(f"{url}/prefix-match/", request) for url in fleet.urls()]
+    matches = [_post(f"{url}/prefix-match/", request) for url in fleet.urls()]  # after the lookups: settled
     assert all(status == 200 for status, _ in matches)
     assert all(body == matches[0][1] for _, body in matches)
 
