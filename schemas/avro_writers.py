@@ -14,7 +14,7 @@ from __future__ import annotations
 import struct
 
 from schemas.clear_position import NO_CLEAR
-from schemas.codec import AvroCodec, named_types
+from schemas.codec import AvroCodec, find_named_type
 
 
 #: Avro ``long``: a signed 64-bit integer.
@@ -280,8 +280,7 @@ def _require_writer_schema(writer: type, codec: AvroCodec) -> None:
 
 def _named_enum(codec: AvroCodec, name: str) -> dict[str, bytes]:
     """Symbol -> encoded index of the named enum ``name`` (full name) that the codec's schema refers to."""
-    named = named_types(f"{codec.family}_v{codec.schema.version}.avsc")
-    return {symbol: avro_long(i) for i, symbol in enumerate(named[name]["symbols"])}
+    return {symbol: avro_long(i) for i, symbol in enumerate(find_named_type(codec.schema.parsed, name)["symbols"])}
 
 
 class _TableRecordWriter:
@@ -314,17 +313,17 @@ class ResidencyWriter(_TableRecordWriter):
 
     fastavro's generic writer is slow here (it resolves each optional field's union and looks up every
     field of the nested rows and workers), and the materializing agent encodes one entry per touched key.
-    This writer encodes the field layout of ``residency_v1.avsc`` directly. Checked against fastavro
+    This writer encodes the field layout of ``residency_v2.avsc`` directly. Checked against fastavro
     in ``tests/unit/test_writers.py``.
 
     Every field must be present in the dicts (fastavro would write a missing optional field's default;
     here it is a KeyError). ``clear_mark`` is the ClearMark dict or None, as the codec decodes it.
-    Construction as :class:`_TableRecordWriter` (a ``residency`` v1 codec, or ValueError).
+    Construction as :class:`_TableRecordWriter` (a ``residency`` v2 codec, or ValueError).
     """
 
     FAMILY = "residency"
-    VERSION = 1
-    FINGERPRINT = bytes.fromhex("9cfcc1b4ee9a104a")
+    VERSION = 2
+    FINGERPRINT = bytes.fromhex("80cac65e37b76889")
 
     def __init__(self, codec: AvroCodec) -> None:
         super().__init__(codec)
@@ -364,10 +363,11 @@ class ResidencyWriter(_TableRecordWriter):
                 if workers:
                     out.append(long_(len(workers)))
                     for worker in workers:
-                        epoch = worker["publisher_epoch"]
+                        epoch, content = worker["publisher_epoch"], worker["content"]
                         out += (long_(worker["worker_rank"]), long_(worker["count"]),
                                 epochs.get(epoch) or self._epoch(epoch), long_(worker["seq"]),
-                                long_(worker["batch_index"]), long_(worker["block_index"]))
+                                long_(worker["batch_index"]), long_(worker["block_index"]),
+                                AVRO_NULL if content is None else _BRANCH_1 + long_(content))
                 out.append(b"\x00")  # end of workers
                 since, mark = row["since"], row["clear_mark"]
                 out += (long_(row["copies"]),
@@ -393,7 +393,7 @@ class ResidencyChangeWriter(_TableRecordWriter):
 
     FAMILY = "residency_change"
     VERSION = 1
-    FINGERPRINT = bytes.fromhex("ae5f6f4a1531c1a5")
+    FINGERPRINT = bytes.fromhex("4b8f4b662450e818")
 
     def __init__(self, codec: AvroCodec) -> None:
         super().__init__(codec)

@@ -52,22 +52,39 @@ class SchemaVersion:
     parsed: Any
     #: 8-byte CRC-64-AVRO fingerprint of the parsing canonical form, in single-object order.
     fingerprint: bytes
+    #: The fingerprint records of this version written before the file was self-contained carry
+    #: (:data:`LEGACY_FINGERPRINTS`); None if it never changed.
+    legacy_fingerprint: bytes | None = None
 
 
-#: Files that define the named types other schemas refer to, in dependency order. Each named type is
-#: defined once: Tier, AggregationMode and HashEncoding in kv_event_v1, ResidencyRow and ClearMark in
-#: residency_v1 (docs/contract.md, "Avro discipline").
-NAMED_TYPE_SOURCES = ("kv_event_v1.avsc", "residency_v1.avsc")
+#: Fingerprints that four schema files had while they referred to named types defined in other files
+#: (Tier, AggregationMode, ClearMark), before every file became self-contained. fastavro fingerprinted
+#: those references as bare names, so records written then carry these ids; readers still accept them for
+#: the same schema. Family -> version -> fingerprint (hex).
+LEGACY_FINGERPRINTS = {
+    "residency": {1: "9cfcc1b4ee9a104a"},
+    "ownership_batch": {1: "2c279608765e0395"},
+    "residency_change": {1: "ae5f6f4a1531c1a5"},
+    "tier_occupancy": {1: "834eaa8b4b293144"},
+}
 
 
-def named_types(for_file: str) -> dict:
-    """Named types defined by the :data:`NAMED_TYPE_SOURCES` before ``for_file``, for fastavro's named_schemas."""
-    named: dict = {}
-    for source in NAMED_TYPE_SOURCES:
-        if source == for_file:
-            break
-        fastavro.parse_schema(json.loads((SCHEMA_DIR / source).read_text()), named_schemas=named)
-    return named
+def find_named_type(schema: Any, full_name: str) -> dict:
+    """The definition of the named type ``full_name`` (e.g. ``kvstream.v1.Tier``) inside a parsed schema.
+
+    Raises:
+        KeyError: the schema defines no such type.
+    """
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            if node.get("name") == full_name and node.get("type") in ("record", "enum", "fixed"):
+                return node
+            stack.extend(v for k, v in node.items() if k in ("type", "items", "values", "fields"))
+    raise KeyError(f"no named type {full_name} in the schema")
 
 
 def _has_nullable_record(schema: Any) -> bool:
@@ -119,9 +136,11 @@ def schema_versions(family: str) -> tuple[SchemaVersion, ...]:
         m = _SCHEMA_FILE.match(path.name)
         if not m or m["family"] != family:
             continue
-        parsed = fastavro.parse_schema(json.loads(path.read_text()), named_schemas=named_types(path.name))
+        parsed = fastavro.parse_schema(json.loads(path.read_text()))
         fp = bytes.fromhex(fingerprint(to_parsing_canonical_form(parsed), "CRC-64-AVRO"))
-        found.append(SchemaVersion(family, int(m["version"]), parsed, fp))
+        version = int(m["version"])
+        legacy = LEGACY_FINGERPRINTS.get(family, {}).get(version)
+        found.append(SchemaVersion(family, version, parsed, fp, bytes.fromhex(legacy) if legacy else None))
     if not found:
         raise KeyError(f"no schema files {family}_v*.avsc in {SCHEMA_DIR}")
     return tuple(sorted(found, key=lambda v: v.version))
@@ -153,6 +172,7 @@ class AvroCodec:
         self.family = family
         self.schema = chosen
         self._by_fingerprint = {v.fingerprint: v.parsed for v in versions}
+        self._by_fingerprint.update((v.legacy_fingerprint, v.parsed) for v in versions if v.legacy_fingerprint)
         #: fastavro's record-name override (a ``["null", record]`` union read as the dict, not a tuple) costs a
         #: quarter of the decode time; only families with such a union need it (kv_event has none).
         self._override_names = any(_has_nullable_record(v.parsed) for v in versions)
@@ -267,7 +287,6 @@ class AvroCodec:
                 raise
             except Exception as exc:
                 raise DecodeError(f"schema id {schema_id} not found in the registry: {exc}") from None
-            writer = fastavro.parse_schema(json.loads(registered.schema_str),
-                                           named_schemas=named_types(f"{self.family}_v{self.schema.version}.avsc"))
+            writer = fastavro.parse_schema(json.loads(registered.schema_str))
             self._registry_ids[schema_id] = writer
         return writer

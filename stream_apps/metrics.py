@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 #: Seconds a consumer-lag reading is reused (each costs a few admin requests to the broker).
 LAG_CACHE_S = 10.0
 #: ApplyStats fields that are counts of events, exported as ``kvstream_events_total{outcome=...}``.
-_OUTCOMES = ("applied", "duplicates", "cleared_late", "retired_late", "unknown_removals", "unknown_parents")
+_OUTCOMES = ("applied", "duplicates", "cleared_late", "retired_late", "unknown_removals", "unknown_parents",
+             "replica_disagreements")
 
 
 class WorkerMetrics(Collector):

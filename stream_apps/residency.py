@@ -21,7 +21,8 @@ hash are in the key. A row keeps
 * ``copies``: the workers' counts aggregated by the source's mode --
   ``world_size`` 1: the count; ``REPLICATED``: the minimum over all
   ``world_size`` workers (a worker that reported nothing counts 0, so one
-  worker's duplicate is not agreement); ``SHARDED``: the sum;
+  worker's duplicate is not agreement), and 0 while workers stored different
+  content under the hash (:data:`AGREEMENT_FIELDS`); ``SHARDED``: the sum;
 * per-worker epochs: a worker's count restarts from 0 when an event of a newer
   ``publisher_epoch`` arrives (a restarted publisher's cache starts empty), and
   :func:`retire_epoch` zeroes the counts of rows the new epoch has not touched;
@@ -38,6 +39,7 @@ is 0.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from hashlib import blake2b
 
 from murmurhash2 import murmurhash2
 
@@ -52,6 +54,27 @@ PRIMARY = "primary"
 DEFAULT_CLEAR_TIERS = frozenset({"GPU"})
 #: Tiers removed with clear scope ``all``.
 ALL_TIERS = frozenset({"GPU", "CPU", "STORAGE", "EXTERNAL", "UNKNOWN"})
+
+#: BlockStored fields on which the workers of a REPLICATED source must agree for a block to count as
+#: resident: every field of the event body but ``parent_known``, which our producer derives from its own
+#: view. vLLM's ``KVEventAggregator`` publishes an event only when every worker reported an equal event,
+#: and its events compare every field (docs/residency.md, "Replicated agreement"). The identity fields
+#: (tier, locality, group, ownership, block hash, instance, data-parallel rank) select the row, so they
+#: agree by construction.
+AGREEMENT_FIELDS = ("parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "extra_keys",
+                    "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "session_id", "lookahead_token_ids",
+                    "cache_salt", "token_id_width")
+
+
+def content_digest(body: dict) -> int:
+    """Digest of a BlockStored body's :data:`AGREEMENT_FIELDS`: a signed 64-bit int (Avro long).
+
+    Stable across processes (a BLAKE2b digest of the fields' ``repr``, not Python's salted ``hash``),
+    because it is stored in the residency changelog and compared by whichever worker recovers it. A
+    field missing from an older contract version reads as None, as the Avro reader fills it.
+    """
+    values = tuple(body.get(name) for name in AGREEMENT_FIELDS)
+    return int.from_bytes(blake2b(repr(values).encode(), digest_size=8).digest(), "big", signed=True)
 
 @dataclass(frozen=True)
 class SourceSettings:
@@ -140,6 +163,9 @@ class ApplyStats:
     #: Stores whose parent block the producer had not seen stored by the source (BlockStored.parent_known
     #: false): still resident, counted (docs/residency.md, "Reference counting").
     unknown_parents: int = 0
+    #: Stores of a REPLICATED row (world size > 1) whose content differed from another worker's store of the
+    #: row (:data:`AGREEMENT_FIELDS`): the row is not resident while they differ.
+    replica_disagreements: int = 0
     #: Media that mapped to the UNKNOWN tier, by raw string.
     unknown_media: dict = field(default_factory=dict)
 
@@ -148,18 +174,24 @@ def aggregate_copies(workers: list[dict], world_size: int, aggregation: str) -> 
     """Copies of a row from its per-worker counts.
 
     Args:
-        workers: ``[{"worker_rank": r, "count": c, ...}]``; rank -1 stands for a
-            publisher without worker rank.
+        workers: ``[{"worker_rank": r, "count": c, "content": digest or None, ...}]``; rank -1 stands for
+            a publisher without worker rank.
         world_size: workers that report this source (1: pass through).
-        aggregation: ``REPLICATED`` (min over ranks 0..world_size-1, absent = 0) or
-            ``SHARDED`` (sum).
+        aggregation: ``REPLICATED`` (min over ranks 0..world_size-1, absent = 0; 0 when two workers with a
+            count stored different content, see :func:`content_digest`) or ``SHARDED`` (sum).
     """
     if world_size <= 1 or aggregation == "SHARDED":
         total = 0
         for worker in workers:  # a loop, not sum() over a generator: this runs per event, mostly on one worker
             total += worker["count"]
         return total
-    counts = {w["worker_rank"]: w["count"] for w in workers}
+    counts, contents = {}, set()
+    for worker in workers:
+        counts[worker["worker_rank"]] = worker["count"]
+        if worker["count"] and worker["content"] is not None:
+            contents.add(worker["content"])
+    if len(contents) > 1:
+        return 0  # the workers hold different blocks under one hash: not agreement
     return min(counts.get(rank, 0) for rank in range(world_size))
 
 
@@ -247,7 +279,7 @@ def apply_block_event(entry: dict | None, record: dict, clear_mark: ClearPositio
     position = _position(record)
     if worker is None:
         worker = {"worker_rank": worker_rank, "count": 0, "publisher_epoch": -1, "seq": -1, "batch_index": -1,
-                  "block_index": -1}
+                  "block_index": -1, "content": None}
         row["workers"].append(worker)
     elif position <= _worker_position(worker):
         stats.duplicates += 1
@@ -255,20 +287,25 @@ def apply_block_event(entry: dict | None, record: dict, clear_mark: ClearPositio
     elif position[0] > worker["publisher_epoch"]:
         worker["count"] = 0  # a new epoch is a restarted publisher, whose cache started empty
 
+    configured_size, configured_mode = aggregation or (1, "REPLICATED")
+    row["world_size"] = world_size = record["world_size"] or configured_size
+    row["aggregation"] = mode = record["aggregation"] or configured_mode
     if kind == BLOCK_STORED:
         worker["count"] += 1
         if body.get("parent_known") is False:
             stats.unknown_parents += 1
+        if world_size > 1 and mode == "REPLICATED":
+            worker["content"] = content = content_digest(body)
+            for other in row["workers"]:
+                if other is not worker and other["count"] and other["content"] not in (None, content):
+                    stats.replica_disagreements += 1
+                    break
     elif worker["count"] > 0:
         worker["count"] -= 1
     else:
         stats.unknown_removals += 1
     worker["publisher_epoch"], worker["seq"], worker["batch_index"], worker["block_index"] = position
     stats.applied += 1
-
-    configured_size, configured_mode = aggregation or (1, "REPLICATED")
-    row["world_size"] = record["world_size"] or configured_size
-    row["aggregation"] = record["aggregation"] or configured_mode
     row["medium"] = body["medium"]
     row["last_ts"] = record["ts"]
     row["clear_mark"] = clear_mark_record(clear_mark)

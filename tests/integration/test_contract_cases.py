@@ -73,6 +73,12 @@ CASES = {
     "sharded": [_line("shard-e", 0, [_stored([0x401])], worker_rank=0, world_size=2, aggregation="SHARDED"),
                 _line("shard-e", 0, [_stored([0x402], parent=0x401)], worker_rank=1, world_size=2,
                       aggregation="SHARDED")],
+    # 5. REPLICATED, world size 2: rank 0 and rank 1 store 0x5A with different LoRA names (not agreement), and
+    # 0x5B with equal content (agreement)
+    "replicated": [_line("r2", 0, [_stored([0x5A], lora_name="a"), _stored([0x5B], lora_name="a")], worker_rank=0,
+                         world_size=2, aggregation="REPLICATED"),
+                   _line("r2", 0, [_stored([0x5A], lora_name="b"), _stored([0x5B], lora_name="a")], worker_rank=1,
+                         world_size=2, aggregation="REPLICATED")],
 }
 
 
@@ -160,6 +166,16 @@ def test_eagle_bigram_tokens_and_cache_salt_are_stored_and_rebuilt_as_sent(worke
     assert rebuild_event([r for r in records if r["instance_id"] == "eagle-e"]) == EAGLE_STORE
     assert _rows(worker["url"], 0x701) == [("eagle-e", "GPU", 1)]
     assert _rows(worker["url"], 2**64 - 0x702) == [("eagle-e", "GPU", 1)]  # -0x702 as SGLang's signed hash
+
+
+def test_replicated_workers_that_store_different_content_under_one_hash_do_not_make_it_resident(worker):
+    url = worker["url"]
+    disagreeing = [(instance, tier, copies) for instance, tier, copies in _rows(url, 0x5A) if instance == "r2"]
+    assert disagreeing == []  # the view lists resident rows only
+    assert [row for row in _rows(url, 0x5B) if row[0] == "r2"] == [("r2", "GPU", 1)]
+    assert _get(f"{url}/stats/")["replica_disagreements"] == 1
+    occupancy = [r for r in _get(f"{url}/occupancy/")["occupancy"] if r["instance_id"] == "r2"]
+    assert [(r["tier"], r["resident_blocks"]) for r in occupancy] == [("GPU", 1)]
 
 
 def test_events_applied_counts_each_event_once_when_everything_is_delivered_again(worker, kafka_bootstrap):

@@ -255,3 +255,39 @@ def test_each_worker_keeps_its_own_count_and_a_row_goes_only_when_every_count_is
     assert aggregate_copies([{"worker_rank": -1, "count": 2}], 1, "REPLICATED") == 2
     assert aggregate_copies([{"worker_rank": -1, "count": 2}, {"worker_rank": 0, "count": 1}], 1, "REPLICATED") == 3
     assert aggregate_copies([], 1, "REPLICATED") == 0
+
+
+def _with(record: dict, **fields) -> dict:
+    kind, body = record["event"]
+    return {**record, "event": (kind, {**body, **fields})}
+
+
+def test_replicated_workers_must_agree_on_every_content_field():
+    from stream_apps.residency import AGREEMENT_FIELDS
+
+    assert "parent_known" not in AGREEMENT_FIELDS  # the producer's own view, not the engine's content
+    for number, name in enumerate(AGREEMENT_FIELDS):
+        block = 0x5A00 + number
+        stats = ApplyStats()
+        rank0 = _store(block, W0)
+        different = "other" if isinstance(rank0["event"][1][name], str) or rank0["event"][1][name] is None else 7
+        entry = _apply(None, [rank0, _with(_store(block, W1), **{name: different})], stats)
+        assert _copies(entry) == [("tp", "GPU", 0)], name
+        assert stats.replica_disagreements == 1, name
+        # rank 1 drops its block and stores what rank 0 holds: agreement, resident
+        entry = _apply(entry, [_remove(block, W1), _store(block, W1)], stats)
+        assert _copies(entry) == [("tp", "GPU", 1)], name
+        assert stats.replica_disagreements == 1, name
+
+
+def test_content_is_compared_only_where_replicated_workers_aggregate():
+    stats = ApplyStats()
+    s0 = Publisher("sh", worker_rank=0, world_size=2, aggregation="SHARDED")
+    s1 = Publisher("sh", worker_rank=1, world_size=2, aggregation="SHARDED")
+    entry = _apply(None, [_with(_store(0x5B, s0), lora_name="a"), _with(_store(0x5B, s1), lora_name="b")], stats)
+    assert _copies(entry) == [("sh", "GPU", 2)] and stats.replica_disagreements == 0
+    assert all(worker["content"] is None for worker in entry["rows"][0]["workers"])
+    # one engine publishing for its workers (world size 1): a re-store with new content simply counts
+    entry = _apply(None, [_with(_store(0x5C, ENGINE), lora_name="a"), _with(_store(0x5C, ENGINE), lora_name="b")],
+                   stats)
+    assert _copies(entry) == [("e1", "GPU", 2)] and stats.replica_disagreements == 0

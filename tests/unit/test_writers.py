@@ -34,9 +34,9 @@ INT_MIN, INT_MAX = -(1 << 31), (1 << 31) - 1
 TIERS = ["GPU", "CPU", "STORAGE", "EXTERNAL", "UNKNOWN"]
 
 
-def _worker(rank=-1, count=1, epoch=0, seq=7, batch_index=2, block_index=0) -> dict:
+def _worker(rank=-1, count=1, epoch=0, seq=7, batch_index=2, block_index=0, content=None) -> dict:
     return {"worker_rank": rank, "count": count, "publisher_epoch": epoch, "seq": seq, "batch_index": batch_index,
-            "block_index": block_index}
+            "block_index": block_index, "content": content}
 
 
 def _row(**fields) -> dict:
@@ -59,8 +59,8 @@ ENTRIES = {
     "everything set": _entry([_row(
         instance_id="sím-0/ünïcode ✓ 🚀", data_parallel_rank=INT_MAX, medium="CPU_PINNED ✓", locality="LOCAL",
         group_idx=INT_MIN, world_size=INT_MAX, aggregation="SHARDED",
-        workers=[_worker(INT_MIN, INT_MAX, LONG_MIN, LONG_MAX, INT_MIN, INT_MAX),
-                 _worker(0, 0, LONG_MAX, LONG_MIN, INT_MAX, INT_MIN)],
+        workers=[_worker(INT_MIN, INT_MAX, LONG_MIN, LONG_MAX, INT_MIN, INT_MAX, LONG_MAX),
+                 _worker(0, 0, LONG_MAX, LONG_MIN, INT_MAX, INT_MIN, LONG_MIN)],
         copies=INT_MIN, since=-0.0, last_ts=1e308,
         clear_mark={"publisher_epoch": LONG_MIN, "seq": LONG_MAX, "batch_index": INT_MIN})],
         block_hash=bytes(range(32)), ownership="kvcr-ø"),
@@ -69,7 +69,7 @@ ENTRIES = {
                                      block_hash=b"", ownership=""),
     # negative numbers around the varint boundaries, millisecond epochs, big seqs
     "negative and large": _entry([_row(data_parallel_rank=-1, group_idx=-65, workers=[
-        _worker(-1, -1, -1, -1, -1, -1), _worker(1, 8192, 1767225600123, 1 << 40, 4096, -1025),
+        _worker(-1, -1, -1, -1, -1, -1, -1), _worker(1, 8192, 1767225600123, 1 << 40, 4096, -1025, 64),
         _worker(2, -8193, -1767225600123, -(1 << 40), -4096, 1025)], copies=-64, since=-1.5, last_ts=-2.25,
         clear_mark={"publisher_epoch": 1767225600123, "seq": -5000, "batch_index": 63})]),
     # every tier and aggregation symbol, one row each, with mixed optionals
@@ -178,17 +178,20 @@ def test_writers_reuse_a_registry_codecs_confluent_header():
         assert data[:1] == b"\x00" and data == codec.encode(record)
 
 
-@pytest.mark.parametrize("family, version", [("residency", 1), ("residency_change", 1)])
+@pytest.mark.parametrize("family, version", [("residency", 2), ("residency_change", 1)])
 def test_writers_refuse_any_other_writer_schema(family, version):
     from schemas.avro_writers import ResidencyChangeWriter, ResidencyWriter
 
     writer_class = {"residency": ResidencyWriter, "residency_change": ResidencyChangeWriter}[family]
     writer_class(AvroCodec(family, version))
     other = "residency_change" if family == "residency" else "residency"
-    with pytest.raises(ValueError, match=f"encodes {family} v1"):
+    with pytest.raises(ValueError, match=f"encodes {family} v{version}"):
         writer_class(AvroCodec(other))
-    # a new version, or the same file edited so that its bytes change (e.g. a Tier symbol added in kv_event_v1,
-    # which the canonical form inlines): both change the schema the codec writes
+    if version > 1:  # the older version of the same family
+        with pytest.raises(ValueError, match=f"not {family} v{version - 1}"):
+            writer_class(AvroCodec(family, version - 1))
+    # a new version, or the same file edited so that its bytes change (e.g. a Tier symbol added): both change
+    # the schema the codec writes
     for changed in ({"version": version + 1}, {"fingerprint": b"\x00" * 8}):
         codec = AvroCodec(family)
         codec.schema = dataclasses.replace(codec.schema, **changed)
@@ -225,7 +228,7 @@ longs = st.integers(LONG_MIN, LONG_MAX) | ints | st.integers(1_600_000_000_000, 
 doubles = st.floats(allow_nan=True, allow_infinity=True)
 texts = st.text(max_size=12) | st.sampled_from(["GPU", "CPU", "LOCAL", "REMOTE", "sim-0"])
 workers = st.fixed_dictionaries({"worker_rank": ints, "count": ints, "publisher_epoch": longs, "seq": longs,
-                                 "batch_index": ints, "block_index": ints})
+                                 "batch_index": ints, "block_index": ints, "content": st.none() | longs})
 rows = st.fixed_dictionaries({
     "instance_id": texts, "data_parallel_rank": ints, "tier": st.sampled_from(TIERS), "medium": st.none() | texts,
     "locality": st.none() | texts, "group_idx": st.none() | ints, "world_size": ints,
