@@ -20,7 +20,7 @@ from pathlib import Path
 
 from kafka_io.config import DEFAULT_PARTITIONS
 from kafka_io.logs import configure_logging
-from kvstream import broker
+from kvstream import broker, registry
 from kvstream.options import interrupt_on_sigterm, positive_int, run_command
 
 
@@ -46,7 +46,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from kafka_io.admin import ensure_topics
     from kvstream.options import settings_from_args
     from producers.kafka_sink import KvEventProducer
     from producers.settings import SimulateSettings
@@ -55,9 +54,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     settings = settings_from_args(SimulateSettings, args)
     configure_logging(settings.log_level, settings.log_format)
     requests = load_trace(settings.trace or DEFAULT_TRACE, settings.requests)
-    ensure_topics(settings.bootstrap_servers, {settings.events_topic: settings.partitions})
-    producer = KvEventProducer(settings.bootstrap_servers, settings.events_topic,
-                               dead_letter_topic=settings.dead_letter_topic)
+    producer = KvEventProducer.from_settings(settings)
     config = FleetConfig(instances=settings.instances, gpu_blocks=settings.gpu_blocks, cpu_blocks=settings.cpu_blocks,
                          kvcr_blocks=settings.kvcr_blocks)
     with tqdm(total=len(requests), unit="req", disable=None) as bar:
@@ -159,21 +156,15 @@ def _stop_on_sigterm() -> list:
 def _cmd_bridge(args: argparse.Namespace) -> int:
     from prometheus_client import start_http_server
 
-    from kafka_io.admin import ensure_topics
     from kvstream.options import settings_from_args
     from producers.bridge import Bridge, BridgeMetrics, KafkaBatchSink
     from producers.kafka_sink import KvEventProducer
     from producers.settings import BridgeSettings
-    from schemas.topics import DEAD_LETTER_TOPIC_CONFIG
 
     settings = settings_from_args(BridgeSettings, args)
     configure_logging(settings.log_level, settings.log_format)
     endpoints = _bridge_endpoints(settings)
-    ensure_topics(settings.bootstrap_servers, {settings.events_topic: settings.partitions,
-                                               settings.dead_letter_topic: 1},
-                  configs={settings.dead_letter_topic: DEAD_LETTER_TOPIC_CONFIG})
-    producer = KvEventProducer(settings.bootstrap_servers, settings.events_topic,
-                               dead_letter_topic=settings.dead_letter_topic)
+    producer = KvEventProducer.from_settings(settings)
     metrics = BridgeMetrics()
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.metrics_bind, registry=metrics.registry)
@@ -222,21 +213,15 @@ def _cmd_capture(args: argparse.Namespace) -> int:
 
 
 def _cmd_produce(args: argparse.Namespace) -> int:
-    from kafka_io.admin import ensure_topics
     from kvstream.options import settings_from_args
     from producers.bridge import BridgeMetrics, KafkaBatchSink
     from producers.capture import produce_capture
     from producers.kafka_sink import KvEventProducer
     from producers.settings import ProduceSettings
-    from schemas.topics import DEAD_LETTER_TOPIC_CONFIG
 
     settings = settings_from_args(ProduceSettings, args)
     configure_logging(settings.log_level, settings.log_format)
-    ensure_topics(settings.bootstrap_servers, {settings.events_topic: settings.partitions,
-                                               settings.dead_letter_topic: 1},
-                  configs={settings.dead_letter_topic: DEAD_LETTER_TOPIC_CONFIG})
-    producer = KvEventProducer(settings.bootstrap_servers, settings.events_topic,
-                               dead_letter_topic=settings.dead_letter_topic)
+    producer = KvEventProducer.from_settings(settings)
     metrics = BridgeMetrics()
     produce_capture(settings.jsonl, KafkaBatchSink(producer, metrics), metrics, settings.engine)
     stats = producer.flush()
@@ -294,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_demo)
 
     broker.register_cli(sub)
+    registry.register_cli(sub)
 
     p = sub.add_parser("simulate", help="replay a trace through the simulated fleet into kv-events",
                        description="Route each request of a Mooncake-format trace to a simulated instance by prefix "

@@ -44,7 +44,8 @@ def add_settings_arguments(parser: argparse.ArgumentParser, settings_class: type
         else:
             kwargs["metavar"] = "|".join(choices) if choices else name.upper()
             kwargs["type"] = Path if info.annotation is Path else str
-        parser.add_argument(flag(name), **kwargs)
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        parser.add_argument(flag(name), *extra.get("flag_aliases", ()), dest=name, **kwargs)
 
 
 def settings_from_args(settings_class: type[BaseSettings], args: argparse.Namespace):

@@ -10,6 +10,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kafka_io.config import DEFAULT_BOOTSTRAP_SERVERS, check_bootstrap_servers
+from kafka_io.schema_registry import RegistryUrl, schema_registry_field
 
 
 class TailSettings(BaseSettings):
@@ -25,6 +26,10 @@ class TailSettings(BaseSettings):
     max_messages: int | None = Field(None, ge=1, description="stop after N records")
     #: Stop after this many seconds without a record; none: never.
     idle_timeout_s: float | None = Field(None, gt=0, description="stop after this many seconds without a record")
+    #: The schema registry that resolves Confluent-framed records' schema ids; empty: none.
+    schema_registry_url: RegistryUrl = schema_registry_field()
+    #: Put in front of the schemas topic's name, where writer schemas this version does not ship are found.
+    topic_prefix: str = Field("", description="topic prefix of the pipeline (for its schemas topic); empty: none")
 
     @field_validator("bootstrap_servers")
     @classmethod

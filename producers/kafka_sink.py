@@ -14,13 +14,21 @@ from dataclasses import dataclass
 
 from confluent_kafka import KafkaError, Producer
 
-from kafka_io.admin import topic_partitions
+from kafka_io.admin import ensure_topics, topic_partitions
 from kafka_io.config import DEFAULT_BOOTSTRAP_SERVERS, producer_config
 from kafka_io.produce import produce_waiting
+from kafka_io.schema_registry import writer_codec
 from producers.split import BlockEncoder, ParentTracker, Publisher
 from schemas import AvroCodec
 from schemas.avro_writers import KvEventWriter
-from schemas.topics import ERROR_HEADER, KV_EVENTS, KV_EVENTS_DEAD_LETTER, OWNERSHIP_HEADER, SOURCE_HEADER
+from schemas.topics import (
+    DEAD_LETTER_TOPIC_CONFIG,
+    ERROR_HEADER,
+    KV_EVENTS,
+    KV_EVENTS_DEAD_LETTER,
+    OWNERSHIP_HEADER,
+    SOURCE_HEADER,
+)
 
 
 class ProduceError(RuntimeError):
@@ -60,6 +68,27 @@ class KvEventProducer:
     :class:`producers.split.BlockEncoder`) or :meth:`send` per record, then :meth:`flush`, which raises
     :class:`ProduceError` if any message was not acknowledged. Not thread-safe.
     """
+
+    @classmethod
+    def from_settings(cls, settings) -> KvEventProducer:
+        """The producer a command's settings describe (``producers.settings``: ``bootstrap_servers``,
+        ``events_topic``, ``dead_letter_topic``, ``schemas_topic``, ``partitions``, ``schema_registry_url``).
+
+        Creates the events topic (``partitions``) and the dead-letter topic if absent. With a schema registry,
+        the records carry the Confluent wire format and the schema is registered under ``<topic>-value``;
+        without one, the schema is published to the schemas topic (kafka_io.schema_registry).
+
+        Raises:
+            schemas.codec.RegistryRefused: the registry refused the schema, with its reason.
+            RuntimeError: a topic could not be created or the broker did not answer.
+        """
+        ensure_topics(settings.bootstrap_servers, {settings.events_topic: settings.partitions,
+                                                   settings.dead_letter_topic: 1},
+                      configs={settings.dead_letter_topic: DEAD_LETTER_TOPIC_CONFIG})
+        codec = writer_codec("kv_event", settings.bootstrap_servers, settings.events_topic,
+                             settings.schema_registry_url, settings.schemas_topic)
+        return cls(settings.bootstrap_servers, settings.events_topic, codec=codec,
+                   dead_letter_topic=settings.dead_letter_topic)
 
     def __init__(self, bootstrap_servers: str = DEFAULT_BOOTSTRAP_SERVERS, topic: str = KV_EVENTS, *,
                  config_overrides: dict | None = None, codec: AvroCodec | None = None,

@@ -16,8 +16,9 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from kafka_io.config import DEFAULT_BOOTSTRAP_SERVERS, DEFAULT_PARTITIONS, check_bootstrap_servers
+from kafka_io.schema_registry import RegistryUrl, schema_registry_field
 from producers.simulator import FleetConfig
-from schemas.topics import KV_EVENTS, KV_EVENTS_DEAD_LETTER
+from schemas.topics import KV_EVENTS, KV_EVENTS_DEAD_LETTER, SCHEMAS
 
 _FLEET = FleetConfig()
 
@@ -47,6 +48,10 @@ class _KafkaTarget(_Settings):
     topic: str = Field(KV_EVENTS, min_length=1, description="Kafka topic of the block events")
     #: Put in front of the topic's and the dead-letter topic's names (as ``kvstream worker --topic-prefix``).
     topic_prefix: str = Field("", description="prefix of the topic names; empty: none")
+    #: A Confluent-compatible schema registry (``kvstream registry start`` prints one): every topic written for
+    #: others then carries the Confluent wire format, its schema registered under ``<topic>-value``; empty:
+    #: single-object framing, writer schemas published to the schemas topic (docs/registry.md).
+    schema_registry_url: RegistryUrl = schema_registry_field()
     #: Partitions of the topic if this command creates it (an existing topic keeps its own).
     partitions: int = Field(DEFAULT_PARTITIONS, ge=1, description="partitions if the topic is created")
 
@@ -64,6 +69,11 @@ class _KafkaTarget(_Settings):
     def dead_letter_topic(self) -> str:
         """The dead-letter topic, prefix included."""
         return self.topic_prefix + KV_EVENTS_DEAD_LETTER
+
+    @property
+    def schemas_topic(self) -> str:
+        """The schemas topic (writer schemas for readers without a registry), prefix included."""
+        return self.topic_prefix + SCHEMAS
 
 
 class _EngineEndpoints(_Settings):

@@ -10,7 +10,10 @@ Framing (docs/contract.md, "Framing"):
   big-endian schema id + body.
 
 Readers accept both and resolve the writer's schema to the newest version of
-the family (Avro schema resolution), so old data reads with the new schema.
+the family (Avro schema resolution), so old data reads with the new schema. A
+writer schema the reader does not ship (a newer producer) is looked up by its
+schema id in the registry, or, without a registry, by its fingerprint through a
+``writer_schemas`` source (the schemas topic, :mod:`kafka_io.schema_topic`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import struct
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import fastavro
@@ -50,6 +54,8 @@ class SchemaVersion:
     version: int
     #: fastavro-parsed schema.
     parsed: Any
+    #: The schema as JSON text, as the file defines it (what a registry or the schemas topic is given).
+    text: str
     #: 8-byte CRC-64-AVRO fingerprint of the parsing canonical form, in single-object order.
     fingerprint: bytes
     #: The fingerprint records of this version written before the file was self-contained carry
@@ -124,6 +130,15 @@ def _record_unions(schema: dict) -> dict[str, tuple[str, ...]]:
     return found
 
 
+def schema_fingerprint(parsed: Any) -> bytes:
+    """The 8-byte CRC-64-AVRO fingerprint of a parsed schema's canonical form, in single-object order."""
+    return bytes.fromhex(fingerprint(to_parsing_canonical_form(parsed), "CRC-64-AVRO"))
+
+
+#: Where a reader finds a writer schema it does not ship: fingerprint -> the schema's JSON text, or None.
+WriterSchemaSource = Callable[[bytes], "str | None"]
+
+
 @lru_cache(maxsize=None)
 def schema_versions(family: str) -> tuple[SchemaVersion, ...]:
     """All versions of a schema family found in ``schemas/``, oldest first.
@@ -136,11 +151,12 @@ def schema_versions(family: str) -> tuple[SchemaVersion, ...]:
         m = _SCHEMA_FILE.match(path.name)
         if not m or m["family"] != family:
             continue
-        parsed = fastavro.parse_schema(json.loads(path.read_text()))
-        fp = bytes.fromhex(fingerprint(to_parsing_canonical_form(parsed), "CRC-64-AVRO"))
+        text = json.dumps(json.loads(path.read_text()), separators=(",", ":"))
+        parsed = fastavro.parse_schema(json.loads(text))
         version = int(m["version"])
         legacy = LEGACY_FINGERPRINTS.get(family, {}).get(version)
-        found.append(SchemaVersion(family, version, parsed, fp, bytes.fromhex(legacy) if legacy else None))
+        found.append(SchemaVersion(family, version, parsed, text=text, fingerprint=schema_fingerprint(parsed),
+                                   legacy_fingerprint=bytes.fromhex(legacy) if legacy else None))
     if not found:
         raise KeyError(f"no schema files {family}_v*.avsc in {SCHEMA_DIR}")
     return tuple(sorted(found, key=lambda v: v.version))
@@ -152,10 +168,19 @@ class AvroCodec:
     Args:
         family: schema family (file-name prefix in ``schemas/``), e.g. ``kv_event``.
         version: the version to write and to read into; default the newest.
-        registry_url: a schema registry URL (``mock://...`` for tests). When set,
-            :meth:`encode` writes the Confluent wire format under ``subject``;
-            :meth:`decode` always accepts both framings.
+        registry: a schema registry client's configuration (confluent-kafka ``SchemaRegistryClient``:
+            ``url``, and optionally ``ssl.ca.location``, ``basic.auth.user.info``, ...). With a
+            ``subject``, :meth:`encode` writes the Confluent wire format, the schema registered under the
+            subject at construction; without one the registry only resolves schema ids when decoding.
+        registry_url: shorthand for ``registry={"url": registry_url}`` (``mock://...`` in tests).
         subject: registry subject for encoding (e.g. ``kv-events-value``).
+        writer_schemas: where :meth:`decode` looks up an unknown single-object fingerprint (a newer
+            writer's schema): fingerprint -> JSON text or None. The text must have that fingerprint.
+
+    Raises:
+        KeyError: no such schema version.
+        RegistryRefused: the registry refused the schema under ``subject`` (e.g. incompatible with the
+            subject's latest version); the message is the registry's reason.
 
     Records are dicts as fastavro reads them. A union of several records (the
     event union) comes back as a ``(full name, dict)`` tuple, and writers pass the
@@ -163,8 +188,9 @@ class AvroCodec:
     the dict or None.
     """
 
-    def __init__(self, family: str, version: int | None = None, *, registry_url: str | None = None,
-                 subject: str | None = None) -> None:
+    def __init__(self, family: str, version: int | None = None, *, registry: dict | None = None,
+                 registry_url: str | None = None, subject: str | None = None,
+                 writer_schemas: WriterSchemaSource | None = None) -> None:
         versions = schema_versions(family)
         chosen = versions[-1] if version is None else next((v for v in versions if v.version == version), None)
         if chosen is None:
@@ -177,17 +203,15 @@ class AvroCodec:
         #: quarter of the decode time; only families with such a union need it (kv_event has none).
         self._override_names = any(_has_nullable_record(v.parsed) for v in versions)
         self._header = SINGLE_OBJECT_MAGIC + chosen.fingerprint
-        self._registry_url = registry_url
+        self._registry_config = registry if registry else {"url": registry_url} if registry_url else None
         self._subject = subject
         self._registry = None
         self._registry_ids: dict[int, Any] = {}
-        if registry_url:
-            if not subject:
-                raise ValueError("a schema registry needs a subject to register the writer schema under")
-            registry = self._registry_client()
-            from confluent_kafka.schema_registry import Schema
-
-            schema_id = registry.register_schema(subject, Schema(json.dumps(self.schema.parsed), "AVRO"))
+        self._writer_schemas = writer_schemas
+        #: Fingerprints the writer-schema source did not know, so each costs one lookup.
+        self._unknown: set[bytes] = set()
+        if self._registry_config and subject:
+            schema_id = register_schema(self._registry_client(), subject, chosen)
             self._header = CONFLUENT_MAGIC + struct.pack(">I", schema_id)
             self._registry_ids[schema_id] = self.schema.parsed
         #: Generated reader of this version's own records (schemas.fast_reader), about twice as fast as
@@ -208,9 +232,10 @@ class AvroCodec:
         if self._registry is None:
             from confluent_kafka.schema_registry import SchemaRegistryClient
 
-            if not self._registry_url:
-                raise DecodeError("Confluent wire-format record but no schema registry is configured")
-            self._registry = SchemaRegistryClient.new_client({"url": self._registry_url})
+            if not self._registry_config:
+                raise DecodeError("Confluent wire-format record but no schema registry is configured "
+                                  "(--schema-registry-url)")
+            self._registry = SchemaRegistryClient.new_client(dict(self._registry_config))
         return self._registry
 
     @property
@@ -249,9 +274,7 @@ class AvroCodec:
         if data[:2] == SINGLE_OBJECT_MAGIC:
             if len(data) < _HEADER_LEN:
                 raise DecodeError("single-object record shorter than its 10-byte header")
-            writer = self._by_fingerprint.get(data[2:_HEADER_LEN])
-            if writer is None:
-                raise DecodeError(f"unknown {self.family} schema fingerprint {data[2:_HEADER_LEN].hex()}")
+            writer = self._by_fingerprint.get(data[2:_HEADER_LEN]) or self._writer_for_fingerprint(data[2:_HEADER_LEN])
             start = _HEADER_LEN
         elif data[:1] == CONFLUENT_MAGIC:
             schema_id = struct.unpack(">I", data[1:5])[0]
@@ -278,6 +301,29 @@ class AvroCodec:
             raise DecodeError(f"{len(data) - end} trailing bytes after the {self.family} record")
         return record
 
+    def _writer_for_fingerprint(self, fp: bytes):
+        """A writer schema this reader does not ship, from the writer-schema source; DecodeError if unknown."""
+        text = None
+        if self._writer_schemas is not None and fp not in self._unknown:
+            try:
+                text = self._writer_schemas(fp)
+            except Exception as exc:  # the source is a Kafka read: say why it failed, in the dead letter
+                raise DecodeError(f"unknown {self.family} schema fingerprint {fp.hex()}; looking it up failed: "
+                                  f"{type(exc).__name__}: {exc}") from None
+        if text is None:
+            self._unknown.add(fp)
+            where = " (not in the schemas topic either)" if self._writer_schemas is not None else ""
+            raise DecodeError(f"unknown {self.family} schema fingerprint {fp.hex()}{where}")
+        try:
+            writer = fastavro.parse_schema(json.loads(text))
+        except Exception as exc:
+            raise DecodeError(f"the writer schema of fingerprint {fp.hex()} does not parse: {exc}") from None
+        if schema_fingerprint(writer) != fp:
+            raise DecodeError(f"the schema published under fingerprint {fp.hex()} has fingerprint "
+                              f"{schema_fingerprint(writer).hex()}")
+        self._by_fingerprint[fp] = writer
+        return writer
+
     def _writer_for_registry_id(self, schema_id: int):
         writer = self._registry_ids.get(schema_id)
         if writer is None:
@@ -290,3 +336,30 @@ class AvroCodec:
             writer = fastavro.parse_schema(json.loads(registered.schema_str))
             self._registry_ids[schema_id] = writer
         return writer
+
+
+class RegistryRefused(RuntimeError):
+    """The schema registry refused to register a schema; the message gives the registry's reason."""
+
+
+def register_schema(client, subject: str, version: SchemaVersion) -> int:
+    """Register ``version`` under ``subject`` (TopicNameStrategy: ``<topic>-value``) and return its schema id.
+
+    Registering the same schema again returns the id it already has. Whether a new schema is accepted is
+    the subject's compatibility (BACKWARD by default in Confluent's registry and in ``kvstream registry``).
+
+    Raises:
+        RegistryRefused: the registry refused it (e.g. 409, incompatible with the subject's latest
+            version) or could not be reached; the message names the subject and gives the reason.
+    """
+    from confluent_kafka.schema_registry import Schema
+    from confluent_kafka.schema_registry.error import SchemaRegistryError
+
+    try:
+        return client.register_schema(subject, Schema(version.text, "AVRO"))
+    except SchemaRegistryError as exc:
+        raise RegistryRefused(f"the schema registry refused {version.family} v{version.version} under subject "
+                              f"{subject!r} (HTTP {exc.http_status_code}): {exc.error_message}") from None
+    except Exception as exc:  # connection refused, TLS, DNS: requests' and httpx's exceptions
+        raise RegistryRefused(f"could not register {version.family} v{version.version} under subject {subject!r}: "
+                              f"{type(exc).__name__}: {exc}") from None

@@ -29,6 +29,9 @@ KV_RESIDENCY_CHANGES = "kv-residency-changes"
 #: Per app, compacted: resident blocks per partition, ownership, tier and instance (Avro ``tier_occupancy``); sum
 #: the partitions' latest values per (ownership, tier, instance) for the fleet's occupancy.
 KV_TIER_OCCUPANCY = "kv-tier-occupancy"
+#: Compacted topic of writer schemas, keyed by fingerprint (hex), for readers without a schema registry
+#: (kafka_io.schema_registry); the topic prefix applies.
+SCHEMAS = "kvstream-schemas"
 
 #: Topic configs of the dead-letter topic, whoever creates it: it must take any record it is handed, up to a
 #: whole re-keyed batch message (8 MiB, the re-keyed topic's own limit).
@@ -110,6 +113,11 @@ class TopicNames:
     @property
     def tier_occupancy(self) -> str:
         return f"{self.scoped_app_id}-{KV_TIER_OCCUPANCY}"
+
+    @property
+    def schemas(self) -> str:
+        """The writer schemas of the pipeline's topics, for readers without a registry (shared by every app)."""
+        return self.prefix + SCHEMAS
 
     def changelog(self, table: str) -> str:
         """The changelog topic of ``table``."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import faust
 
 from kafka_io.config import aiokafka_security
+from kafka_io.schema_registry import reader_codec
 from schemas.topics import DEAD_LETTER_TOPIC_CONFIG
 from stream_apps import consumer_fixes
 from stream_apps.applier import Materializer
@@ -111,7 +112,7 @@ def create_app(settings: WorkerSettings) -> StreamApp:
         table_standby_replicas=settings.standby_replicas,
     )
     tables = define_tables(app, settings)
-    outputs = OutputTopics(settings.bootstrap_servers, topics)
+    outputs = OutputTopics(settings.bootstrap_servers, topics, settings.schema_registry_url)
     for table in tables.all():
         table.data.bind(outputs, bootstrap_servers=settings.bootstrap_servers,
                         cache_entries=settings.residency_cache, recovery_timeout_s=settings.recovery_timeout_s)
@@ -120,10 +121,12 @@ def create_app(settings: WorkerSettings) -> StreamApp:
     materializer = Materializer(tables, outputs, checkpoint, settings.sources)
     by_ownership = app.topic(topics.by_ownership, key_type=bytes, value_type=bytes,
                              partitions=settings.partitions, internal=True)
-    register_agent(app, by_ownership, materializer)
+    register_agent(app, by_ownership, materializer,
+                   reader_codec("kv_event", settings.bootstrap_servers, settings.schema_registry_url, topics.schemas))
     repartition = RepartitionService(app, settings.bootstrap_servers, topics, settings.partitions,
                                      batch_size=settings.repartition_batch, within_s=settings.repartition_within_s,
-                                     log_format=settings.log_format)
+                                     log_format=settings.log_format,
+                                     schema_registry_url=settings.schema_registry_url)
     app.service(repartition)
     readiness = Readiness(app, lambda: repartition.alive)
     metrics = WorkerMetrics(settings, materializer, checkpoint, repartition, readiness, lambda: app.in_recovery)

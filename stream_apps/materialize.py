@@ -22,11 +22,11 @@ log = logging.getLogger(__name__)
 AGENT_NAME = "materialize-residency"
 
 
-def register_agent(app: faust.App, topic: faust.TopicT, materializer: Materializer) -> None:
+def register_agent(app: faust.App, topic: faust.TopicT, materializer: Materializer, event_codec: AvroCodec) -> None:
     """Declare the agent on ``app``: every ``ownership_batch`` message of ``topic`` is applied with
-    ``materializer``; undecodable or inapplicable events go to the dead-letter topic with the reason."""
+    ``materializer``, its kv_event records decoded with ``event_codec`` (either framing, any writer schema
+    it can resolve); undecodable or inapplicable events go to the dead-letter topic with the reason."""
     batch_codec = AvroCodec("ownership_batch")
-    event_codec = AvroCodec("kv_event")
     outputs = materializer.outputs
 
     async def materialize_residency(stream):

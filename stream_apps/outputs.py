@@ -17,7 +17,7 @@ from confluent_kafka import Producer
 
 from kafka_io.config import producer_config
 from kafka_io.produce import produce_waiting
-from schemas import AvroCodec
+from kafka_io.schema_registry import publish_schema, writer_codec
 from schemas.avro_writers import ResidencyChangeWriter
 from schemas.topics import ERROR_HEADER, SOURCE_HEADER, TopicNames
 
@@ -34,16 +34,27 @@ class OutputTopics:
     Args:
         bootstrap_servers: Kafka bootstrap servers (security from :mod:`kafka_io.config`).
         topics: the app's topic names (its own output topics, the shared dead-letter topic).
+        schema_registry_url: with a registry, the output topics carry the Confluent wire format, their schemas
+            registered under ``<topic>-value``; empty: single-object framing, the schemas published to the
+            schemas topic.
+
+    Raises:
+        schemas.codec.RegistryRefused: the registry refused an output schema (e.g. not BACKWARD compatible).
     """
 
-    def __init__(self, bootstrap_servers: str, topics: TopicNames) -> None:
+    def __init__(self, bootstrap_servers: str, topics: TopicNames, schema_registry_url: str = "") -> None:
         self.bootstrap_servers = bootstrap_servers
         self.topics = topics
         self._producer: Producer | None = None
         #: Outputs the broker refused (after librdkafka's retries): "topic[partition]: error".
         self.delivery_errors: list[str] = []
-        self._change_codec = AvroCodec("residency_change")
-        self._occupancy_codec = AvroCodec("tier_occupancy")
+        # registered now (an incompatible schema stops the worker at start); published to the schemas topic
+        # with the first record (the constructor needs no broker)
+        self._change_codec = writer_codec("residency_change", bootstrap_servers, topics.residency_changes,
+                                          schema_registry_url, topics.schemas, publish=False)
+        self._occupancy_codec = writer_codec("tier_occupancy", bootstrap_servers, topics.tier_occupancy,
+                                             schema_registry_url, topics.schemas, publish=False)
+        self._registry = bool(schema_registry_url)
         try:
             self._encode_change = ResidencyChangeWriter(self._change_codec).change
         except ValueError as exc:  # a schema version the writer does not know: correct, only slower
@@ -56,6 +67,9 @@ class OutputTopics:
     def producer(self) -> Producer:
         """The confluent-kafka producer, created on first use (after Faust has forked nothing more)."""
         if self._producer is None:
+            if not self._registry:
+                for codec in (self._change_codec, self._occupancy_codec):
+                    publish_schema(self.bootstrap_servers, self.topics.schemas, codec.schema)
             self._producer = Producer(producer_config(self.bootstrap_servers, on_delivery=self.on_delivery))
         return self._producer
 

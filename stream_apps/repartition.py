@@ -50,6 +50,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 from kafka_io.config import client_config, producer_config
 from kafka_io.logs import configure_logging
 from kafka_io.produce import produce_waiting
+from kafka_io.schema_registry import reader_codec
 from schemas import ALL_BLOCKS_CLEARED, SOURCE_WIDE_EVENTS, AvroCodec, DecodeError
 from schemas.avro_writers import encode_clear_mark, encode_keyed_event, encode_ownership_batch
 from schemas.clear_position import NO_CLEAR, ClearPosition
@@ -124,15 +125,21 @@ class ClearHistory:
 
 
 def source_of(value: bytes, fingerprints: frozenset[bytes]) -> tuple[str, int] | None:
-    """``(instance_id, data_parallel_rank)`` read from the first two fields of a single-object kv_event.
+    """``(instance_id, data_parallel_rank)`` read from the first two fields of a kv_event record.
 
     Both are at the front of every kv_event version (an Avro string, then an int), so they are read without
-    decoding the rest. Returns None for other framings, unknown fingerprints or bytes that end too soon.
+    decoding the rest. Returns None for single-object records of unknown fingerprints, other framings, or
+    bytes that end too soon. A Confluent-framed record (``00`` + schema id) is read too: the kv-events
+    subject only ever holds kv_event versions, and BACKWARD compatibility keeps these two fields first.
     """
-    if value[:2] != b"\xc3\x01" or value[2:10] not in fingerprints:
+    if value[:1] == b"\x00" and len(value) > 5:  # Confluent framing: the registry holds only kv_event here
+        start = 5
+    elif value[:2] == b"\xc3\x01" and value[2:10] in fingerprints:
+        start = 10
+    else:
         return None
     try:
-        length, pos = _read_long(value, 10)
+        length, pos = _read_long(value, start)
         end = pos + length
         instance = value[pos:end].decode()
         dp_rank, last = _read_long(value, end)
@@ -165,10 +172,12 @@ class Repartitioner:
         batch_size: messages read per batch (one flush and one commit each).
         within_s: how long a read waits for a batch to fill.
         stop_event: set to stop the loop after the batch in hand (anything with ``is_set()``).
+        schema_registry_url: the registry that resolves Confluent-framed records' schema ids; empty: none
+            (writer schemas this version does not ship are then looked up in the schemas topic).
     """
 
     def __init__(self, bootstrap_servers: str, topics: TopicNames, partitions: int, counters, *,
-                 batch_size: int = 10_000, within_s: float = 0.1, stop_event) -> None:
+                 batch_size: int = 10_000, within_s: float = 0.1, stop_event, schema_registry_url: str = "") -> None:
         self.bootstrap_servers = bootstrap_servers
         self.topics = topics
         self.app_id = topics.scoped_app_id
@@ -178,7 +187,7 @@ class Repartitioner:
         self.within_s = within_s
         self.output_topic = topics.by_ownership
         self.clears_topic = topics.source_clears
-        self._event_codec = AvroCodec("kv_event")
+        self._event_codec = reader_codec("kv_event", bootstrap_servers, schema_registry_url, topics.schemas)
         self._batch_codec = AvroCodec("ownership_batch")
         self._clears_codec = AvroCodec("source_clears")
         #: Fingerprints of the kv_event versions whose first fields :func:`source_of` reads.
@@ -422,7 +431,7 @@ class RepartitionProcess:
     """
 
     def __init__(self, bootstrap_servers: str, topics: TopicNames, partitions: int, *, batch_size: int = 10_000,
-                 within_s: float = 0.1, log_format: str = "text") -> None:
+                 within_s: float = 0.1, log_format: str = "text", schema_registry_url: str = "") -> None:
         context = multiprocessing.get_context("spawn")  # the worker has threads; fork would copy their locks
         self._stop = context.Event()
         #: Events re-keyed and records dead-lettered by the child, read by the worker's ``/stats/``.
@@ -431,7 +440,8 @@ class RepartitionProcess:
         self._process = context.Process(
             target=_run_child, name="kvstream-repartition", daemon=True,
             args=(bootstrap_servers, topics, partitions, batch_size, within_s, self._stop, self._values,
-                  os.getpid(), logging.getLevelName(logging.getLogger().getEffectiveLevel()), log_format))
+                  os.getpid(), logging.getLevelName(logging.getLogger().getEffectiveLevel()), log_format,
+                  schema_registry_url))
 
     def start(self) -> None:
         """Spawn the child (it imports the project, then joins its consumer group)."""
@@ -461,7 +471,7 @@ class RepartitionProcess:
 
 
 def _run_child(bootstrap_servers: str, topics: TopicNames, partitions: int, batch_size: int, within_s: float, stop,
-               values: dict, parent_pid: int, log_level: str, log_format: str) -> None:
+               values: dict, parent_pid: int, log_level: str, log_format: str, schema_registry_url: str) -> None:
     """The child process of :class:`RepartitionProcess`: run the loop until asked to stop."""
     configure_logging(log_level, log_format)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -475,7 +485,8 @@ def _run_child(bootstrap_servers: str, topics: TopicNames, partitions: int, batc
 
     threading.Thread(target=watch_parent, name="kvstream-parent-watch", daemon=True).start()
     repartitioner = Repartitioner(bootstrap_servers, topics, partitions, _SharedCounters(values),
-                                  batch_size=batch_size, within_s=within_s, stop_event=stop)
+                                  batch_size=batch_size, within_s=within_s, stop_event=stop,
+                                  schema_registry_url=schema_registry_url)
     try:
         repartitioner.run()
     except BaseException:  # noqa: BLE001 - the worker learns it from the exit code
@@ -495,18 +506,20 @@ class RepartitionService(mode.Service):
     """
 
     def __init__(self, app, bootstrap_servers: str, topics: TopicNames, partitions: int, *, batch_size: int,
-                 within_s: float, log_format: str = "text", **kwargs) -> None:
+                 within_s: float, log_format: str = "text", schema_registry_url: str = "", **kwargs) -> None:
         super().__init__(**kwargs)
         self.app = app
-        self._arguments = (bootstrap_servers, topics, partitions, batch_size, within_s, log_format)
+        self._arguments = (bootstrap_servers, topics, partitions, batch_size, within_s, log_format,
+                           schema_registry_url)
         self.process: RepartitionProcess | None = None
         self._spawned = False
 
     async def on_start(self) -> None:
         # built here, not in __init__: the process takes the log level Faust has configured by now
-        bootstrap_servers, topics, partitions, batch_size, within_s, log_format = self._arguments
+        bootstrap_servers, topics, partitions, batch_size, within_s, log_format, registry_url = self._arguments
         self.process = RepartitionProcess(bootstrap_servers, topics, partitions, batch_size=batch_size,
-                                          within_s=within_s, log_format=log_format)
+                                          within_s=within_s, log_format=log_format,
+                                          schema_registry_url=registry_url)
         self.process.start()
         self._spawned = True
 

@@ -16,6 +16,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kafka_io.config import DEFAULT_BOOTSTRAP_SERVERS, DEFAULT_PARTITIONS, check_bootstrap_servers
+from kafka_io.schema_registry import RegistryUrl, schema_registry_field
 from schemas.topics import TopicNames
 from stream_apps.residency import SourceSettings, parse_tier_weights
 
@@ -34,6 +35,10 @@ class WorkerSettings(BaseSettings):
     #: Put in front of every topic name the app reads or creates (``kv-events`` included) and of its consumer
     #: groups, for clusters whose ACLs grant a prefix; empty: none (schemas/topics.py).
     topic_prefix: str = Field("", description="prefix of every topic name and consumer group; empty: none")
+    #: A Confluent-compatible schema registry (``kvstream registry start`` prints one): every topic written for
+    #: others then carries the Confluent wire format, its schema registered under ``<topic>-value``; empty:
+    #: single-object framing, writer schemas published to the schemas topic (docs/registry.md).
+    schema_registry_url: RegistryUrl = schema_registry_field()
     #: Partitions of kv-events and of every topic and table of the app (Faust needs them co-partitioned).
     partitions: int = Field(DEFAULT_PARTITIONS, ge=1, description="partitions of kv-events and the app's topics")
     #: Store of the residency table: ``rocksdb://`` keeps it on disk in ``data_dir`` (a restart reads only

@@ -148,13 +148,14 @@ class BrokerStatus:
 # --------------------------------------------------------------------------- jars
 
 
-def _default_cache_root() -> Path:
+def default_cache_root() -> Path:
+    """Where downloaded jars are cached: ``$KVSTREAM_KAFKA_CACHE``, else ``~/.cache/kvstream``."""
     env = os.environ.get("KVSTREAM_KAFKA_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "kvstream"
 
 
 def _jar_dir(cache_dir: Path | None) -> Path:
-    root = Path(cache_dir).expanduser() if cache_dir else _default_cache_root()
+    root = Path(cache_dir).expanduser() if cache_dir else default_cache_root()
     return root.resolve() / f"kafka-{KAFKA_VERSION}" / "libs"
 
 
@@ -168,7 +169,7 @@ def _jars_complete(libs: Path) -> bool:
 
 
 @contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
     """Hold an exclusive flock on ``path`` (created if needed) for the block."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as fh:
@@ -210,10 +211,10 @@ def ensure_jars(cache_dir: Path | None = None, progress: Callable[[str], object]
     libs = _jar_dir(cache_dir)
     if _jars_complete(libs):
         return libs
-    with _file_lock(libs.parent / ".lock"):
+    with file_lock(libs.parent / ".lock"):
         if _jars_complete(libs):  # another process finished while we waited
             return libs
-        _java()  # Maven needs Java too; fail with the clearer message first
+        java_executable()  # Maven needs Java too; fail with the clearer message first
         mvn = shutil.which("mvn")
         if mvn is None:
             raise BrokerError(
@@ -244,10 +245,11 @@ def ensure_jars(cache_dir: Path | None = None, progress: Callable[[str], object]
 
 def _java_cmd(main_class: str, jvm_opts: list[str], log4j_config: Path, libs: Path) -> list[str]:
     """Command line running ``main_class`` with all jars of ``libs`` on the classpath."""
-    return [_java(), *jvm_opts, f"-Dlog4j2.configurationFile={log4j_config}", "-cp", f"{libs}/*", main_class]
+    return [java_executable(), *jvm_opts, f"-Dlog4j2.configurationFile={log4j_config}", "-cp", f"{libs}/*", main_class]
 
 
-def _java() -> str:
+def java_executable() -> str:
+    """``$JAVA_HOME/bin/java`` if it exists, else ``java`` on PATH; BrokerError if neither."""
     home_java = Path(os.environ.get("JAVA_HOME", "/nonexistent")) / "bin" / "java"
     java = str(home_java) if home_java.exists() else shutil.which("java")
     if java is None:
@@ -264,7 +266,7 @@ def _paths(data_dir: Path) -> tuple[Path, Path, Path, Path]:
     return d, d / "server.properties", d / "broker.pid", d / "logs" / "broker.out"
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """True if process ``pid`` exists and is not a zombie (reaps our own children)."""
     try:
         if os.waitpid(pid, os.WNOHANG)[0] == pid:
@@ -291,7 +293,7 @@ def _running_pid(data_dir: Path) -> int | None:
         pid = int(pid_file.read_text().strip())
     except (OSError, ValueError):
         return None
-    if not _alive(pid):
+    if not process_alive(pid):
         return None
     try:  # guard against pid reuse: the process must be *this* broker
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -370,7 +372,8 @@ def _answers(bootstrap: str, client: dict | None = None) -> bool:
         return False
 
 
-def _log_tail(log_file: Path, lines: int = 40) -> str:
+def log_tail(log_file: Path, lines: int = 40) -> str:
+    """The last ``lines`` lines of a log file, ANSI colours stripped; a placeholder if it cannot be read."""
     try:
         return _tail(log_file.read_text(errors="replace"), lines)
     except OSError:
@@ -457,9 +460,9 @@ def start(
     d, props, pid_file, log_file = _paths(data_dir)
     probe = _probe_client(scram_user, tls, require_client_certificate)
     libs = ensure_jars()
-    _java()  # fail early and clearly if Java is missing
+    java_executable()  # fail early and clearly if Java is missing
     bootstrap = f"127.0.0.1:{port}"
-    with _file_lock(d / ".lock"):
+    with file_lock(d / ".lock"):
         current = status(d)
         if current.running:
             if current.port != port:
@@ -608,24 +611,24 @@ def _wait_until_ready(
     """Poll until ``bootstrap`` answers; BrokerError if ``pid`` dies or ``timeout_s`` passes (then stop it)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        dead = proc.poll() is not None if proc is not None else not _alive(pid)
+        dead = proc.poll() is not None if proc is not None else not process_alive(pid)
         if dead:
             code = f" with exit code {proc.returncode}" if proc is not None else ""
             raise BrokerError(
                 f"The Kafka broker (pid {pid}) exited{code} during start-up. "
-                f"Last lines of {log_file}:\n{_log_tail(log_file)}"
+                f"Last lines of {log_file}:\n{log_tail(log_file)}"
             )
         if _answers(bootstrap, client or {}):
             return
         time.sleep(0.25)
-    _terminate(pid, grace_s=10)
+    terminate_process(pid, grace_s=10)
     raise BrokerError(
         f"The Kafka broker (pid {pid}) did not answer on {bootstrap} within {timeout_s:g} s and was stopped. "
-        f"Last lines of {log_file}:\n{_log_tail(log_file)}"
+        f"Last lines of {log_file}:\n{log_tail(log_file)}"
     )
 
 
-def _terminate(pid: int, grace_s: float) -> None:
+def terminate_process(pid: int, grace_s: float) -> None:
     """SIGTERM ``pid``, wait up to ``grace_s`` seconds, then SIGKILL it."""
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         try:
@@ -634,7 +637,7 @@ def _terminate(pid: int, grace_s: float) -> None:
             return
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
-            if not _alive(pid):
+            if not process_alive(pid):
                 return
             time.sleep(0.1)
 
@@ -654,10 +657,10 @@ def stop(data_dir: Path = DEFAULT_DATA_DIR) -> bool:
     d, _, pid_file, _ = _paths(data_dir)
     if not d.is_dir():
         return False
-    with _file_lock(d / ".lock"):
+    with file_lock(d / ".lock"):
         pid = _running_pid(d)
         if pid is not None:
-            _terminate(pid, grace_s=30)
+            terminate_process(pid, grace_s=30)
         pid_file.unlink(missing_ok=True)
     return pid is not None
 

@@ -226,3 +226,41 @@ def test_records_written_before_the_schemas_were_self_contained_still_decode(fam
     body = AvroCodec(family, 1).encode(sample)[10:]
     decoded = AvroCodec(family).decode(SINGLE_OBJECT_MAGIC + v1.legacy_fingerprint + body)
     assert {k: decoded[k] for k in sample} == sample
+
+
+def test_a_writer_schema_from_the_schemas_topic_must_have_the_fingerprint_it_is_published_under():
+    """A reader resolves an unknown fingerprint through its writer-schema source, checks the text's own
+    fingerprint, and asks again for no fingerprint it was told is unknown."""
+    from schemas.codec import SINGLE_OBJECT_MAGIC
+
+    v2, v3 = schema_versions("kv_event")[1:3]
+    asked = []
+
+    def source(fingerprint: bytes):
+        asked.append(fingerprint)
+        return {b"\x01" * 8: v2.text, v3.fingerprint: v3.text}.get(fingerprint)
+
+    reader = AvroCodec("kv_event", 2, writer_schemas=source)
+    reader._by_fingerprint.pop(v3.fingerprint)  # as a reader released before v3 existed
+    data = AvroCodec("kv_event").encode(_record(REMOVED))
+    assert reader.decode(data)["event"] == REMOVED  # v3's record, resolved through the source to v2
+    with pytest.raises(DecodeError, match="has fingerprint"):
+        reader.decode(SINGLE_OBJECT_MAGIC + b"\x01" * 8 + data[10:])
+    with pytest.raises(DecodeError, match="not in the schemas topic"):
+        reader.decode(SINGLE_OBJECT_MAGIC + b"\x02" * 8 + data[10:])
+    with pytest.raises(DecodeError, match="not in the schemas topic"):
+        reader.decode(SINGLE_OBJECT_MAGIC + b"\x02" * 8 + data[10:])
+    assert asked.count(b"\x02" * 8) == 1
+
+
+@pytest.mark.parametrize("url, accepted", [("", ""), ("http://127.0.0.1:8081/", "http://127.0.0.1:8081"),
+                                           ("https://reg.example:443/apis/ccompat/v7", None),
+                                           ("127.0.0.1:8081", ValueError), ("kafka://x", ValueError)])
+def test_schema_registry_urls_are_checked(url, accepted):
+    from kafka_io.schema_registry import check_registry_url
+
+    if accepted is ValueError:
+        with pytest.raises(ValueError, match="http"):
+            check_registry_url(url)
+    else:
+        assert check_registry_url(url) == (url if accepted is None else accepted)
