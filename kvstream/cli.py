@@ -40,7 +40,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     interrupt_on_sigterm()
     return run_demo(DemoOptions(port=args.port, web_port=args.web_port, work_dir=args.work_dir, trace=args.trace,
                                 requests=args.requests, partitions=args.partitions, instances=args.instances,
-                                keep_running=args.keep_running, timeout_s=args.timeout))
+                                keep_running=args.keep_running, timeout_s=args.timeout,
+                                registry_port=args.registry_port, no_registry=args.no_registry))
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
@@ -276,6 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="give up if the worker has not consumed everything by then (default: %(default)s)")
     p.add_argument("--keep-running", action="store_true",
                    help="leave the broker and the worker running and print where the HTTP views answer")
+    p.add_argument("--registry-port", type=int, default=8081,
+                   help="port of the schema registry the demo runs (default: %(default)s)")
+    p.add_argument("--no-registry", action="store_true",
+                   help="run without a schema registry: single-object framing instead of the Confluent wire format")
     p.set_defaults(func=_cmd_demo)
 
     broker.register_cli(sub)

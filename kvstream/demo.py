@@ -24,11 +24,12 @@ from tqdm import tqdm
 
 from kafka_io.admin import ensure_topics
 from kafka_io.config import DEFAULT_PARTITIONS
-from kvstream import broker
+from kafka_io.schema_registry import writer_codec
+from kvstream import broker, registry
 from kvstream.worker import spawn_worker, stop_worker, wait_until_consumed
 from producers.kafka_sink import KvEventProducer
 from producers.simulator import DEFAULT_TRACE, FleetConfig, load_trace, replay_to_kafka
-from schemas.topics import KV_EVENTS, changelog_topic
+from schemas.topics import KV_EVENTS, SCHEMAS, changelog_topic
 from stream_apps.settings import WorkerSettings
 from stream_apps.snapshot import compare_rows, read_table, resident_rows
 
@@ -46,6 +47,10 @@ class DemoOptions:
     instances: int = 4
     keep_running: bool = False
     timeout_s: float = 1800.0
+    #: Port of the schema registry the demo runs (registry mode: the Confluent wire format, as deployments).
+    registry_port: int = 8081
+    #: Run without a registry: single-object framing, writer schemas in the schemas topic.
+    no_registry: bool = False
     http_sample: int = 200
 
 
@@ -92,7 +97,8 @@ def _worker_alive(pid_file: Path) -> bool:
 
 def _stop_hint(work: Path) -> str:
     kvstream = Path(sys.argv[0]).resolve() if sys.argv[0].endswith("kvstream") else "kvstream"
-    return (f"kill $(cat {work / 'worker.pid'}); {kvstream} broker stop --data-dir {work / 'broker'}")
+    return (f"kill $(cat {work / 'worker.pid'}); {kvstream} broker stop --data-dir {work / 'broker'}; "
+            f"{kvstream} registry stop --data-dir {work / 'registry'}")
 
 
 def run_demo(options: DemoOptions) -> int:
@@ -107,6 +113,11 @@ def run_demo(options: DemoOptions) -> int:
         raise RuntimeError(f"port {options.web_port} is in use by another program; choose --web-port")
     if broker.port_in_use(options.port):
         raise RuntimeError(f"port {options.port} is in use by another program; choose --port")
+    registry_dir = work / "registry"
+    if not options.no_registry and (registry.status(registry_dir).running or broker.port_in_use(options.registry_port)):
+        raise RuntimeError(f"port {options.registry_port} is in use (an earlier demo's registry?); stop it with "
+                           f"'kvstream registry stop --data-dir {registry_dir}', or choose --registry-port, "
+                           "or pass --no-registry")
     shutil.rmtree(work, ignore_errors=True)  # every demo starts from empty topics and tables
     work.mkdir(parents=True)
 
@@ -115,15 +126,21 @@ def run_demo(options: DemoOptions) -> int:
     status = broker.start(port=options.port, data_dir=broker_dir)
     bootstrap = status.bootstrap_servers
     print(f"      broker ready in {time.perf_counter() - t0:.1f}s; log: {status.log_file}")
+    registry_url = ""
+    if not options.no_registry:
+        t0 = time.perf_counter()
+        registry_url = registry.start(port=options.registry_port, data_dir=registry_dir).url
+        print(f"      schema registry (Apicurio {registry.APICURIO_VERSION}) ready in {time.perf_counter() - t0:.1f}s "
+              f"at {registry_url}: records in the Confluent wire format")
     worker_options = WorkerSettings(bootstrap_servers=bootstrap, web_port=options.web_port, data_dir=worker_dir,
-                                   partitions=options.partitions)
+                                   partitions=options.partitions, schema_registry_url=registry_url)
     ensure_topics(bootstrap, {KV_EVENTS: options.partitions})
     process = None
     try:
         requests = load_trace(options.trace, options.requests)
         print(f"[2/5] Replaying {len(requests):,} requests of {options.trace.name} through "
               f"{options.instances} simulated instances into '{KV_EVENTS}'")
-        result = _replay(bootstrap, requests, FleetConfig(instances=options.instances))
+        result = _replay(bootstrap, requests, FleetConfig(instances=options.instances), registry_url)
         sim = result.simulation
         print(f"      {result.records:,} block events ({result.messages:,} Kafka messages, clears on every "
               f"partition) from {sim.engine_events:,} engine events in {sim.batches:,} batches")
@@ -191,11 +208,13 @@ def run_demo(options: DemoOptions) -> int:
             if process is not None:
                 stop_worker(process)
             broker.stop(broker_dir)
+            registry.stop(registry_dir)
 
 
-def _replay(bootstrap: str, requests: list, fleet: FleetConfig):
+def _replay(bootstrap: str, requests: list, fleet: FleetConfig, registry_url: str):
     """Produce the simulation; the producer is released on return (it holds librdkafka threads)."""
-    producer = KvEventProducer(bootstrap, KV_EVENTS)
+    codec = writer_codec("kv_event", bootstrap, KV_EVENTS, registry_url, SCHEMAS)
+    producer = KvEventProducer(bootstrap, KV_EVENTS, codec=codec)
     with tqdm(total=len(requests), unit="req", leave=False, disable=None) as bar:
         return replay_to_kafka(requests, producer, fleet, progress=bar.update)
 

@@ -260,3 +260,25 @@ def test_a_schema_change_that_breaks_backward_compatibility_is_refused_at_start(
     assert "refused kv_event" in run.stderr and "incompatible" in run.stderr.lower(), run.stderr
     assert "Traceback" not in run.stderr
     assert list(messages_to_end(kafka_bootstrap, f"{prefix}kv-events")) == []
+
+
+def test_every_schema_file_parses_alone_with_avros_java_parser(schema_registry_url):
+    """Issue 14, item 5: Avro's Java ``Schema.Parser``, from the jars of the registry the session already
+    fetched, parses each .avsc with a parser of its own (a type named but defined in another file fails)."""
+    from pathlib import Path
+
+    from kvstream.registry import ensure_registry
+
+    import schemas
+
+    lib = ensure_registry().parent / "lib"
+    wanted = ("org.apache.avro.avro-", "com.fasterxml.jackson.core.", "org.slf4j.slf4j-api-",
+              "org.apache.commons.commons-compress-")
+    classpath = [str(jar) for jar in sorted(lib.glob("*.jar")) if jar.name.startswith(wanted)]
+    assert any("org.apache.avro.avro-" in jar for jar in classpath), f"no Avro jar in {lib}"
+    files = sorted(str(p) for p in Path(schemas.__file__).parent.glob("*_v*.avsc"))
+    source = Path(__file__).resolve().parents[1] / "java" / "ParseSchemas.java"
+    run = subprocess.run(["java", "-cp", ":".join(classpath), str(source), *files], capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert [line.split()[1] for line in run.stdout.splitlines() if line.startswith("ok ")] == files
