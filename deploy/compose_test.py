@@ -257,6 +257,10 @@ def image_note(env: dict[str, str]) -> None:
         say(f"{variable}={image}: {kind}")
 
 
+class _Stop(Exception):
+    """Ends the run after a failed check that the later steps depend on."""
+
+
 def run(args: argparse.Namespace) -> int:
     """The whole test; returns the exit code."""
     work = Path(tempfile.mkdtemp(prefix="kvstream-compose-test-"))
@@ -282,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
         up_at = time.monotonic()
         compose.run("up", "--detach", "--no-build", "--scale", f"worker={args.workers}", "kafka", "registry",
                     "worker", log="up.log")
-        simulate = compose.popen("run", "--rm", "--no-build", "--volume", f"{truth_dir}:/truth", "simulate",
+        simulate = compose.popen("run", "--rm", "--volume", f"{truth_dir}:/truth", "simulate",
                                  "simulate", "--requests", str(args.requests), "--ground-truth",
                                  "/truth/truth.jsonl", log="simulate.log")
         say(f"compose up returned after {time.monotonic() - up_at:.1f} s (broker and registry healthy)")
@@ -298,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
         checks.record("simulator ran and wrote its ground truth", code == 0 and (truth_dir / "truth.jsonl").exists(),
                       f"exit code {code}; " + "; ".join(s.strip() for s in summary))
         if code != 0:
-            return 1
+            raise _Stop
         truth = load_truth(truth_dir / "truth.jsonl")
         check_workers(checks, f"{args.workers} workers", urls, truth, args.sample, args.timeout)
 
@@ -312,6 +316,8 @@ def run(args: argparse.Namespace) -> int:
         urls = wait_ready(compose, args.scale_to, scaled_at, args.timeout, rebalanced_after=before)
         say("workers: " + ", ".join(compose.worker_names()))
         check_workers(checks, f"{args.scale_to} workers", urls, truth, args.sample, args.timeout)
+    except _Stop:  # a failed check made the rest meaningless; it is reported already
+        pass
     except Exception as exc:  # noqa: BLE001 - reported as a failed check, then the stack is taken down
         checks.record("run", False, str(exc))
         compose.run("logs", "--no-color", "--tail", "40", log="failure-logs.log", check=False)
