@@ -95,6 +95,16 @@ class Compose:
         match = re.search(r":(\d+)\s*$", proc.stdout.strip()) if proc.returncode == 0 else None
         return f"http://127.0.0.1:{match.group(1)}" if match else None
 
+    def worker_volumes(self) -> set[str]:
+        """Names of the volumes on ``/data`` of the running worker replicas (their anonymous state volumes)."""
+        names = self.worker_names()
+        if not names:
+            return set()
+        proc = subprocess.run(["docker", "inspect", "--format",
+                               '{{range .Mounts}}{{if eq .Destination "/data"}}{{.Name}}{{end}}{{end}}', *names],
+                              capture_output=True, text=True)
+        return {line.strip() for line in proc.stdout.splitlines() if line.strip()}
+
     def worker_names(self) -> list[str]:
         """Container names of the running worker replicas, by replica number."""
         proc = self.run("ps", "--format", "{{.Name}}", "worker", capture=True)
@@ -272,6 +282,7 @@ def run(args: argparse.Namespace) -> int:
            "REGISTRY_HOST_PORT": str(free_port())}
     compose = Compose(env, work)
     checks = Checks()
+    volumes: set[str] = set()
     say(f"logs in {work}")
     image_note(env)
     started = time.monotonic()
@@ -292,6 +303,7 @@ def run(args: argparse.Namespace) -> int:
         say(f"compose up returned after {time.monotonic() - up_at:.1f} s (broker and registry healthy)")
         urls = wait_ready(compose, args.workers, up_at, args.timeout)
         say("workers: " + ", ".join(compose.worker_names()))
+        volumes |= compose.worker_volumes()
         try:
             code = simulate.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
@@ -327,7 +339,12 @@ def run(args: argparse.Namespace) -> int:
             say(f"--keep: the stack stays up (docker compose --project-name {PROJECT} down -v)")
         else:
             compose.run("down", "--volumes", "--remove-orphans", "--timeout", "90", log="down.log", check=False)
-            say("docker compose down -v: done")
+            # `down -v` removes the volumes of the containers it removes; a replica removed by scaling in
+            # leaves its anonymous volume behind.
+            left = [v for v in sorted(volumes) if subprocess.run(["docker", "volume", "rm", v],
+                                                                 capture_output=True).returncode == 0]
+            say("docker compose down -v: done" + (f"; removed {len(left)} volume(s) of scaled-in workers" if left
+                                                   else ""))
     failed = [name for name, passed in checks.results if not passed]
     say(f"{len(checks.results) - len(failed)} of {len(checks.results)} checks passed in "
         f"{time.monotonic() - started:.0f} s: {'PASSED' if checks.passed else 'FAILED'}")
