@@ -111,7 +111,7 @@ if wanted registry; then
         # dependency:copy fetches the one artifact, not its dependencies (some live in unreachable repositories).
         mvn -B -q -Dstyle.color=never dependency:copy \
             "-Dartifact=io.apicurio:apicurio-registry-app:$APICURIO_VERSION:tar.gz:all" "-DoutputDirectory=$cache" \
-            || die "Maven could not download Apicurio Registry $APICURIO_VERSION"
+            > "$WORK/maven.log" 2>&1 || die "Maven could not download Apicurio Registry $APICURIO_VERSION; see $WORK/maven.log"
     fi
     dir=$(context registry)
     mkdir -p "$dir/apicurio"
