@@ -3,12 +3,13 @@
 #   make test   - unit tests and integration tests against a real broker
 #   make bench  - the benchmark (bench/results.json, bench/results.png)
 #   make chaos  - the fault scenarios (worker crash, rebalance, broker outage, bridge restart, table recovery)
+#   make compose-test - docker-compose.yml brought up and checked against the ground truth (needs Docker)
 PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench chaos broker-start broker-stop clean
+.PHONY: install demo test bench chaos broker-start broker-stop clean images-local compose-test
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found (set PYTHON=...)"; exit 1; }
@@ -37,6 +38,15 @@ broker-start: $(STAMP)
 
 broker-stop: $(STAMP)
 	$(VENV)/bin/kvstream broker stop
+
+# Stand-ins for python:3.11-slim, apache/kafka and the schema registry's image, built from Debian packages on a
+# machine that cannot pull images (docs/deployment.md); needs root, docker, debootstrap and mvn.
+images-local: $(STAMP)
+	KVSTREAM_PY=$(abspath $(PY)) deploy/images-local.sh
+
+# Not part of `make test`: installs nothing, prints a SKIPPED line where Docker or Compose is missing.
+compose-test:
+	$(PYTHON) deploy/compose_test.py $(COMPOSE_TEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .kvstream *.egg-info
