@@ -252,7 +252,7 @@ def _cmd_tail(args: argparse.Namespace) -> int:
 
     settings = settings_from_args(TailSettings, args)
     tail(settings.bootstrap_servers, args.topic, from_beginning=settings.from_beginning,
-         max_messages=settings.max_messages, idle_timeout_s=settings.idle_timeout_s)
+         max_messages=settings.max_messages, idle_timeout_s=settings.idle_timeout_s, to_end=settings.to_end)
     return 0
 
 

@@ -25,6 +25,9 @@ class TailSettings(BaseSettings):
     max_messages: int | None = Field(None, ge=1, description="stop after N records")
     #: Stop after this many seconds without a record; none: never.
     idle_timeout_s: float | None = Field(None, gt=0, description="stop after this many seconds without a record")
+    #: Stop at the end every partition has when the command starts (as ``kcat -e``); needs ``from_beginning``.
+    to_end: bool = Field(False, description="stop at the end the topic has at the start, as kcat -e (with "
+                                            "--from-beginning)")
 
     @field_validator("bootstrap_servers")
     @classmethod
