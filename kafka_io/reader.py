@@ -31,7 +31,7 @@ class ReadRange:
 
 def messages_to_end(bootstrap_servers: str, topic: str, timeout_s: float = 60.0,
                     start_offsets: Mapping[int, int] | None = None, *,
-                    stop_offsets: Mapping[int, int] | None = None, stop_time_ms: int | None = None,
+                    stop_offsets: Mapping[int, int] | int | None = None, stop_time_ms: int | None = None,
                     missing_ok: bool = True, on_range: Callable[[ReadRange], None] | None = None) -> Iterator[Message]:
     """Every message of ``topic`` from its start (or the given offsets) to its end as of the call (or to the given
     stop offsets or time), in offset order per partition (partitions interleaved).
@@ -45,7 +45,8 @@ def messages_to_end(bootstrap_servers: str, topic: str, timeout_s: float = 60.0,
         start_offsets: partition -> first offset to read. Only these partitions are read; an offset below
             the partition's start (compacted or deleted) reads from its start, one at or past its end reads
             nothing. None: every partition, from its start.
-        stop_offsets: partition -> offset to stop before (exclusive); a partition not in it is read to its end.
+        stop_offsets: partition -> offset to stop before (exclusive), a partition not in it read to its end; or
+            one offset for every partition.
         stop_time_ms: stop each partition before its first message whose Kafka timestamp (milliseconds since
             the Unix epoch) is at or after this time (the broker's time index, ``offsets_for_times``).
         missing_ok: False: a topic that does not exist raises RuntimeError instead of yielding nothing.
@@ -79,7 +80,8 @@ def messages_to_end(bootstrap_servers: str, topic: str, timeout_s: float = 60.0,
         for p in partitions:
             low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
             start = low if start_offsets is None else max(low, start_offsets[p])
-            end = min(high, stop_at_time.get(p, high), (stop_offsets or {}).get(p, high))
+            stop = stop_offsets if isinstance(stop_offsets, int) else (stop_offsets or {}).get(p, high)
+            end = min(high, stop_at_time.get(p, high), stop)
             if end > start:
                 starts[p], ends[p] = start, end
         if on_range is not None:
