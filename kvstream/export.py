@@ -114,10 +114,6 @@ def resolve_source(name: str, topics) -> ExportSource:
                      f"changelog {topics.changelog('residency')})")
 
 
-def _hash_hex(block_hash: bytes) -> str:
-    return block_hash.hex()
-
-
 class _Progress:
     """A tqdm bar on standard error when it is a terminal (sized once the read range is known), else silent."""
 
