@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        ("stream-1w", "one worker end to end"),
                                        ("latency", "steady rate into that worker: event-to-table delay"),
                                        ("stream-2w", "two workers end to end"),
+                                       ("tail", "kvstream tail against kcat on the same topic"),
                                        ("rss", "peak RSS at --rows rows (rocksdb store), then recovery"),
                                        ("rss-large", "peak RSS at --rows-large rows"))),
                        epilog="Figure definitions: bench/README.md ('Figures') and results.json. A failed step "

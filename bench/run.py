@@ -122,6 +122,20 @@ DEFINITIONS: dict[str, dict] = {
         "definition": "confluent-kafka consumer over kv-events (batches of 10,000), Avro decode, "
                       "apply_block_event / apply_clear into a dict: the stream app's aggregation without Faust "
                       "and without changelogs, from the first message to the last."},
+    "tail_messages_per_s": {
+        "unit": "messages/s", "target": None, "better": "higher", "baseline": "kcat_messages_per_s",
+        "definition": "'kvstream tail kv-events --from-beginning --to-end' as a process (Python start-up included), "
+                      "every record decoded with the project's codec and printed as a JSON line to /dev/null: "
+                      "messages in kv-events divided by the wall time from its start to its exit. Best of 2. "
+                      "details.tail also has the same on the stream-1w app's kv-residency-changes topic."},
+    "kcat_messages_per_s": {
+        "unit": "messages/s", "target": None, "better": "higher", "baseline": None,
+        "definition": "'kcat -C -o beginning -e -q' on the same topic in the same run, raw values to /dev/null "
+                      "(no decoding): messages divided by wall time from start to exit. Best of 2. None, with the "
+                      "reason in details, when kcat is not installed."},
+    "tail_vs_kcat": {
+        "unit": "ratio", "target": 0.3, "better": "higher", "baseline": None,
+        "definition": "tail_messages_per_s / kcat_messages_per_s on kv-events."},
 }
 
 #: The keys results.json always holds (value null when a step was skipped or failed); fastavro_encode_per_s is
@@ -932,6 +946,76 @@ class Bench:
             return
         self._rss(self.o.rows_large, "rss_peak_mib_10m_rows", "bench-rows-large", recovery=False)
 
+    def _time_process(self, argv: list[str], runs: int = 2) -> float:
+        """Best wall time of ``runs`` runs of a command with its output to /dev/null, in seconds.
+
+        Raises:
+            RuntimeError: the command exited with a non-zero code (its standard error in the message).
+        """
+        import subprocess
+
+        best = math.inf
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            done = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=self.o.timeout_s)
+            seconds = time.perf_counter() - t0
+            if done.returncode != 0:
+                raise RuntimeError(f"{argv[0]} exited with {done.returncode}: {done.stderr.decode()[-500:]}")
+            best = min(best, seconds)
+        return best
+
+    def _tail_vs_kcat(self, topic: str) -> dict:
+        """tail's and kcat's rates over every message of ``topic``, one after the other."""
+        from confluent_kafka import Consumer, TopicPartition
+
+        from kafka_io.config import client_config
+
+        consumer = Consumer(client_config(self.bootstrap, **{"group.id": "bench-tail-count"}))
+        try:
+            partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+            messages = 0
+            for p in partitions:
+                low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+                messages += high - low
+        finally:
+            consumer.close()
+        tail_s = self._time_process([sys.executable, "-c", "import sys; from kvstream.cli import main; "
+                                     "sys.exit(main())", "tail", topic, "--bootstrap-servers", self.bootstrap,
+                                     "--from-beginning", "--to-end"])
+        found = {"topic": topic, "messages": messages, "tail_s": round(tail_s, 3),
+                 "tail_messages_per_s": round(messages / tail_s)}
+        kcat = shutil.which("kcat") or shutil.which("kafkacat")
+        if kcat is None:
+            found["kcat_skipped"] = "kcat is not installed (Debian: apt-get install kcat)"
+            return found
+        kcat_s = self._time_process([kcat, "-C", "-b", self.bootstrap, "-t", topic, "-o", "beginning", "-e", "-q"])
+        found.update(kcat_s=round(kcat_s, 3), kcat_messages_per_s=round(messages / kcat_s),
+                     tail_vs_kcat=round(kcat_s / tail_s, 3))
+        return found
+
+    def step_tail(self) -> None:
+        """``kvstream tail`` against kcat on kv-events (and on a changes topic, if a stream step made one)."""
+        self._stream_input()
+        from schemas.topics import KV_EVENTS, TopicNames
+
+        main = self._tail_vs_kcat(KV_EVENTS)
+        topics = {KV_EVENTS: main}
+        changes = TopicNames("bench-1w").residency_changes
+        from confluent_kafka.admin import AdminClient
+
+        from kafka_io.config import client_config
+
+        if changes in AdminClient(client_config(self.bootstrap)).list_topics(timeout=10).topics:
+            topics[changes] = self._tail_vs_kcat(changes)
+        self._set("tail_messages_per_s", main["tail_messages_per_s"], topics=topics)
+        self._set("kcat_messages_per_s", main.get("kcat_messages_per_s"), **(
+            {"skipped": main["kcat_skipped"]} if "kcat_skipped" in main else {}))
+        self._set("tail_vs_kcat", main.get("tail_vs_kcat"))
+        for topic, found in topics.items():
+            _say(f"      {topic}: {found['messages']:,} messages; tail {found['tail_messages_per_s']:,}/s, kcat "
+                 + (f"{found['kcat_messages_per_s']:,}/s: tail/kcat {found['tail_vs_kcat']:.2f}"
+                    if "kcat_s" in found else f"skipped ({found['kcat_skipped']})"))
+
     # ---- driver
 
     @property
@@ -993,7 +1077,7 @@ LATENCY_WARMUP_S = 5.0
 
 #: Steps in run order (``--only`` takes these names).
 STEPS = ("baselines", "memory", "producer", "plain-consumer", "bridge", "stream-1w", "latency", "stream-1w-rocksdb",
-         "stream-2w", "rss", "rss-large")
+         "stream-2w", "tail", "rss", "rss-large")
 STEP_HELP = {
     "baselines": "fastavro decode/encode of the simulator's records, one core",
     "memory": "bytes per resident row: memory store and RocksDB store",
@@ -1004,6 +1088,7 @@ STEP_HELP = {
     "latency": "steady rate into a running worker; event-to-table delay",
     "stream-1w-rocksdb": "one worker end to end, RocksDB store (the worker's default)",
     "stream-2w": "two workers end to end",
+    "tail": "kvstream tail against kcat on kv-events (and the stream-1w app's changes topic)",
     "rss": "worker peak RSS at --rows resident rows (rocksdb store), then recovery of them",
     "rss-large": "worker peak RSS at --rows-large resident rows",
 }

@@ -1,33 +1,61 @@
-"""Read a topic to its end, without a consumer group: the changelog reader of every tool and of table recovery."""
+"""Read a topic to its end, or to given offsets or a time, without a consumer group: the changelog reader of
+every tool and of table recovery."""
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Callable, Iterator, Mapping
 
 from confluent_kafka import Consumer, Message, TopicPartition
 
 from kafka_io.config import client_config
 
 
+@dataclass(frozen=True)
+class ReadRange:
+    """The offsets a read covers, per partition: from ``starts[p]`` up to ``ends[p]``, exclusive."""
+
+    topic: str
+    #: partition -> first offset read.
+    starts: dict[int, int]
+    #: partition -> the offset the read stops before (the high watermark at the start, or a stop offset or time).
+    ends: dict[int, int]
+
+    @property
+    def messages(self) -> int:
+        """Offsets covered in all (an upper bound on messages: a compacted topic has gaps)."""
+        return sum(self.ends[p] - self.starts[p] for p in self.ends)
+
+
 def messages_to_end(bootstrap_servers: str, topic: str, timeout_s: float = 60.0,
-                    start_offsets: Mapping[int, int] | None = None) -> Iterator[Message]:
-    """Every message of ``topic`` from its start (or the given offsets) to its end as of the call, in offset
-    order per partition (partitions interleaved).
+                    start_offsets: Mapping[int, int] | None = None, *,
+                    stop_offsets: Mapping[int, int] | int | None = None, stop_time_ms: int | None = None,
+                    missing_ok: bool = True, on_range: Callable[[ReadRange], None] | None = None) -> Iterator[Message]:
+    """Every message of ``topic`` from its start (or the given offsets) to its end as of the call (or to the given
+    stop offsets or time), in offset order per partition (partitions interleaved).
 
     One consumer reads every partition at once (assigned, not subscribed: no consumer group is joined and
     nothing is committed). The end of each partition is its high watermark when the call starts; what is
-    written later is not read. Yields nothing if the topic does not exist.
+    written later is not read. Yields nothing if the topic does not exist (unless ``missing_ok`` is false).
 
     Args:
         timeout_s: longest time for the whole read, in seconds.
         start_offsets: partition -> first offset to read. Only these partitions are read; an offset below
             the partition's start (compacted or deleted) reads from its start, one at or past its end reads
             nothing. None: every partition, from its start.
+        stop_offsets: partition -> offset to stop before (exclusive), a partition not in it read to its end; or
+            one offset for every partition.
+        stop_time_ms: stop each partition before its first message whose Kafka timestamp (milliseconds since
+            the Unix epoch) is at or after this time (the broker's time index, ``offsets_for_times``).
+        missing_ok: False: a topic that does not exist raises RuntimeError instead of yielding nothing.
+        on_range: called once with the :class:`ReadRange` before the first message (e.g. to size a progress
+            bar); not called when the topic does not exist.
 
     Raises:
         TimeoutError: the end offsets were not reached within ``timeout_s``.
+        RuntimeError: the topic does not exist and ``missing_ok`` is false.
         confluent_kafka.KafkaException: the broker did not answer the metadata or watermark requests.
     """
     consumer = Consumer(client_config(bootstrap_servers, **{
@@ -39,14 +67,25 @@ def messages_to_end(bootstrap_servers: str, topic: str, timeout_s: float = 60.0,
     try:
         metadata = consumer.list_topics(topic, timeout=10)
         if topic not in metadata.topics or metadata.topics[topic].error:
-            return
+            if missing_ok:
+                return
+            raise RuntimeError(f"topic {topic} does not exist on {bootstrap_servers}")
         partitions = metadata.topics[topic].partitions if start_offsets is None else start_offsets
+        stop_at_time = {}
+        if stop_time_ms is not None:
+            found = consumer.offsets_for_times([TopicPartition(topic, p, stop_time_ms) for p in partitions],
+                                               timeout=10)
+            stop_at_time = {tp.partition: tp.offset for tp in found if tp.offset >= 0}  # -1: none that late
         starts, ends = {}, {}
         for p in partitions:
             low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
             start = low if start_offsets is None else max(low, start_offsets[p])
-            if high > start:
-                starts[p], ends[p] = start, high
+            stop = stop_offsets if isinstance(stop_offsets, int) else (stop_offsets or {}).get(p, high)
+            end = min(high, stop_at_time.get(p, high), stop)
+            if end > start:
+                starts[p], ends[p] = start, end
+        if on_range is not None:
+            on_range(ReadRange(topic, dict(starts), dict(ends)))
         consumer.assign([TopicPartition(topic, p, starts[p]) for p in ends])
         deadline = time.monotonic() + timeout_s
         while ends:
@@ -56,9 +95,13 @@ def messages_to_end(bootstrap_servers: str, topic: str, timeout_s: float = 60.0,
             for message in consumer.consume(10000, timeout=0.1):
                 if message.error():
                     continue
-                yield message
                 p = message.partition()
-                if p in ends and message.offset() + 1 >= ends[p]:
+                end = ends.get(p)
+                if end is None or message.offset() >= end:  # past a stop offset (or a compacted gap before it)
+                    ends.pop(p, None)
+                    continue
+                yield message
+                if message.offset() + 1 >= end:
                     del ends[p]
     finally:
         consumer.close()

@@ -3,7 +3,8 @@
 Subcommands: ``demo`` (everything, on the embedded broker), ``broker`` (the embedded Kafka broker and
 Kafka's CLI tools), ``simulate`` (replay the trace into kv-events), ``bridge`` (live engine publishers into
 kv-events), ``capture`` and ``produce`` (record live publishers to a file, publish the file), ``worker``
-(the Faust stream app), ``tail`` (print a topic decoded), ``query`` (ask a worker's HTTP views). Every
+(the Faust stream app), ``tail`` (print a topic decoded), ``export`` and ``report`` (the residency changes
+as Parquet or JSON lines, plots and a summary), ``query`` (ask a worker's HTTP views). Every
 subcommand that talks to Kafka takes ``--bootstrap-servers``. The benchmark and the fault scenarios are
 not subcommands: ``make bench`` (``python -m bench``) and ``make chaos`` (``python -m chaos``).
 """
@@ -238,14 +239,42 @@ def _cmd_tail(args: argparse.Namespace) -> int:
 
     settings = settings_from_args(TailSettings, args)
     tail(settings.bootstrap_servers, args.topic, from_beginning=settings.from_beginning,
-         max_messages=settings.max_messages, idle_timeout_s=settings.idle_timeout_s)
+         max_messages=settings.max_messages, idle_timeout_s=settings.idle_timeout_s, to_end=settings.to_end)
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from kvstream.export import export, resolve_source
+    from kvstream.options import settings_from_args
+    from kvstream.settings import ExportSettings, parse_offsets
+
+    settings = settings_from_args(ExportSettings, args)
+    source = resolve_source(args.source, settings.topics)
+    result = export(settings.bootstrap_servers, source, settings.output, settings.format,
+                    until_offset=parse_offsets(settings.until_offset), until_time=settings.until_time,
+                    timeout_s=settings.read_timeout_s, progress=True)
+    what = "residency changes" if source.kind == "changes" else "resident rows of the residency table"
+    print(f"exported {result.rows:,} {what} from {source.topic} to {result.path} ({settings.format}) in "
+          f"{result.seconds:.1f}s", file=sys.stderr)
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from kvstream.options import settings_from_args
+    from kvstream.report import report
+    from kvstream.settings import ReportSettings
+
+    settings = settings_from_args(ReportSettings, args)
+    summary = report(settings, args.source)
+    print(summary.text)
+    print(f"\nwrote {', '.join(str(p) for p in summary.files)}", file=sys.stderr)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvstream`` argument parser (every subcommand sets ``func``)."""
     from kvstream.options import add_settings_arguments
-    from kvstream.settings import QuerySettings, TailSettings
+    from kvstream.settings import ExportSettings, QuerySettings, ReportSettings, TailSettings
     from producers.settings import BridgeSettings, CaptureSettings, ProduceSettings, SimulateSettings
     from producers.simulator import DEFAULT_TRACE, FleetConfig
     from stream_apps.settings import WorkerSettings
@@ -337,6 +366,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("topic", help="topic to read, e.g. kv-events or kvstream-residency-changelog")
     add_settings_arguments(p, TailSettings)
     p.set_defaults(func=_cmd_tail)
+
+    p = sub.add_parser("export", help="write the residency changes, or a snapshot of the residency table, to "
+                                      "Parquet or JSON lines",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Read the residency changes (topic <app id>-kv-residency-changes) or the residency "
+                                   "table (from its changelog) to the end of the topic as it is now, or to "
+                                   "--until-offset / --until-time, and write them to --output.\n\n"
+                                   "Parquet columns are typed: block_hash as hex (16 digits; 64 for 32-byte "
+                                   "digests), times (ts, since, last_ts, kafka_timestamp) as UTC timestamps, "
+                                   "ownership, medium and locality as nullable strings. JSON lines carry the same "
+                                   "columns, times in ISO 8601. Column meanings: docs/analytics.md.",
+                       epilog="Examples:\n"
+                              "  kvstream export kv-residency-changes --output changes.parquet\n"
+                              "  kvstream export residency --output residency.parquet --until-time "
+                              "2026-01-01T00:30:00Z\n"
+                              "  kvstream export kvstream-kv-residency-changes --format jsonl --output changes.jsonl "
+                              "--until-offset 0:5000,1:5000")
+    p.add_argument("source", metavar="TOPIC|TABLE",
+                   help="kv-residency-changes (or the topic <app id>-kv-residency-changes): one row per change; "
+                        "residency (or its changelog <app id>-residency-changelog): one row per resident row")
+    add_settings_arguments(p, ExportSettings)
+    p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser("report", help="plots (PNG) and a summary table of the residency changes",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Replay the residency changes, from their topic or from a Parquet file written "
+                                   "by 'kvstream export', and write to --output-dir:\n"
+                                   "  resident_blocks.png   resident blocks over time, per tier and instance\n"
+                                   "  dwell_time.png        how long blocks stay on each tier before removal\n"
+                                   "  tier_transitions.png  where blocks go: new -> GPU -> CPU -> STORAGE -> gone\n"
+                                   "  occupancy_as_of.png   the fleet's occupancy at --as-of\n"
+                                   "  overview.png          the four in one image\n"
+                                   "  summary.md, summary.json  the summary table (also printed)\n"
+                                   "Times are engine times (the changes' ts). A change repeated by an at-least-once "
+                                   "redelivery is counted once.",
+                       epilog="Examples:\n"
+                              "  kvstream report                                   # the app's changes topic\n"
+                              "  kvstream report changes.parquet --as-of 2026-01-01T00:30:00Z\n"
+                              "  kvstream report team-a.kvstream-kv-residency-changes --output-dir report-a")
+    p.add_argument("source", metavar="SOURCE", nargs="?", default=None,
+                   help="a Parquet file written by 'kvstream export' (a path ending in .parquet), or a residency "
+                        "changes topic (default: <app id>-kv-residency-changes of --app-id)")
+    add_settings_arguments(p, ReportSettings)
+    p.set_defaults(func=_cmd_report)
 
     p = sub.add_parser("query", help="ask a running worker: residency of a block, prefix match, occupancy, "
                                      "sources, stats",

@@ -61,6 +61,9 @@ def settings_from_args(settings_class: type[BaseSettings], args: argparse.Namesp
         problems = []
         for error in exc.errors():
             name = str(error["loc"][0]) if error["loc"] else "?"
+            if error["type"] == "missing":  # given neither way: name both
+                problems.append(f"{flag(name)} (or {env_variable(settings_class, name)}) is required")
+                continue
             source = flag(name) if name in given else env_variable(settings_class, name)
             problems.append(f"{source}: {error['msg']}")
         raise ValueError("; ".join(problems)) from None

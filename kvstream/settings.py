@@ -1,4 +1,4 @@
-"""The settings of the tools ``kvstream tail`` and ``kvstream query``: one typed object per command.
+"""The settings of the tools ``kvstream tail``, ``query``, ``export`` and ``report``: one typed object per command.
 
 Precedence, highest first: the flag, the ``KVSTREAM_<NAME>`` environment variable, the default
 (docs/configuration.md).
@@ -6,11 +6,60 @@ Precedence, highest first: the flag, the ``KVSTREAM_<NAME>`` environment variabl
 
 from __future__ import annotations
 
+import datetime
+import re
+from pathlib import Path
+from typing import Literal
+
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kafka_io.config import DEFAULT_BOOTSTRAP_SERVERS, check_bootstrap_servers
 from kafka_io.schema_registry import RegistryUrl, schema_registry_field
+from schemas.topics import TopicNames
+
+_OFFSETS = re.compile(r"^\d+$|^\d+:\d+(,\d+:\d+)*$")
+
+
+def parse_time(value) -> float | None:
+    """A time given as ISO 8601 (``2026-01-01T00:30:00Z``; no zone: UTC) or as seconds since the Unix epoch, in
+    seconds since the Unix epoch.
+
+    Raises:
+        ValueError: neither form; the message shows both.
+    """
+    if value is None or isinstance(value, (int, float)):
+        return value
+    text = str(value).strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        moment = datetime.datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"{text!r} is not a time: give ISO 8601 (e.g. 2026-01-01T00:30:00Z, UTC when no zone is "
+                         f"given) or seconds since the Unix epoch (e.g. 1767227400)") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=datetime.timezone.utc)
+    return moment.timestamp()
+
+
+def parse_offsets(text: str | None) -> int | dict[int, int] | None:
+    """``--until-offset``: ``N`` (every partition) or ``PARTITION:OFFSET[,PARTITION:OFFSET...]``.
+
+    Raises:
+        ValueError: neither form.
+    """
+    if text is None:
+        return None
+    text = text.replace(" ", "")
+    if not _OFFSETS.match(text):
+        raise ValueError(f"{text!r} is not an offset: give N (every partition stops before offset N) or "
+                         "PARTITION:OFFSET[,...] (e.g. 0:1200,1:980; partitions not named are read to their end)")
+    if ":" not in text:
+        return int(text)
+    return {int(p): int(o) for p, o in (pair.split(":") for pair in text.split(","))}
 
 
 class TailSettings(BaseSettings):
@@ -30,6 +79,9 @@ class TailSettings(BaseSettings):
     schema_registry_url: RegistryUrl = schema_registry_field()
     #: Put in front of the schemas topic's name, where writer schemas this version does not ship are found.
     topic_prefix: str = Field("", description="topic prefix of the pipeline (for its schemas topic); empty: none")
+    #: Stop at the end every partition has when the command starts (as ``kcat -e``); needs ``from_beginning``.
+    to_end: bool = Field(False, description="stop at the end the topic has at the start, as kcat -e (with "
+                                            "--from-beginning)")
 
     @field_validator("bootstrap_servers")
     @classmethod
@@ -53,3 +105,71 @@ class QuerySettings(BaseSettings):
         if not value.startswith(("http://", "https://")):
             raise ValueError(f"{value!r} is not an http:// or https:// URL (e.g. http://127.0.0.1:6066)")
         return value.rstrip("/")
+
+
+class _AppTopicsSettings(BaseSettings):
+    """Kafka and the app whose topics a tool reads."""
+
+    model_config = SettingsConfigDict(env_prefix="KVSTREAM_", frozen=True, extra="forbid")
+
+    #: Kafka bootstrap servers, ``HOST:PORT[,HOST:PORT...]`` (no URL scheme).
+    bootstrap_servers: str = Field(DEFAULT_BOOTSTRAP_SERVERS, description="Kafka bootstrap servers, HOST:PORT[,...]")
+    #: The stream app whose topics and tables are meant by their short names (``kvstream worker --app-id``).
+    app_id: str = Field("kvstream", min_length=1, description="app id of the stream app whose topics are read")
+    #: The topic prefix of that app (``kvstream worker --topic-prefix``); empty: none.
+    topic_prefix: str = Field("", description="topic prefix of that app; empty: none")
+    #: Longest time the whole read of the topic may take, in seconds.
+    read_timeout_s: float = Field(3600.0, gt=0, description="longest time the read of the topic may take, seconds")
+
+    @field_validator("bootstrap_servers")
+    @classmethod
+    def _no_url_scheme(cls, value: str) -> str:
+        return check_bootstrap_servers(value)
+
+    @property
+    def topics(self) -> TopicNames:
+        """The app's topic names."""
+        return TopicNames(self.app_id, self.topic_prefix)
+
+
+class ExportSettings(_AppTopicsSettings):
+    """``kvstream export TOPIC|TABLE``: write the residency changes, or a snapshot of the residency table, to a
+    Parquet or JSON-lines file."""
+
+    #: Output format: Parquet (typed columns, pyarrow) or JSON lines.
+    format: Literal["parquet", "jsonl"] = Field("parquet", description="output format: parquet or jsonl")
+    #: The file to write (replaced if it exists).
+    output: Path = Field(description="file to write (replaced if it exists)")
+    #: Stop each partition before this offset: ``N`` for every partition, or ``PARTITION:OFFSET[,...]``.
+    until_offset: str | None = Field(None, description="stop each partition before this offset: N, or "
+                                                       "PARTITION:OFFSET[,...]; none: at its end")
+    #: Stop each partition at its first record written at or after this time (the record's Kafka timestamp).
+    until_time: float | None = Field(None, description="stop at the first record written at or after this time "
+                                                       "(Kafka timestamp; ISO 8601 or Unix seconds); none: at "
+                                                       "the end")
+
+    @field_validator("until_offset")
+    @classmethod
+    def _offsets(cls, value: str | None) -> str | None:
+        parse_offsets(value)
+        return value
+
+    @field_validator("until_time", mode="before")
+    @classmethod
+    def _time(cls, value):
+        return parse_time(value)
+
+
+class ReportSettings(_AppTopicsSettings):
+    """``kvstream report [SOURCE]``: plots and a summary table of the residency changes."""
+
+    #: Directory of the PNG plots, summary.md and summary.json (created if missing).
+    output_dir: Path = Field(Path("report"), description="directory of the PNG plots, summary.md and summary.json")
+    #: The fleet's occupancy is reported as of this engine time; none: the time of the last change.
+    as_of: float | None = Field(None, description="report the fleet's occupancy as of this engine time (ISO "
+                                                  "8601 or Unix seconds); none: the last change's time")
+
+    @field_validator("as_of", mode="before")
+    @classmethod
+    def _time(cls, value):
+        return parse_time(value)
