@@ -237,9 +237,14 @@ def _cmd_tail(args: argparse.Namespace) -> int:
     from kvstream.settings import TailSettings
     from kvstream.tail import tail
 
+    from kvstream.tail import reader_codecs
+    from schemas.topics import SCHEMAS
+
     settings = settings_from_args(TailSettings, args)
+    codecs = reader_codecs(settings.bootstrap_servers, settings.schema_registry_url, settings.topic_prefix + SCHEMAS)
     tail(settings.bootstrap_servers, args.topic, from_beginning=settings.from_beginning,
-         max_messages=settings.max_messages, idle_timeout_s=settings.idle_timeout_s, to_end=settings.to_end)
+         max_messages=settings.max_messages, idle_timeout_s=settings.idle_timeout_s, to_end=settings.to_end,
+         codecs=codecs)
     return 0
 
 
@@ -250,9 +255,13 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     settings = settings_from_args(ExportSettings, args)
     source = resolve_source(args.source, settings.topics)
+    from kafka_io.schema_registry import reader_codec
+
+    codec = reader_codec("residency_change", settings.bootstrap_servers, settings.schema_registry_url,
+                         settings.topics.schemas)
     result = export(settings.bootstrap_servers, source, settings.output, settings.format,
                     until_offset=parse_offsets(settings.until_offset), until_time=settings.until_time,
-                    timeout_s=settings.read_timeout_s, progress=True)
+                    timeout_s=settings.read_timeout_s, progress=True, codec=codec)
     what = "residency changes" if source.kind == "changes" else "resident rows of the residency table"
     print(f"exported {result.rows:,} {what} from {source.topic} to {result.path} ({settings.format}) in "
           f"{result.seconds:.1f}s", file=sys.stderr)

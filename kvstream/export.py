@@ -149,10 +149,13 @@ def _messages(bootstrap_servers: str, topic: str, *, until_offset, until_time: f
 
 
 def change_batches(bootstrap_servers: str, topic: str, *, until_offset=None, until_time: float | None = None,
-                   timeout_s: float = 3600.0, progress: bool = False) -> Iterator[dict[str, list]]:
+                   timeout_s: float = 3600.0, progress: bool = False,
+                   codec: AvroCodec | None = None) -> Iterator[dict[str, list]]:
     """The residency changes of ``topic`` as column batches of up to :data:`BATCH_ROWS` rows.
 
     Args:
+        codec: the ``residency_change`` reader (:func:`kafka_io.schema_registry.reader_codec` in registry mode);
+            default: the schemas this version ships.
         until_offset: stop each partition before this offset (an int for all, or partition -> offset).
         until_time: stop each partition at its first record written at or after this time (Kafka timestamp,
             seconds since the Unix epoch).
@@ -167,7 +170,7 @@ def change_batches(bootstrap_servers: str, topic: str, *, until_offset=None, unt
             partition, offset and the reason).
         TimeoutError: the read took longer than ``timeout_s``.
     """
-    decode = AvroCodec("residency_change").decode
+    decode = (codec or AvroCodec("residency_change")).decode
     bar = _Progress(topic, progress)
     columns: dict[str, list] = {name: [] for name in CHANGE_COLUMNS}
     appenders = [columns[name].append for name in CHANGE_COLUMNS]
@@ -341,9 +344,11 @@ class ExportResult:
 
 
 def export(bootstrap_servers: str, source: ExportSource, path: Path, fmt: str = "parquet", *, until_offset=None,
-           until_time: float | None = None, timeout_s: float = 3600.0, progress: bool = False) -> ExportResult:
+           until_time: float | None = None, timeout_s: float = 3600.0, progress: bool = False,
+           codec: AvroCodec | None = None) -> ExportResult:
     """Write ``source`` to ``path`` as Parquet (typed columns, zstd, row groups of :data:`BATCH_ROWS`) or JSON
-    lines. The file appears only once complete (written as ``<path>.partial``, then renamed).
+    lines. The file appears only once complete (written as ``<path>.partial``, then renamed). ``codec``: the
+    ``residency_change`` reader for a changes export, as :func:`change_batches`.
 
     Raises:
         RuntimeError: the topic does not exist, the broker did not answer, or a record does not decode.
@@ -363,7 +368,8 @@ def export(bootstrap_servers: str, source: ExportSource, path: Path, fmt: str = 
     try:
         if source.kind == "changes":
             for columns in change_batches(bootstrap_servers, source.topic, until_offset=until_offset,
-                                          until_time=until_time, timeout_s=timeout_s, progress=progress):
+                                          until_time=until_time, timeout_s=timeout_s, progress=progress,
+                                          codec=codec):
                 writer.write(columns)
         else:
             writer.write(residency_snapshot(bootstrap_servers, source.topic, until_offset=until_offset,

@@ -437,8 +437,12 @@ def report(settings, source: str | None = None) -> ReportSummary:
         batches = parquet_batches(Path(source))
     else:
         source = source or settings.topics.residency_changes
+        from kafka_io.schema_registry import reader_codec
+
+        codec = reader_codec("residency_change", settings.bootstrap_servers, settings.schema_registry_url,
+                             settings.topics.schemas)
         batches = change_batches(settings.bootstrap_servers, source, timeout_s=settings.read_timeout_s,
-                                 progress=True)
+                                 progress=True, codec=codec)
     for columns in batches:
         replay.add(columns)
     if not replay.changes:

@@ -118,6 +118,8 @@ class _AppTopicsSettings(BaseSettings):
     app_id: str = Field("kvstream", min_length=1, description="app id of the stream app whose topics are read")
     #: The topic prefix of that app (``kvstream worker --topic-prefix``); empty: none.
     topic_prefix: str = Field("", description="topic prefix of that app; empty: none")
+    #: The schema registry that resolves Confluent-framed records' schema ids; empty: none.
+    schema_registry_url: RegistryUrl = schema_registry_field()
     #: Longest time the whole read of the topic may take, in seconds.
     read_timeout_s: float = Field(3600.0, gt=0, description="longest time the read of the topic may take, seconds")
 

@@ -197,12 +197,15 @@ def decode_message(topic: str, key: bytes | None, value: bytes | None, headers, 
 
 
 def tail(bootstrap_servers: str, topic: str, *, from_beginning: bool, max_messages: int | None,
-         idle_timeout_s: float | None, to_end: bool = False, out: TextIO = sys.stdout) -> int:
+         idle_timeout_s: float | None, to_end: bool = False, out: TextIO = sys.stdout,
+         codecs: dict[str, AvroCodec] | None = None) -> int:
     """Print a topic's messages as JSON lines (``topic``, ``partition``, ``offset``, ``key``, ``value``,
     ``error`` and ``headers`` when there are any) until ``max_messages``, ``idle_timeout_s`` seconds without a
     message, or, with ``to_end``, the end of every partition as it was at the start (as ``kcat -e``).
 
     The partitions are assigned, not subscribed: no consumer group is joined and nothing is committed.
+    ``codecs``: schema family -> reader, e.g. registry-aware ones (:func:`reader_codecs`); default: the schemas
+    this version ships.
 
     Returns:
         The number of messages printed.
@@ -217,7 +220,7 @@ def tail(bootstrap_servers: str, topic: str, *, from_beginning: bool, max_messag
         "group.id": f"kvstream-tail-{uuid.uuid4()}", "enable.auto.commit": False,
         "auto.offset.reset": "earliest" if from_beginning else "latest",
         "fetch.max.bytes": 64 << 20, "max.partition.fetch.bytes": 8 << 20}))
-    decoder = TopicDecoder(topic)
+    decoder = TopicDecoder(topic, codecs)
     encode = msgspec.json.Encoder().encode
     binary = getattr(out, "buffer", None)
     printed = 0
@@ -275,3 +278,15 @@ def tail(bootstrap_servers: str, topic: str, *, from_beginning: bool, max_messag
         return printed
     finally:
         consumer.close()
+
+
+def reader_codecs(bootstrap_servers: str, schema_registry_url: str, schemas_topic: str) -> dict[str, AvroCodec]:
+    """A reader codec for every schema family of the pipeline's topics, resolving Confluent schema ids through
+    ``schema_registry_url`` (empty: none) and newer single-object writers through ``schemas_topic``."""
+    from kafka_io.schema_registry import reader_codec
+    from schemas.topics import TABLE_FAMILIES
+
+    families = {"kv_event", "residency_change", "tier_occupancy", "ownership_batch", "source_clears",
+                *TABLE_FAMILIES.values()}
+    return {family: reader_codec(family, bootstrap_servers, schema_registry_url, schemas_topic)
+            for family in sorted(families)}

@@ -282,3 +282,26 @@ def test_every_schema_file_parses_alone_with_avros_java_parser(schema_registry_u
                          timeout=120, check=False)
     assert run.returncode == 0, run.stdout + run.stderr
     assert [line.split()[1] for line in run.stdout.splitlines() if line.startswith("ok ")] == files
+
+
+def test_tail_and_export_read_registry_framed_topics(registry_pipeline, kafka_bootstrap, schema_registry_url,
+                                                    tmp_path):
+    settings = registry_pipeline["settings"]
+    topics = settings.topics
+    registry = f"--schema-registry={schema_registry_url}"
+    run = subprocess.run([sys.executable, "-m", "kvstream.cli", "tail", topics.residency_changes,
+                          f"--bootstrap-servers={kafka_bootstrap}", "--from-beginning", "--to-end", registry,
+                          f"--topic-prefix={settings.topic_prefix}"],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 0, run.stderr
+    lines = [json.loads(line) for line in run.stdout.splitlines()]
+    expected = len(list(messages_to_end(kafka_bootstrap, topics.residency_changes)))
+    assert len(lines) == expected and not [line for line in lines if "error" in line]
+    assert {line["value"]["instance_id"] for line in lines} >= {"reg-e", "newer-reg"}
+    output = tmp_path / "changes.jsonl"
+    run = subprocess.run([sys.executable, "-m", "kvstream.cli", "export", "kv-residency-changes", "--format=jsonl",
+                          f"--output={output}", f"--bootstrap-servers={kafka_bootstrap}", f"--app-id={settings.app_id}",
+                          f"--topic-prefix={settings.topic_prefix}", registry],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 0, run.stderr
+    assert len(output.read_text().splitlines()) == expected
