@@ -133,7 +133,8 @@ def run_demo(options: DemoOptions) -> int:
         print(f"      schema registry (Apicurio {registry.APICURIO_VERSION}) ready in {time.perf_counter() - t0:.1f}s "
               f"at {registry_url}: records in the Confluent wire format")
     worker_options = WorkerSettings(bootstrap_servers=bootstrap, web_port=options.web_port, data_dir=worker_dir,
-                                   partitions=options.partitions, schema_registry_url=registry_url)
+                                   partitions=options.partitions, schema_registry_url=registry_url,
+                                   residency_changes=True)  # the demo's data feeds kvstream report
     ensure_topics(bootstrap, {KV_EVENTS: options.partitions})
     process = None
     try:

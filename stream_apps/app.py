@@ -112,7 +112,8 @@ def create_app(settings: WorkerSettings) -> StreamApp:
         table_standby_replicas=settings.standby_replicas,
     )
     tables = define_tables(app, settings)
-    outputs = OutputTopics(settings.bootstrap_servers, topics, settings.schema_registry_url)
+    outputs = OutputTopics(settings.bootstrap_servers, topics, settings.schema_registry_url,
+                           residency_changes=settings.residency_changes)
     for table in tables.all():
         table.data.bind(outputs, bootstrap_servers=settings.bootstrap_servers,
                         cache_entries=settings.residency_cache, recovery_timeout_s=settings.recovery_timeout_s)

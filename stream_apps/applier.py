@@ -119,9 +119,10 @@ class Materializer:
             for row in stopped:
                 stopped_total += 1
                 occupancy[(entry["ownership"], row["tier"], instance)] -= 1
-                self.outputs.change(entry["block_hash"], entry["ownership"], row["instance_id"],
-                                    row["data_parallel_rank"], row["tier"], None, row["locality"], row["group_idx"],
-                                    False, 0, ts, cause)
+                if self.outputs.residency_changes:
+                        self.outputs.change(entry["block_hash"], entry["ownership"], row["instance_id"],
+                                        row["data_parallel_rank"], row["tier"], None, row["locality"],
+                                        row["group_idx"], False, 0, ts, cause)
         return stopped_total
 
     def apply_clear(self, partition: int, record: dict, mark: ClearPosition, occupancy: dict[tuple, int]) -> None:
@@ -277,6 +278,7 @@ class BatchApplier:
             seen["count"] += 1
         if delta:
             self.occupancy[(body["ownership"], record["tier"], instance)] += delta
-            m.outputs.change(block_hash, body["ownership"], instance, record["data_parallel_rank"], record["tier"],
-                             body["medium"], body["locality"], body["group_idx"], delta > 0, copies, record["ts"],
-                             kind.rsplit(".", 1)[-1])
+            if m.outputs.residency_changes:
+                m.outputs.change(block_hash, body["ownership"], instance, record["data_parallel_rank"],
+                                 record["tier"], body["medium"], body["locality"], body["group_idx"], delta > 0, copies,
+                                 record["ts"], kind.rsplit(".", 1)[-1])

@@ -34,6 +34,8 @@ class OutputTopics:
     Args:
         bootstrap_servers: Kafka bootstrap servers (security from :mod:`kafka_io.config`).
         topics: the app's topic names (its own output topics, the shared dead-letter topic).
+        residency_changes: whether :meth:`change` is called (``kvstream worker --residency-changes``); callers
+            check :attr:`residency_changes` before building a change.
         schema_registry_url: with a registry, the output topics carry the Confluent wire format, their schemas
             registered under ``<topic>-value``; empty: single-object framing, the schemas published to the
             schemas topic.
@@ -42,9 +44,12 @@ class OutputTopics:
         schemas.codec.RegistryRefused: the registry refused an output schema (e.g. not BACKWARD compatible).
     """
 
-    def __init__(self, bootstrap_servers: str, topics: TopicNames, schema_registry_url: str = "") -> None:
+    def __init__(self, bootstrap_servers: str, topics: TopicNames, schema_registry_url: str = "",
+                 residency_changes: bool = True) -> None:
         self.bootstrap_servers = bootstrap_servers
         self.topics = topics
+        #: Whether residency transitions are published (the callers skip :meth:`change` when not).
+        self.residency_changes = residency_changes
         self._producer: Producer | None = None
         #: Outputs the broker refused (after librdkafka's retries): "topic[partition]: error".
         self.delivery_errors: list[str] = []

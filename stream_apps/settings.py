@@ -53,6 +53,11 @@ class WorkerSettings(BaseSettings):
     web_bind: str = Field("127.0.0.1", description="HTTP bind address")
     #: Host name or address other workers reach this one at (lookups of keys this worker holds go there).
     web_host: str = Field("127.0.0.1", description="host name other workers reach this worker at")
+    #: Publish every residency transition to ``<app id>-kv-residency-changes`` (what ``kvstream export`` and
+    #: ``kvstream report`` read). Off unless asked for: it is about 0.8 messages per input event, more than
+    #: the changelogs (docs/querying.md, "Output topics").
+    residency_changes: bool = Field(False, description="publish every residency transition to "
+                                                       "<app id>-kv-residency-changes (for analytics)")
     #: Tiers an ``AllBlocksCleared`` removes: ``gpu`` (vLLM's meaning: a prefix-cache reset) or ``all``,
     #: then per-instance overrides, e.g. ``gpu,engine-7=all``.
     clear_scope: str = Field("gpu", description="tiers an AllBlocksCleared removes: gpu|all[,INSTANCE=gpu|all...]")

@@ -60,7 +60,7 @@ def pipeline(kafka_bootstrap, tmp_path_factory):
     work = tmp_path_factory.mktemp("analytics")
     settings = WorkerSettings(bootstrap_servers=kafka_bootstrap, app_id="analytics", partitions=PARTITIONS,
                               topic_prefix=f"analytics{int(time.time() * 1000)}.", web_port=free_port(),
-                              data_dir=work / "data")
+                              data_dir=work / "data", residency_changes=True)
     topics = settings.topics
     ensure_topics(kafka_bootstrap, {topics.kv_events: PARTITIONS, topics.dead_letter: 1})
     requests = load_trace(limit=REQUESTS)

@@ -141,7 +141,7 @@ def pipeline(kafka_bootstrap, tmp_path_factory):
     garbage.flush(30)
     work = tmp_path_factory.mktemp("worker")
     options = WorkerSettings(bootstrap_servers=kafka_bootstrap, web_port=free_port(), data_dir=work / "data", partitions=PARTITIONS,
-                            app_id="kvstream-test")
+                            app_id="kvstream-test", residency_changes=True)
     process = spawn_worker(options, work / "worker.log")
     try:
         wait_until_consumed(kafka_bootstrap, options.app_id, process, timeout_s=300)
@@ -443,7 +443,7 @@ def test_two_workers_share_the_partitions_and_forward_lookups(pipeline, kafka_bo
     """
     first = pipeline["options"]
     second = WorkerSettings(bootstrap_servers=kafka_bootstrap, web_port=free_port(), data_dir=pipeline["work"] / "data-2",
-                           partitions=PARTITIONS, app_id=first.app_id)
+                           partitions=PARTITIONS, app_id=first.app_id, residency_changes=True)
     process = spawn_worker(second, pipeline["work"] / "worker-2.log")
     urls = [pipeline["url"], f"http://127.0.0.1:{second.web_port}"]
     by_block = _rows_by_block(pipeline["result"].ground_truth)
@@ -471,7 +471,8 @@ def test_two_workers_share_the_partitions_and_forward_lookups(pipeline, kafka_bo
 def test_case3_with_clear_scope_all_the_clear_also_removes_offloaded_copies(pipeline, kafka_bootstrap):
     """A second app (its own id, tables and re-keyed topic) over the same kv-events, with --clear-scope all."""
     options = WorkerSettings(bootstrap_servers=kafka_bootstrap, web_port=free_port(), data_dir=pipeline["work"] / "data-all",
-                            partitions=PARTITIONS, app_id="kvstream-test-all", clear_scope="all")
+                            partitions=PARTITIONS, app_id="kvstream-test-all", clear_scope="all",
+                            residency_changes=True)
     process = spawn_worker(options, pipeline["work"] / "worker-all.log")
     try:
         wait_until_consumed(kafka_bootstrap, options.app_id, process, timeout_s=300)

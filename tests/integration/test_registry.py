@@ -114,7 +114,7 @@ def _occupancy(url: str, instance: str) -> dict[str, int]:
 def _worker(kafka_bootstrap, work, prefix: str, registry_url: str):
     settings = WorkerSettings(bootstrap_servers=kafka_bootstrap, app_id="reg", partitions=PARTITIONS,
                               topic_prefix=prefix, web_port=free_port(), data_dir=work / "data",
-                              schema_registry_url=registry_url)
+                              schema_registry_url=registry_url, residency_changes=True)
     return settings, spawn_worker(settings, work / "worker.log")
 
 
