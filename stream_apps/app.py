@@ -116,7 +116,7 @@ def create_app(settings: WorkerSettings) -> StreamApp:
                            residency_changes=settings.residency_changes)
     for table in tables.all():
         table.data.bind(outputs, bootstrap_servers=settings.bootstrap_servers,
-                        cache_entries=settings.residency_cache, recovery_timeout_s=settings.recovery_timeout_s)
+                        cache_entries=settings.residency_cache_entries, recovery_timeout_s=settings.recovery_timeout_s)
     checkpoint = Checkpoint(outputs, [table.data for table in tables.all()])
     app.sensors.add(CommitSensor(checkpoint, app.crash))
     materializer = Materializer(tables, outputs, checkpoint, settings.sources)

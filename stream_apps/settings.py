@@ -73,8 +73,10 @@ class WorkerSettings(BaseSettings):
     repartition_batch: int = Field(10_000, ge=1, description="most events the repartition process reads per batch")
     #: ... or what arrived within this many seconds, whichever comes first.
     repartition_within_s: float = Field(0.1, gt=0, description="longest wait of a repartition batch, seconds")
-    #: Decoded residency entries kept in front of the RocksDB store (a block's events come close together).
-    residency_cache: int = Field(100_000, ge=0, description="decoded residency entries cached in front of RocksDB")
+    #: Decoded residency entries cached in front of the store's encoded ones (a block's events come close
+    #: together); none: 100,000 with ``rocksdb://``, 10,000 with ``memory://``, whose point is a small footprint.
+    residency_cache: int | None = Field(None, ge=0, description="decoded residency entries cached in front of the "
+                                                               "store; none: 100000 (rocksdb), 10000 (memory)")
     #: RocksDB memtable size of each residency partition database, MiB (two per database).
     rocksdb_write_buffer_mib: int = Field(8, ge=1, description="RocksDB memtable size per residency partition, MiB")
     #: RocksDB block cache of each residency partition database, MiB.
@@ -108,6 +110,13 @@ class WorkerSettings(BaseSettings):
     def _valid_tier_weights(cls, value: str) -> str:
         parse_tier_weights(value)
         return value
+
+    @property
+    def residency_cache_entries(self) -> int:
+        """``residency_cache``, or its default for the store."""
+        if self.residency_cache is not None:
+            return self.residency_cache
+        return 100_000 if self.store == "rocksdb://" else 10_000
 
     @property
     def topics(self) -> TopicNames:

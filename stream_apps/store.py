@@ -4,7 +4,8 @@ Faust picks a table's store class by the scheme of its store URL from a registry
 entry point extends; ``pyproject.toml`` registers the two classes here:
 
 - ``kvstream-rocksdb://`` -> :class:`RocksDBTableStore` (the ``residency`` table with ``--store rocksdb://``);
-- ``kvstream-memory://`` -> :class:`MemoryTableStore` (``residency`` with ``--store memory://``, and the small
+- ``kvstream-compact-memory://`` -> :class:`CompactMemoryTableStore` (``residency`` with ``--store memory://``);
+- ``kvstream-memory://`` -> :class:`MemoryTableStore` (the small
   tables: ``clear-watermarks``, ``publisher-epochs``, ``tier-occupancy``, ``sources``).
 
 Both add the same few methods, which the agent uses instead of ``table[key] = value``:
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: Store URL scheme of each ``--store`` choice (the ``faust.stores`` entry points in pyproject.toml).
-STORE_SCHEMES = {"rocksdb://": "kvstream-rocksdb://", "memory://": "kvstream-memory://"}
+STORE_SCHEMES = {"rocksdb://": "kvstream-rocksdb://", "memory://": "kvstream-compact-memory://"}
 
 
 def value_encoder(codec: AvroCodec) -> Callable[[dict], bytes]:
@@ -88,7 +89,8 @@ class MemoryTableStore(_BoundStore, faust.stores.memory.Store):
     """Faust's memory store whose writes produce their changelog records through the output producer.
 
     Values are the decoded dicts. The key -> partition map is Faust's own (it drops a revoked partition's
-    keys by it); this class keeps it current on every write.
+    keys by it); this class keeps it current on every write. The ``residency`` table uses
+    :class:`CompactMemoryTableStore` instead.
     """
 
     def apply_changelog_batch(self, batch, to_key, to_value) -> None:
@@ -129,6 +131,93 @@ class MemoryTableStore(_BoundStore, faust.stores.memory.Store):
 
     def forget_cache(self) -> None:
         """No cache to drop."""
+
+
+class CompactMemoryTableStore(MemoryTableStore):
+    """The memory store of the ``residency`` table (``--store memory://``): each entry held as the Avro bytes of
+    its changelog record, with a cache of decoded entries in front (``--residency-cache``).
+
+    A decoded entry is five Python containers per row (about 1,200 bytes); its Avro bytes are about 75, so a
+    resident row costs about 220 bytes here (key, bytes object, the dict's slot; bench/PROFILE.md). The bytes
+    are encoded at every write anyway, for the changelog. A key's partition is its murmur2 partition
+    (:func:`stream_apps.residency.key_partition`), computed when needed rather than kept per key.
+    """
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        #: Key -> decoded entry (None: known absent), least recently used first, as RocksDBTableStore's.
+        self._cache: OrderedDict[str, dict | None] = OrderedDict()
+
+    def _create_batch_iterator(self, mark_as_delete, to_key, to_value, batch):
+        """Recovery: the changelog records' bytes as they are (Faust's decoded value is not kept)."""
+        for event in batch:
+            value = event.message.value
+            if value is None:
+                mark_as_delete(to_key(event.key))
+            yield to_key(event.key), value
+
+    def apply_changelog_batch(self, batch, to_key, to_value) -> None:
+        """Faust's apply of changelog records; afterwards the cache may be older than the data, so it goes."""
+        faust.stores.memory.Store.apply_changelog_batch(self, batch, to_key, to_value)
+        self._cache.clear()
+
+    def _partition_of(self, key: str) -> int:
+        from stream_apps.residency import key_partition
+
+        return key_partition(key, self.table.partitions)
+
+    def entry(self, partition: int, key: str) -> dict | None:
+        """The entry under ``key`` for the agent applying ``partition`` (remembered in the cache)."""
+        cache = self._cache
+        if key in cache:
+            cache.move_to_end(key)
+            return cache[key]
+        raw = self.data.get(key)
+        entry = None if raw is None else self.codec.decode(raw)
+        self._remember(key, entry)
+        return entry
+
+    def lookup(self, key: str, partition: int) -> dict | None:
+        """The entry under ``key`` for a query (does not fill the cache)."""
+        if key in self._cache:
+            return self._cache[key]
+        raw = self.data.get(key)
+        return None if raw is None else self.codec.decode(raw)
+
+    def _remember(self, key: str, entry: dict | None) -> None:
+        cache = self._cache
+        cache[key] = entry
+        cache.move_to_end(key)
+        if len(cache) > self.cache_entries:
+            cache.popitem(last=False)
+
+    def write(self, partition: int, key: str, value: dict | None) -> None:
+        """Store ``value`` (None: delete) as its Avro bytes and produce them as its changelog record to
+        ``partition``."""
+        encoded = None if value is None else self.encode(value)
+        if encoded is None:
+            self.data.pop(key, None)
+        else:
+            self.data[key] = encoded
+        self._remember(key, value)
+        self.outputs.produce(self.changelog, key.encode(), encoded, partition)
+
+    def partition_keys(self, partition: int) -> list[str]:
+        """Keys of ``partition`` held here (a scan computing each key's partition, for rare source-wide events)."""
+        partition_of = self._partition_of
+        return [key for key in list(self.data) if partition_of(key) == partition]
+
+    async def on_recovery_completed(self, active_tps, standby_tps) -> None:
+        """Drop the keys of partitions this worker no longer holds (Faust does it by its per-key map)."""
+        active = {tp.partition for tp in active_tps}
+        partition_of = self._partition_of
+        for key in [key for key in self.data if partition_of(key) not in active]:
+            del self.data[key]
+        self._cache.clear()
+
+    def forget_cache(self) -> None:
+        """Drop the decoded entries (partitions were revoked or assigned)."""
+        self._cache.clear()
 
 
 class RocksDBTableStore(_BoundStore, faust.stores.rocksdb.Store):
