@@ -159,10 +159,10 @@ def run_repartition(partitions) -> tuple[list[tuple[int, bytes]], float, int]:
     r._consumer = types.SimpleNamespace(commit=lambda **_: None)
     batches = list(consume_batches(partitions))
     gc.collect()
-    t0 = time.perf_counter()
+    t0 = time.thread_time()
     for batch in batches:
         r.process(batch)
-    seconds = time.perf_counter() - t0
+    seconds = time.thread_time() - t0  # CPU seconds of this thread: the machine's load does not inflate it
     out = [(partition, value) for topic, value, key, partition, headers in r._producer.messages
            if topic == r.output_topic]
     return out, seconds, sum(map(len, batches))
@@ -194,7 +194,7 @@ def _bind(ns, cls, *names):
     return ns
 
 
-def make_materializer(store_kind: str, producer, tmp: Path, timers: dict[str, Timer]):
+def make_materializer(store_kind: str, producer, tmp: Path, timers: dict[str, Timer], instrument: bool = True):
     """A Materializer over the worker's store methods on plain objects, outputs into ``producer``."""
     from faust.stores.rocksdb import RocksDBOptions
     from rocksdict import Rdict
@@ -211,8 +211,9 @@ def make_materializer(store_kind: str, producer, tmp: Path, timers: dict[str, Ti
     outputs = OutputTopics("unused:0", TopicNames("profile"))
     outputs._producer = producer
     outputs.flush = lambda timeout_s=60.0: None  # no broker: the flush's round trip is not measured here
-    outputs.produce = timers["produce (enqueue, all outputs)"].wrap(outputs.produce)
-    outputs.change = timers["residency change: encode + produce"].wrap(outputs.change)
+    if instrument:
+        outputs.produce = timers["produce (enqueue, all outputs)"].wrap(outputs.produce)
+        outputs.change = timers["residency change: encode + produce"].wrap(outputs.change)
 
     def small(family: str, changelog: str):
         ns = types.SimpleNamespace(data={}, _key_partition={}, outputs=outputs, changelog=changelog,
@@ -220,7 +221,9 @@ def make_materializer(store_kind: str, producer, tmp: Path, timers: dict[str, Ti
         return _bind(ns, store_module.MemoryTableStore, "entry", "lookup", "write", "persist", "partition_keys")
 
     codec = AvroCodec("residency")
-    encode = timers["entry encode (residency writer)"].wrap(store_module.value_encoder(codec))
+    encode = store_module.value_encoder(codec)
+    if instrument:
+        encode = timers["entry encode (residency writer)"].wrap(encode)
     if store_kind == "memory":
         residency = types.SimpleNamespace(data={}, _key_partition={}, outputs=outputs,
                                           changelog="profile-residency-changelog", encode=encode, codec=codec)
@@ -241,29 +244,67 @@ def make_materializer(store_kind: str, producer, tmp: Path, timers: dict[str, Ti
         _bind(residency, store_module.RocksDBTableStore, "entry", "lookup", "_remember", "write", "_on_delivery",
               "persist", "partition_keys")
         residency.close_all = lambda: [db.close() for db in dbs.values()]
+    residency.window_keys = set()
+    residency.merged_writes = 0
+    if not instrument:
+        tables = types.SimpleNamespace(
+            residency_store=residency,
+            tier_occupancy=types.SimpleNamespace(data=small("tier_occupancy", "profile-tier-occupancy-changelog")),
+            sources=types.SimpleNamespace(data=small("source_status", "profile-sources-changelog")),
+            clear_watermarks=types.SimpleNamespace(data=small("clear_watermark", "profile-clear-watermarks-changelog")),
+            publisher_epochs=types.SimpleNamespace(data=small("clear_watermark", "profile-publisher-epochs-changelog")))
+        return Materializer(tables, outputs, Checkpoint(outputs, [residency]), SourceSettings()), residency
     residency.entry = timers["entry read (store/cache, decode on miss)"].wrap(residency.entry)
+    # changelog writes, and the distinct keys among them per checkpoint window (what a cache that merges the
+    # writes to one key until the commit, as Kafka Streams' record cache does, would write)
+    write = residency.write
+
+    def counted_write(partition, key, value):
+        residency.window_keys.add(key)
+        write(partition, key, value)
+
+    residency.write = counted_write
+    persist = residency.persist
+
+    def counted_persist():
+        residency.merged_writes += len(residency.window_keys)
+        residency.window_keys.clear()
+        persist()
+
+    residency.persist = counted_persist
     tables = types.SimpleNamespace(
         residency_store=residency,
         tier_occupancy=types.SimpleNamespace(data=small("tier_occupancy", "profile-tier-occupancy-changelog")),
         sources=types.SimpleNamespace(data=small("source_status", "profile-sources-changelog")),
         clear_watermarks=types.SimpleNamespace(data=small("clear_watermark", "profile-clear-watermarks-changelog")),
         publisher_epochs=types.SimpleNamespace(data=small("clear_watermark", "profile-publisher-epochs-changelog")))
-    checkpoint = Checkpoint(outputs, [residency])
+    checkpoint = Checkpoint(outputs, [residency])  # after the wrappers: it calls residency.persist
     return Materializer(tables, outputs, checkpoint, SourceSettings()), residency
 
 
-def run_materialize(batches, store_kind: str, producer, commit_every: int, cprofile: str | None) -> dict:
-    """Stage 2 over the ownership_batch messages; returns seconds per stage."""
+def run_materialize(batches, store_kind: str, producer, commit_every: int, cprofile: str | None,
+                    instrument: bool = True) -> dict:
+    """Stage 2 over the ownership_batch messages; returns seconds per stage (wall) and the thread's CPU seconds.
+
+    ``instrument`` False: no per-call timers (the pass whose CPU time is the stage's true total).
+    """
     import stream_apps.applier as applier_module
     from schemas import AvroCodec
 
     timers = defaultdict(Timer)
     rules = timers["residency rules (apply_block_event)"]
     original_rules = applier_module.apply_block_event
-    applier_module.apply_block_event = rules.wrap(original_rules)
+    original_write_back = applier_module.BatchApplier.write_back
+    if instrument:
+        applier_module.apply_block_event = rules.wrap(original_rules)
+        applier_module.BatchApplier.write_back = timers["write-back (entry encode, changelog produce, store write)"].wrap(
+            original_write_back)
     tmp = Path(tempfile.mkdtemp(prefix="kvstream-profile-"))
     try:
-        materializer, residency = make_materializer(store_kind, producer, tmp, timers)
+        materializer, residency = make_materializer(store_kind, producer, tmp, timers, instrument)
+        if instrument:
+            materializer.add_occupancy = timers["occupancy and sources"].wrap(materializer.add_occupancy)
+            materializer.note_applied = timers["occupancy and sources"].wrap(materializer.note_applied)
         batch_codec = AvroCodec("ownership_batch")
         event_codec = AvroCodec("kv_event")
         clock = time.perf_counter_ns
@@ -277,6 +318,7 @@ def run_materialize(batches, store_kind: str, producer, commit_every: int, cprof
         gc.collect()
         gc.freeze()
         started = time.perf_counter()
+        cpu_started = time.thread_time()
         if profiler:
             profiler.enable()
         for n, (partition, value) in enumerate(batches, 1):
@@ -307,6 +349,7 @@ def run_materialize(batches, store_kind: str, producer, commit_every: int, cprof
             profiler.disable()
             profiler.dump_stats(cprofile)
         wall = time.perf_counter() - started
+        cpu = time.thread_time() - cpu_started
         stats = materializer.stats
         if store_kind == "memory":
             entries = list(residency.data.values())
@@ -315,12 +358,13 @@ def run_materialize(batches, store_kind: str, producer, commit_every: int, cprof
         resident = None
         if entries is not None:
             resident = sum(1 for e in entries for r in e["rows"] if r["copies"] > 0)
-        result = {"items": items_total, "batch_messages": len(batches), "wall_s": wall,
+        result = {"items": items_total, "batch_messages": len(batches), "wall_s": wall, "cpu_s": cpu,
                   "ownership_batch decode": t_batch / 1e9, "kv_event decode": t_event / 1e9,
                   "apply loop": t_apply / 1e9, "finish (write-back, occupancy, sources)": t_finish / 1e9,
                   "checkpoint (persist, gc.freeze; no flush)": t_commit / 1e9,
                   "timers": {k: {"s": v.ns / 1e9, "calls": v.calls} for k, v in timers.items()},
                   "resident_rows": resident, "became_resident": stats.became_resident,
+                  "changelog_writes_merged_per_checkpoint": residency.merged_writes,
                   "stopped_resident": stats.stopped_resident, "applied": stats.applied,
                   "outputs": dict(getattr(producer, "by_topic", {})) or len(producer)}
         if store_kind == "rocksdb":
@@ -328,38 +372,52 @@ def run_materialize(batches, store_kind: str, producer, commit_every: int, cprof
         return result
     finally:
         applier_module.apply_block_event = original_rules
+        applier_module.BatchApplier.write_back = original_write_back
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def report(events: int, repartition_s: float, stage2: dict, store_kind: str) -> str:
-    us = lambda s: s / events * 1e6  # noqa: E731
+def report(events: int, repartition_s: float, stage2: dict, plain: dict, store_kind: str) -> tuple[str, dict]:
+    """The per-stage table: each stage's share of the instrumented pass's wall time, times the CPU time of the
+    uninstrumented pass (so neither the timers' own cost nor the machine's load inflates the µs)."""
     t = stage2["timers"]
     rules = t["residency rules (apply_block_event)"]["s"]
     change = t["residency change: encode + produce"]["s"]
     entry = t["entry read (store/cache, decode on miss)"]["s"]
     encode = t["entry encode (residency writer)"]["s"]
     produce = t["produce (enqueue, all outputs)"]["s"]
-    apply_rest = stage2["apply loop"] - rules - change - entry
-    finish_rest = stage2["finish (write-back, occupancy, sources)"] - encode
-    rows = [
-        ("repartition child: Repartitioner.process (other process)", us(repartition_s)),
-        ("stage 2: ownership_batch decode", us(stage2["ownership_batch decode"])),
-        ("stage 2: kv_event decode (generated reader)", us(stage2["kv_event decode"])),
-        ("stage 2: entry read (store/cache; RocksDB get + decode on miss)", us(entry)),
-        ("stage 2: residency rules (apply_block_event)", us(rules)),
-        ("stage 2: BatchApplier.apply bookkeeping (keys, sources, marks)", us(apply_rest)),
-        ("stage 2: residency change record: encode + produce", us(change)),
-        ("stage 2: entry encode (write-back)", us(encode)),
-        ("stage 2: write-back rest: changelog produce, store write, occupancy, sources", us(finish_rest)),
-        ("stage 2: checkpoint without flush (persist, gc.freeze)", us(stage2["checkpoint (persist, gc.freeze; no flush)"])),
+    write_back = t["write-back (entry encode, changelog produce, store write)"]["s"]
+    small = t["occupancy and sources"]["s"]
+    apply_rest = (stage2["apply loop"] + stage2["finish (write-back, occupancy, sources)"]
+                  - rules - change - entry - write_back - small)
+    parts = [
+        ("ownership_batch decode", stage2["ownership_batch decode"]),
+        ("kv_event decode (generated reader)", stage2["kv_event decode"]),
+        ("entry read (store/cache; RocksDB get + decode on miss)", entry),
+        ("residency rules (apply_block_event)", rules),
+        ("BatchApplier.apply bookkeeping (keys, sources, marks)", apply_rest),
+        ("residency change record: encode + produce", change),
+        ("write-back: entry encode", encode),
+        ("write-back: changelog produce, store write", write_back - encode),
+        ("occupancy and sources tables (+ kv-tier-occupancy)", small),
+        ("checkpoint without flush (persist, gc.freeze)", stage2["checkpoint (persist, gc.freeze; no flush)"]),
     ]
-    total2 = sum(v for name, v in rows if name.startswith("stage 2"))
+    wall = sum(v for _, v in parts)
+    cpu_us = plain["cpu_s"] / events * 1e6
+    figures = {"repartition child: Repartitioner.process (CPU)": repartition_s / events * 1e6}
     lines = [f"store {store_kind}: {events:,} kv-events messages, {stage2['items']:,} items in "
              f"{stage2['batch_messages']:,} ownership_batch messages",
-             f"{'stage':<82} {'µs/event':>9}"]
-    lines += [f"{name:<82} {value:>9.2f}" for name, value in rows]
-    lines.append(f"{'stage 2 total (one Python thread; Faust and the broker round trips excluded)':<82} {total2:>9.2f}")
-    lines.append(f"  of which produce() enqueue, all outputs: {us(produce):.2f} µs/event "
+             f"{'stage':<78} {'share':>6} {'µs/event':>9}",
+             f"{'repartition child: Repartitioner.process (another process; its CPU)':<78} {'':>6} "
+             f"{repartition_s / events * 1e6:>9.2f}"]
+    for name, seconds in parts:
+        share = seconds / wall
+        figures[f"stage 2: {name}"] = share * cpu_us
+        lines.append(f"{'stage 2: ' + name:<78} {share:>6.1%} {share * cpu_us:>9.2f}")
+    lines.append(f"{'stage 2 total: CPU of the pass without timers (Faust, broker round trips excluded)':<78} "
+                 f"{'':>6} {cpu_us:>9.2f}")
+    lines.append(f"  (the pass with timers: {stage2['cpu_s'] / events * 1e6:.2f} µs/event of CPU, "
+                 f"{stage2['wall_s'] / events * 1e6:.2f} wall)")
+    lines.append(f"  of which produce() enqueue, all outputs: {produce / wall * cpu_us:.2f} µs/event "
                  f"({t['produce (enqueue, all outputs)']['calls'] / events:.2f} outputs per event)")
     lines.append(f"  calls: rules {t['residency rules (apply_block_event)']['calls']:,}, change records "
                  f"{t['residency change: encode + produce']['calls']:,}, entry encodes "
@@ -367,7 +425,10 @@ def report(events: int, repartition_s: float, stage2: dict, store_kind: str) -> 
                  f"{t['entry read (store/cache, decode on miss)']['calls']:,}")
     lines.append(f"  resident rows at the end: {stage2['resident_rows']}; became {stage2['became_resident']:,}, "
                  f"stopped {stage2['stopped_resident']:,}")
-    return "\n".join(lines)
+    lines.append(f"  residency changelog writes: {t['entry encode (residency writer)']['calls']:,} (one per touched key "
+                 f"per batch message); merged per checkpoint window: {stage2['changelog_writes_merged_per_checkpoint']:,}")
+    figures["stage 2 total"] = cpu_us
+    return "\n".join(lines), figures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -390,15 +451,19 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     out = {"events": events, "repartition_s": repartition_s, "stores": {}}
     for store_kind in (("memory", "rocksdb") if args.store == "both" else (args.store,)):
-        producer = unreachable_producer() if args.producer == "librdkafka" else CountingProducer()
-        stage2 = run_materialize(batches, store_kind, producer, args.commit_every,
-                                 args.cprofile and f"{args.cprofile}.{store_kind}")
-        out["stores"][store_kind] = stage2
+        passes = {}
+        for instrument in (False, True):
+            producer = unreachable_producer() if args.producer == "librdkafka" else CountingProducer()
+            passes[instrument] = run_materialize(batches, store_kind, producer, args.commit_every,
+                                                 args.cprofile and instrument and f"{args.cprofile}.{store_kind}",
+                                                 instrument)
+            if args.producer == "librdkafka":
+                producer.purge()
+            del producer
+        text, figures = report(events, repartition_s, passes[True], passes[False], store_kind)
+        out["stores"][store_kind] = {"timed": passes[True], "plain": passes[False], "us_per_event": figures}
         print()
-        print(report(events, repartition_s, stage2, store_kind), flush=True)
-        if args.producer == "librdkafka":
-            producer.purge()
-        del producer
+        print(text, flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1, default=str) + "\n")
     return 0
