@@ -2,7 +2,8 @@
 
 Starts a broker of its own (data under ``--work-dir``, emptied first), writes the simulator's events of
 ``--requests`` trace requests into ``kv-events``, starts one ``kvstream worker`` (``--store``) and records it
-with ``py-spy record --subprocesses`` (the repartition child too) until the worker has committed everything.
+with ``py-spy record --subprocesses`` (the repartition child too) from its first event materialized until it has
+committed everything (start-up is left out).
 Then it folds the stacks into the stages of bench/PROFILE.md: each sample goes to the first rule, from the
 leaf up, that one of its frames matches. Prints the shares and µs per event (a stage's share of the process's
 samples times that process's CPU seconds, divided by the events).
@@ -21,9 +22,9 @@ from pathlib import Path
 
 #: (stage, pattern on one frame "function (file:line)"), leaf-most match wins; order breaks ties in one frame.
 STAGE_RULES = [
-    ("kv_event decode", r"<avro reader of KvBlockEvent>|decode \(.*codec\.py.*\).*\bkv_event"),
-    ("ownership_batch decode", r"<avro reader of OwnershipBatch>"),
-    ("entry decode (RocksDB miss)", r"<avro reader of ResidencyEntry>"),
+    ("kv_event decode", r"<avro reader of [\w.]*KvBlockEvent>"),
+    ("ownership_batch decode", r"<avro reader of [\w.]*OwnershipBatch>"),
+    ("entry decode (RocksDB miss)", r"<avro reader of [\w.]*ResidencyEntry>"),
     ("residency rules", r"apply_block_event|aggregate_copies|clear_mark_record|ClearPosition"),
     ("encode (entry, change record)", r"avro_writers\.py"),
     ("produce (librdkafka enqueue)", r"^produce |produce_waiting|\(outputs\.py:\d+\)$"),
@@ -55,6 +56,10 @@ def classify(frames: list[str], rules) -> str:
     return "Faust, aiokafka, event loop (other)"
 
 
+#: Leaf functions of the samples no rule matched, per process (printed under the table).
+OTHER_LEAVES: dict[str, Counter] = defaultdict(Counter)
+
+
 def fold(raw: Path) -> dict[str, Counter]:
     """Samples per process ('worker' or 'repartition') and stage, from py-spy's raw (collapsed) output."""
     out: dict[str, Counter] = defaultdict(Counter)
@@ -65,7 +70,10 @@ def fold(raw: Path) -> dict[str, Counter]:
         frames = stack.split(";")
         child = any("spawn_main" in f or "_run_child" in f for f in frames)
         process = "repartition" if child else "worker"
-        out[process][classify(frames, REPARTITION_RULES if child else STAGE_RULES)] += int(count)
+        stage = classify(frames, REPARTITION_RULES if child else STAGE_RULES)
+        out[process][stage] += int(count)
+        if stage.startswith("Faust"):
+            OTHER_LEAVES[process][" < ".join(f.split(" (")[0] for f in frames[-1:-4:-1])] += int(count)
     return out
 
 
@@ -76,10 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=int, default=100, help="py-spy samples per second (default %(default)s)")
     p.add_argument("--work-dir", type=Path, default=Path(".kvstream/profile-worker"))
     p.add_argument("--raw", type=Path, default=None, help="fold this py-spy raw file instead of recording")
+    p.add_argument("--events", type=int, default=None, help="with --raw: the events of the recorded run")
+    p.add_argument("--cpu", default="", help="with --raw: CPU seconds per process, e.g. worker=47.2,repartition=6.0")
     args = p.parse_args(argv)
     work = args.work_dir.resolve()
-    events = None
-    cpu = {}
+    events = args.events
+    cpu = {k: float(v) for k, v in (item.split("=") for item in args.cpu.split(",") if item)}
     if args.raw is None:
         from bench.run import Bench, BenchOptions, _cpu_seconds, _Workers
         from kafka_io.admin import ensure_topics
@@ -100,12 +110,13 @@ def main(argv: list[str] | None = None) -> int:
             group = _Workers(bench.bootstrap, "profile", work, store=args.store, partitions=8)
             group.start(1)
             args.raw = work / "py-spy.raw"
-            spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid",
-                                    str(group.processes[0].pid), "--subprocesses", "--rate", str(args.rate),
-                                    "--format", "raw", "--output", str(args.raw), "--nonblocking"],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            spy = None
             try:
-                group.wait_first_event(600)
+                group.wait_first_event(600)  # the samples cover the processing only, not the start-up
+                spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid",
+                                        str(group.processes[0].pid), "--subprocesses", "--rate", str(args.rate),
+                                        "--format", "raw", "--output", str(args.raw), "--nonblocking"],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 import psutil
 
                 def per_process():
@@ -125,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{events:,} events in {seconds:.1f}s from the first: {events / seconds:,.0f} events/s; CPU s "
                       + ", ".join(f"{k} {v:.1f}" for k, v in cpu.items()))
             finally:
-                spy.send_signal(2)  # SIGINT: py-spy writes its output
-                spy.wait(60)
+                if spy is not None:
+                    spy.send_signal(2)  # SIGINT: py-spy writes its output
+                    spy.wait(60)
                 group.stop()
         finally:
             broker.stop(work / "broker")
@@ -138,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         for stage, n in stages.most_common():
             us = (n / total * cpu[process] / events * 1e6) if cpu.get(process) and events else float("nan")
             print(f"{stage:<56} {n / total:>7.1%} {us:>9.2f}")
+        print("  unmatched samples, by leaf < caller < caller:")
+        for leaves, n in OTHER_LEAVES[process].most_common(12):
+            print(f"    {n / total:6.1%}  {leaves}")
     return 0
 
 
