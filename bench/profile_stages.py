@@ -246,6 +246,7 @@ def make_materializer(store_kind: str, producer, tmp: Path, timers: dict[str, Ti
         residency.close_all = lambda: [db.close() for db in dbs.values()]
     residency.window_keys = set()
     residency.merged_writes = 0
+    residency.total_writes = 0
     if not instrument:
         tables = types.SimpleNamespace(
             residency_store=residency,
@@ -260,6 +261,7 @@ def make_materializer(store_kind: str, producer, tmp: Path, timers: dict[str, Ti
     write = residency.write
 
     def counted_write(partition, key, value):
+        residency.total_writes += 1
         residency.window_keys.add(key)
         write(partition, key, value)
 
@@ -297,8 +299,8 @@ def run_materialize(batches, store_kind: str, producer, commit_every: int, cprof
     original_write_back = applier_module.BatchApplier.write_back
     if instrument:
         applier_module.apply_block_event = rules.wrap(original_rules)
-        applier_module.BatchApplier.write_back = timers["write-back (entry encode, changelog produce, store write)"].wrap(
-            original_write_back)
+        write_back_timer = timers["write-back (entry encode, changelog produce, store write)"]
+        applier_module.BatchApplier.write_back = write_back_timer.wrap(original_write_back)
     tmp = Path(tempfile.mkdtemp(prefix="kvstream-profile-"))
     try:
         materializer, residency = make_materializer(store_kind, producer, tmp, timers, instrument)
@@ -365,6 +367,7 @@ def run_materialize(batches, store_kind: str, producer, commit_every: int, cprof
                   "timers": {k: {"s": v.ns / 1e9, "calls": v.calls} for k, v in timers.items()},
                   "resident_rows": resident, "became_resident": stats.became_resident,
                   "changelog_writes_merged_per_checkpoint": residency.merged_writes,
+                  "changelog_writes": residency.total_writes,
                   "stopped_resident": stats.stopped_resident, "applied": stats.applied,
                   "outputs": dict(getattr(producer, "by_topic", {})) or len(producer)}
         if store_kind == "rocksdb":
@@ -425,8 +428,9 @@ def report(events: int, repartition_s: float, stage2: dict, plain: dict, store_k
                  f"{t['entry read (store/cache, decode on miss)']['calls']:,}")
     lines.append(f"  resident rows at the end: {stage2['resident_rows']}; became {stage2['became_resident']:,}, "
                  f"stopped {stage2['stopped_resident']:,}")
-    lines.append(f"  residency changelog writes: {t['entry encode (residency writer)']['calls']:,} (one per touched key "
-                 f"per batch message); merged per checkpoint window: {stage2['changelog_writes_merged_per_checkpoint']:,}")
+    lines.append(f"  residency changelog records: {stage2['changelog_writes']:,} (one per touched key per batch "
+                 f"message; {t['entry encode (residency writer)']['calls']:,} values, the rest tombstones); distinct "
+                 f"keys per checkpoint window: {stage2['changelog_writes_merged_per_checkpoint']:,}")
     figures["stage 2 total"] = cpu_us
     return "\n".join(lines), figures
 

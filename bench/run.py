@@ -388,7 +388,8 @@ class _Workers:
 
             process = self.processes[0]
             try:
-                wait_until_consumed(self.bootstrap, TopicNames(self.app_id, self.topic_prefix), process, timeout_s=timeout_s, on_progress=show,
+                wait_until_consumed(self.bootstrap, TopicNames(self.app_id, self.topic_prefix), process,
+                                    timeout_s=timeout_s, on_progress=show,
                                     poll_s=0.25)
             except RuntimeError:
                 self.check_alive()
@@ -997,7 +998,8 @@ class Bench:
         if self.o.stream_requests is not None and self.o.stream_requests != len(requests):
             requests = load_trace(limit=self.o.stream_requests)
         batches, sim = _fleet_batches(requests)
-        producer = KvEventProducer(self.bootstrap, topic, dead_letter_topic=TopicNames(prefix=PEER_PREFIX).dead_letter)
+        producer = KvEventProducer(self.bootstrap, topic,
+                                   dead_letter_topic=TopicNames(prefix=PEER_PREFIX).dead_letter)
         for batch in batches:
             for index, event in enumerate(batch.events):
                 producer.send_event(batch.publisher, batch.seq, batch.ts, index, event)
