@@ -24,7 +24,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                            requests=args.requests, stream_requests=args.stream_requests, rows=args.rows, rows_large=args.rows_large,
                            latency_rate=args.latency_rate, latency_s=args.latency_seconds,
                            memory_rows=args.memory_rows, partitions=args.partitions, timeout_s=args.timeout,
-                           only=only)
+                           only=only, peer_rounds=args.peer_rounds)
     return run_bench(options)
 
 
@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        ("latency", "steady rate into that worker: event-to-table delay"),
                                        ("stream-2w", "two workers end to end"),
                                        ("tail", "kvstream tail against kcat on the same topic"),
+                                       ("peers", "worker (rocksdb, memory) vs the Kafka Streams peer"),
                                        ("rss", "peak RSS at --rows rows (rocksdb store), then recovery"),
                                        ("rss-large", "peak RSS at --rows-large rows"))),
                        epilog="Figure definitions: bench/README.md ('Figures') and results.json. A failed step "
@@ -76,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="partitions of kv-events and the app's topics (default: %(default)s)")
     p.add_argument("--only", default=None, metavar="STEP[,STEP...]",
                    help="run only these steps (stream-1w is needed for latency)")
+    p.add_argument("--peer-rounds", type=positive_int, default=2, metavar="N",
+                   help="runs of each contestant of the peers step, medians reported (default: %(default)s; "
+                        "--quick: 1)")
     p.add_argument("--output-dir", type=Path, default=Path("bench"), metavar="DIR",
                    help="where results.json and results.png go (default: %(default)s)")
     p.add_argument("--work-dir", type=Path, default=Path(".kvstream/bench"), metavar="DIR",

@@ -117,6 +117,43 @@ DEFINITIONS: dict[str, dict] = {
         "unit": "records/s", "target": None, "better": "higher", "baseline": None,
         "definition": "fastavro.schemaless_reader over the encoded kv_event bodies of the simulator's records, "
                       "one core, no Kafka: the limit of any consumer that decodes every event."},
+    "kafka_streams_events_per_s": {
+        "unit": "events/s", "target": None, "better": "higher", "baseline": None,
+        "definition": "Step peers: the Kafka Streams peer (bench/kafka_streams: Processor API, one stream thread, "
+                      "RocksDB store with a changelog and caching, commit every 1 s, clears applied by a store "
+                      "scan, no repartition, epochs or idempotency) over peers.kv-events (the trace, as the "
+                      "stream steps): events divided by the time from its first event processed to its group "
+                      "having committed the end of the topic. Median of --peer-rounds runs."},
+    "stream_vs_kafka_streams_rocksdb": {
+        "unit": "ratio", "target": 0.6, "better": "higher", "baseline": None,
+        "definition": "Step peers: one kvstream worker with rocksdb:// over the same topic, same definition of the "
+                      "rate, divided by kafka_streams_events_per_s (medians of the same rounds, interleaved)."},
+    "stream_vs_kafka_streams_memory": {
+        "unit": "ratio", "target": None, "better": "higher", "baseline": None,
+        "definition": "As stream_vs_kafka_streams_rocksdb with memory://."},
+    "cpu_us_per_event_stream_rocksdb": {
+        "unit": "µs/event", "target": None, "better": "lower", "baseline": "cpu_us_per_event_kafka_streams",
+        "definition": "Step peers: user + system CPU of the worker's process tree (the worker and its repartition "
+                      "child) from its first event to everything committed, per input event; the broker's apart. "
+                      "details.peers has it per process."},
+    "cpu_us_per_event_stream_memory": {
+        "unit": "µs/event", "target": None, "better": "lower", "baseline": "cpu_us_per_event_kafka_streams",
+        "definition": "As cpu_us_per_event_stream_rocksdb with memory://."},
+    "cpu_us_per_event_kafka_streams": {
+        "unit": "µs/event", "target": None, "better": "lower", "baseline": None,
+        "definition": "As cpu_us_per_event_stream_rocksdb for the Kafka Streams peer's JVM (every thread: stream "
+                      "thread, producer, RocksDB, GC, JIT)."},
+    "messages_per_event_stream_rocksdb": {
+        "unit": "messages/event", "target": None, "better": "lower", "baseline": "messages_per_event_kafka_streams",
+        "definition": "Step peers: messages the run wrote to the broker (end offsets of every topic but the input "
+                      "and __consumer_offsets, after minus before), per input event. details.peers has them per "
+                      "topic."},
+    "messages_per_event_stream_memory": {
+        "unit": "messages/event", "target": None, "better": "lower", "baseline": "messages_per_event_kafka_streams",
+        "definition": "As messages_per_event_stream_rocksdb with memory://."},
+    "messages_per_event_kafka_streams": {
+        "unit": "messages/event", "target": None, "better": "lower", "baseline": None,
+        "definition": "As messages_per_event_stream_rocksdb for the Kafka Streams peer (its changelog)."},
     "plain_consumer_events_per_s": {
         "unit": "events/s", "target": None, "better": "higher", "baseline": "fastavro_decode_per_s",
         "definition": "confluent-kafka consumer over kv-events (batches of 10,000), Avro decode, "
@@ -173,6 +210,8 @@ class BenchOptions:
     timeout_s: float = 7200.0
     #: Steps to run (None: all); names as in :data:`STEPS`.
     only: tuple[str, ...] | None = None
+    #: Runs of each contestant of the peers step (medians reported; quick: 1).
+    peer_rounds: int = 2
 
     def apply_quick(self) -> None:
         """Shrink every size for a smoke run (--requests and --stream-requests given explicitly are kept)."""
@@ -182,6 +221,7 @@ class BenchOptions:
         self.rows_large = 0
         self.latency_s = min(self.latency_s, 5.0)
         self.memory_rows = min(self.memory_rows, 20_000)
+        self.peer_rounds = min(self.peer_rounds, 1)
 
 
 def _say(text: str) -> None:
@@ -296,6 +336,11 @@ class _Workers:
     work: Path
     store: str = "memory://"
     partitions: int = 8
+    #: ``--topic-prefix`` of the workers (the peers step reads ``peers.kv-events``).
+    topic_prefix: str = ""
+    #: ``--residency-changes``: the stream steps publish them (the latency and tail steps read them); the peers
+    #: step does not, as a deployment that does not ask for them.
+    residency_changes: bool = False
     processes: list = field(default_factory=list)
     ports: list = field(default_factory=list)
     logs: list = field(default_factory=list)
@@ -312,7 +357,8 @@ class _Workers:
                 shutil.rmtree(data_dir, ignore_errors=True)
             log = self.work / f"{self.app_id}-{index}.log"
             options = WorkerSettings(bootstrap_servers=self.bootstrap, web_port=port, data_dir=data_dir, store=self.store,
-                                    partitions=self.partitions, app_id=self.app_id, log_level="info")
+                                    partitions=self.partitions, app_id=self.app_id, log_level="info",
+                                    topic_prefix=self.topic_prefix, residency_changes=self.residency_changes)
             self.processes.append(spawn_worker(options, log))
             self.ports.append(port)
             self.logs.append(log)
@@ -350,6 +396,7 @@ class _Workers:
     def wait_consumed(self, total: int, timeout_s: float, label: str) -> float:
         """Wait until the group has committed everything; returns the perf_counter time it was seen."""
         from kvstream.worker import wait_until_consumed
+        from schemas.topics import TopicNames
 
         with tqdm(total=total, unit="ev", desc=label, leave=False, disable=None) as bar:
             def show(_progress):
@@ -358,7 +405,8 @@ class _Workers:
 
             process = self.processes[0]
             try:
-                wait_until_consumed(self.bootstrap, self.app_id, process, timeout_s=timeout_s, on_progress=show,
+                wait_until_consumed(self.bootstrap, TopicNames(self.app_id, self.topic_prefix), process,
+                                    timeout_s=timeout_s, on_progress=show,
                                     poll_s=0.25)
             except RuntimeError:
                 self.check_alive()
@@ -428,6 +476,7 @@ class Bench:
         self._trace = None
         self._batches = None
         self._kv_events_messages = 0
+        self._peer_input_info: dict | None = None
 
     # ---- bookkeeping
 
@@ -738,7 +787,8 @@ class Bench:
     def _stream(self, workers: int, key: str, keep: bool = False, store: str = "memory://") -> _Workers | None:
         self._stream_input()
         app_id = f"bench-{workers}w" + ("" if store == "memory://" else "-" + store.split(":")[0])
-        group = _Workers(self.bootstrap, app_id, self.work, store=store, partitions=self.o.partitions)
+        group = _Workers(self.bootstrap, app_id, self.work, store=store, partitions=self.o.partitions,
+                         residency_changes=True)
         t_start = time.perf_counter()
         group.start(workers)
         try:
@@ -1016,6 +1066,155 @@ class Bench:
                  + (f"{found['kcat_messages_per_s']:,}/s: tail/kcat {found['tail_vs_kcat']:.2f}"
                     if "kcat_s" in found else f"skipped ({found['kcat_skipped']})"))
 
+    # ---- the peers step (bench/peers.py)
+
+    def _peer_input(self) -> dict:
+        """``peers.kv-events``, written once with the stream steps' trace requests (untimed), and the truth."""
+        if self._peer_input_info is not None:
+            return self._peer_input_info
+        from kafka_io.admin import ensure_topics
+        from producers.kafka_sink import KvEventProducer
+        from producers.simulator import load_trace
+        from schemas.topics import TopicNames
+
+        from bench.peers import PEER_PREFIX
+
+        topic = TopicNames(prefix=PEER_PREFIX).kv_events
+        ensure_topics(self.bootstrap, {topic: self.o.partitions})
+        requests = self._trace_requests()
+        if self.o.stream_requests is not None and self.o.stream_requests != len(requests):
+            requests = load_trace(limit=self.o.stream_requests)
+        batches, sim = _fleet_batches(requests)
+        producer = KvEventProducer(self.bootstrap, topic,
+                                   dead_letter_topic=TopicNames(prefix=PEER_PREFIX).dead_letter)
+        for batch in batches:
+            for index, event in enumerate(batch.events):
+                producer.send_event(batch.publisher, batch.seq, batch.ts, index, event)
+        messages = producer.flush().acked
+        truth = sum(1 for copies in sim.ground_truth().values() if copies > 0)
+        self._peer_input_info = {"topic": topic, "events": messages, "requests": len(requests), "truth_rows": truth}
+        _say(f"      {topic}: {messages:,} messages from {len(requests):,} trace requests; truth {truth:,} rows")
+        return self._peer_input_info
+
+    def _peer_round(self, name: str, round_: int, classpath: str | None) -> dict:
+        """One run of one contestant over ``peers.kv-events``: its figures (see bench/peers.py)."""
+        from bench.peers import PEER_PREFIX, KafkaStreamsPeer, process_cpu, topic_end_offsets, wait_committed
+
+        source = self._peer_input()
+        topic, events = source["topic"], source["events"]
+        app_id = f"{name}-{round_}"
+        before = topic_end_offsets(self.bootstrap)
+        t_start = time.perf_counter()
+        if name == "kafka-streams":
+            peer = KafkaStreamsPeer(classpath, self.bootstrap, app_id, self.work / f"peer-{app_id}",
+                                    free_port(), self.work / f"peer-{app_id}.log", topic)
+            pids, labels, alive = peer.pids, {peer.process.pid: "kafka_streams"}, peer.check_alive
+            processed = lambda: (peer.stats() or {}).get("events", 0)  # noqa: E731
+            group = app_id
+            stop = peer.stop
+        else:
+            store = "rocksdb://" if name == "stream-rocksdb" else "memory://"
+            workers = _Workers(self.bootstrap, app_id, self.work, store=store, partitions=self.o.partitions,
+                               topic_prefix=PEER_PREFIX)
+            workers.start(1)
+            pids, labels, alive = workers.pids, {workers.processes[0].pid: "worker"}, workers.check_alive
+            processed = workers.materialized
+            group = None
+            stop = workers.stop
+        peak = _Peak(pids)
+        try:
+            deadline = time.monotonic() + self.o.timeout_s
+            while processed() == 0:
+                alive()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{name} processed nothing within {self.o.timeout_s:.0f}s")
+                time.sleep(0.1)
+            t_first = time.perf_counter()
+            cpu_first = process_cpu(pids(), labels), _cpu_seconds([self.broker_pid])
+            if group is None:
+                t_done = workers.wait_consumed(events, self.o.timeout_s, app_id)
+            else:
+                t_done = wait_committed(self.bootstrap, group, topic, self.o.timeout_s, alive)
+            cpu_done = process_cpu(pids(), labels), _cpu_seconds([self.broker_pid])
+            if name == "kafka-streams":
+                stats = peer.stats() or {}
+                rows = peer.rows()
+                resident = rows["resident_rows"]
+                processed_s = (stats["last_event_ms"] - stats["first_event_ms"]) / 1000.0
+                extra = {"peer_stats": stats, "peer_rows": rows}
+            else:
+                resident = workers.resident_rows()
+                processed_s = None
+                extra = {"worker_stats": _stats(workers.ports[0])}
+        finally:
+            rss = peak.stop()
+            stop()
+        after = topic_end_offsets(self.bootstrap)
+        seconds = t_done - t_first
+        written = {t: after.get(t, 0) - before.get(t, 0) for t in after
+                   if t != topic and after.get(t, 0) != before.get(t, 0)}
+        offsets = written.pop("__consumer_offsets", 0)
+        by_process = {label: round((cpu_done[0].get(label, 0.0) - cpu_first[0].get(label, 0.0)) / events * 1e6, 2)
+                      for label in cpu_done[0]}
+        result = {
+            "round": round_, "events": events, "seconds": round(seconds, 3), "events_per_s": events / seconds,
+            "including_startup_s": round(t_done - t_start, 3),
+            "processed_events_per_s": (events / processed_s) if processed_s else None,
+            "cpu_us_per_event": round(sum(by_process.values()), 2), "cpu_us_per_event_by_process": by_process,
+            "broker_cpu_us_per_event": round((cpu_done[1] - cpu_first[1]) / events * 1e6, 2),
+            "rss_peak_mib": round(rss / (1 << 20), 1), "messages_written": sum(written.values()),
+            "messages_per_event": round(sum(written.values()) / events, 4), "messages_by_topic": written,
+            "consumer_offsets_messages": offsets, "resident_rows": resident,
+            "rows_equal_truth": resident == source["truth_rows"], **extra}
+        _say(f"      {name} round {round_}: {events / seconds:,.0f} events/s, {result['cpu_us_per_event']:.1f} µs CPU "
+             f"per event (broker {result['broker_cpu_us_per_event']:.1f}), peak RSS {result['rss_peak_mib']:,.0f} "
+             f"MiB, {result['messages_per_event']:.2f} messages/event, {resident:,} resident rows "
+             f"({'=' if result['rows_equal_truth'] else '!='} truth {source['truth_rows']:,})")
+        return result
+
+    def step_peers(self) -> None:
+        """kvstream's worker (RocksDB, memory) against the Kafka Streams peer, one at a time, medians of rounds."""
+        from bench.peers import CONTESTANTS, build_kafka_streams, summarize
+
+        classpath = build_kafka_streams(_say)
+        source = self._peer_input()
+        peers = self.results.setdefault("peers", {})
+        peers.update({"rounds": self.o.peer_rounds, "events": source["events"], "truth_rows": source["truth_rows"],
+                      "topic": source["topic"], "load_average_at_start": _load(),
+                      "contestants": {name: {"rounds": []} for name in CONTESTANTS}})
+        errors = []
+        for round_ in range(self.o.peer_rounds):  # interleaved: a slow minute of the machine hits every one
+            for name in CONTESTANTS:
+                try:
+                    peers["contestants"][name]["rounds"].append(self._peer_round(name, round_, classpath))
+                except KeyboardInterrupt:
+                    raise
+                except Exception as exc:  # one contestant's failure keeps the others' rounds
+                    errors.append(f"{name} round {round_}: {type(exc).__name__}: {exc}")
+                    _say(f"      {name} round {round_} FAILED: {type(exc).__name__}: {exc}")
+                self._write()
+        peers["load_average_at_end"] = _load()
+        medians = {}
+        for name, contestant in peers["contestants"].items():
+            contestant["median"] = summarize(contestant["rounds"]) if contestant["rounds"] else None
+            medians[name] = contestant["median"] or {}
+        ks = medians["kafka-streams"].get("events_per_s")
+        self._set("kafka_streams_events_per_s", ks, rows_equal_truth=medians["kafka-streams"].get("rows_equal_truth"))
+        for store in ("rocksdb", "memory"):
+            m = medians[f"stream-{store}"]
+            rate = m.get("events_per_s")
+            self._set(f"stream_vs_kafka_streams_{store}", rate / ks if rate and ks else None,
+                      stream_events_per_s=rate, kafka_streams_events_per_s=ks)
+            self._set(f"cpu_us_per_event_stream_{store}", m.get("cpu_us_per_event"),
+                      by_process=m.get("cpu_us_per_event_by_process"))
+            self._set(f"messages_per_event_stream_{store}", m.get("messages_per_event"))
+        k = medians["kafka-streams"]
+        self._set("cpu_us_per_event_kafka_streams", k.get("cpu_us_per_event"),
+                  by_process=k.get("cpu_us_per_event_by_process"))
+        self._set("messages_per_event_kafka_streams", k.get("messages_per_event"))
+        if errors:
+            raise RuntimeError("; ".join(errors))
+
     # ---- driver
 
     @property
@@ -1077,7 +1276,7 @@ LATENCY_WARMUP_S = 5.0
 
 #: Steps in run order (``--only`` takes these names).
 STEPS = ("baselines", "memory", "producer", "plain-consumer", "bridge", "stream-1w", "latency", "stream-1w-rocksdb",
-         "stream-2w", "tail", "rss", "rss-large")
+         "stream-2w", "tail", "peers", "rss", "rss-large")
 STEP_HELP = {
     "baselines": "fastavro decode/encode of the simulator's records, one core",
     "memory": "bytes per resident row: memory store and RocksDB store",
@@ -1089,6 +1288,7 @@ STEP_HELP = {
     "stream-1w-rocksdb": "one worker end to end, RocksDB store (the worker's default)",
     "stream-2w": "two workers end to end",
     "tail": "kvstream tail against kcat on kv-events (and the stream-1w app's changes topic)",
+    "peers": "kvstream worker (rocksdb, memory) against the Kafka Streams peer, one at a time, medians of rounds",
     "rss": "worker peak RSS at --rows resident rows (rocksdb store), then recovery of them",
     "rss-large": "worker peak RSS at --rows-large resident rows",
 }
@@ -1099,7 +1299,8 @@ def _is_full(options: BenchOptions) -> bool:
     full = BenchOptions()
     return (options.only is None and options.requests is None and options.stream_requests is None
             and (options.rows, options.rows_large, options.latency_rate, options.latency_s, options.memory_rows)
-            == (full.rows, full.rows_large, full.latency_rate, full.latency_s, full.memory_rows))
+            == (full.rows, full.rows_large, full.latency_rate, full.latency_s, full.memory_rows)
+            and options.peer_rounds == full.peer_rounds)
 
 
 def _deep_copy(value):
@@ -1110,6 +1311,13 @@ def _deep_copy(value):
     if isinstance(value, bytes):
         return bytes(bytearray(value))
     return value
+
+
+def _load() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def _machine() -> dict:
@@ -1155,6 +1363,9 @@ def print_table(results: dict) -> None:
             one = figures["stream_events_per_s_1w"]["value"]
             target = f"1.6x1w={_fmt(1.6 * one)}" if one else "1.6 x 1w"
         print(f"{key:<30} {_fmt(f['value']):>14} {_fmt(target):>24} {base_text:>32}  {f['unit']}")
+    from bench.peers import print_peers
+
+    print_peers(results.get("peers"))
     if results.get("errors"):
         print("\nfailed steps: " + "; ".join(f"{k}: {v}" for k, v in results["errors"].items()))
 
