@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -24,7 +25,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                            requests=args.requests, stream_requests=args.stream_requests, rows=args.rows, rows_large=args.rows_large,
                            latency_rate=args.latency_rate, latency_s=args.latency_seconds,
                            memory_rows=args.memory_rows, partitions=args.partitions, timeout_s=args.timeout,
-                           only=only, peer_rounds=args.peer_rounds)
+                           only=only, peer_rounds=args.peer_rounds, schema_registry=args.schema_registry)
     return run_bench(options)
 
 
@@ -53,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "is recorded under 'errors' and the others still run (exit code 1). The full run "
                               "takes long (the 10M-row step alone writes and consumes over 10 million events); "
                               "--quick takes a few minutes.")
+    p.add_argument("--schema-registry", default=os.environ.get("KVSTREAM_SCHEMA_REGISTRY_URL", ""), metavar="URL",
+                   help="schema registry URL (e.g. from 'kvstream registry start'): producers and workers write the "
+                        "Confluent wire format (default: $KVSTREAM_SCHEMA_REGISTRY_URL, else none)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 3000 requests for the producer and bridge, 600 for the stream app, 60,000 "
                         "rows, 5 s of latency, no 10M-row step")

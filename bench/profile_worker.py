@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     events = args.events
     cpu = {k: float(v) for k, v in (item.split("=") for item in args.cpu.split(",") if item)}
     if args.raw is None:
-        from bench.run import Bench, BenchOptions, _cpu_seconds, _Workers
+        from bench.run import Bench, BenchOptions, _Workers
         from kafka_io.admin import ensure_topics
         from kvstream import broker
         from kvstream.broker import free_port

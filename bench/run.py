@@ -212,6 +212,8 @@ class BenchOptions:
     only: tuple[str, ...] | None = None
     #: Runs of each contestant of the peers step (medians reported; quick: 1).
     peer_rounds: int = 2
+    #: A schema registry: producers and workers then use the Confluent wire format (registry mode); empty: none.
+    schema_registry: str = ""
 
     def apply_quick(self) -> None:
         """Shrink every size for a smoke run (--requests and --stream-requests given explicitly are kept)."""
@@ -341,6 +343,8 @@ class _Workers:
     #: ``--residency-changes``: the stream steps publish them (the latency and tail steps read them); the peers
     #: step does not, as a deployment that does not ask for them.
     residency_changes: bool = False
+    #: ``--schema-registry-url`` of the workers (``make bench BENCH_ARGS=--schema-registry=URL``).
+    schema_registry_url: str = ""
     processes: list = field(default_factory=list)
     ports: list = field(default_factory=list)
     logs: list = field(default_factory=list)
@@ -358,7 +362,8 @@ class _Workers:
             log = self.work / f"{self.app_id}-{index}.log"
             options = WorkerSettings(bootstrap_servers=self.bootstrap, web_port=port, data_dir=data_dir, store=self.store,
                                     partitions=self.partitions, app_id=self.app_id, log_level="info",
-                                    topic_prefix=self.topic_prefix, residency_changes=self.residency_changes)
+                                    topic_prefix=self.topic_prefix, residency_changes=self.residency_changes,
+                                    schema_registry_url=self.schema_registry_url)
             self.processes.append(spawn_worker(options, log))
             self.ports.append(port)
             self.logs.append(log)
@@ -615,12 +620,11 @@ class Bench:
     def step_producer(self) -> None:
         """The producer path into a topic of its own (``bench-producer``, partitioned as kv-events)."""
         from kafka_io.admin import ensure_topics
-        from producers.kafka_sink import KvEventProducer
 
         batches = self._sim_batches()
         gc.freeze()  # the pre-generated batches are the harness's, not the path's: keep them out of GC passes
         ensure_topics(self.bootstrap, {"bench-producer": self.o.partitions})
-        producer = KvEventProducer(self.bootstrap, "bench-producer")
+        producer = self._kv_producer("bench-producer")
         records = 0
         t0 = time.perf_counter()
         for batch in tqdm(batches, unit="batch", desc="produce", leave=False, disable=None):
@@ -640,7 +644,6 @@ class Bench:
         """Write the simulator's events for ``stream_requests`` into kv-events once (not timed)."""
         if self._kv_events_messages:
             return
-        from producers.kafka_sink import KvEventProducer
         from producers.simulator import load_trace
         from schemas.topics import KV_EVENTS
 
@@ -648,7 +651,7 @@ class Bench:
         if self.o.stream_requests is not None and self.o.stream_requests != len(requests):
             requests = load_trace(limit=self.o.stream_requests)
         batches, _ = _fleet_batches(requests)
-        producer = KvEventProducer(self.bootstrap, KV_EVENTS)
+        producer = self._kv_producer(KV_EVENTS)
         for batch in batches:
             for index, event in enumerate(batch.events):
                 producer.send_event(batch.publisher, batch.seq, batch.ts, index, event)
@@ -738,7 +741,6 @@ class Bench:
         """The bridge fed by a local publisher process at full speed."""
         from kafka_io.admin import ensure_topics
         from producers.bridge import Bridge, BridgeMetrics, KafkaBatchSink, PublisherEndpoint
-        from producers.kafka_sink import KvEventProducer
 
         topic = "bench-bridge"
         ensure_topics(self.bootstrap, {topic: self.o.partitions})
@@ -749,7 +751,7 @@ class Bench:
         start, done = context.Event(), context.Event()
         publisher = context.Process(target=_publish_process, args=(port, payloads, start, done), daemon=True)
         publisher.start()
-        producer = KvEventProducer(self.bootstrap, topic)
+        producer = self._kv_producer(topic)
         metrics = BridgeMetrics()
         bridge = Bridge([PublisherEndpoint(f"tcp://127.0.0.1:{port}", None, "bench-0")],
                         KafkaBatchSink(producer, metrics), metrics=metrics, receive_hwm=0)
@@ -787,7 +789,7 @@ class Bench:
     def _stream(self, workers: int, key: str, keep: bool = False, store: str = "memory://") -> _Workers | None:
         self._stream_input()
         app_id = f"bench-{workers}w" + ("" if store == "memory://" else "-" + store.split(":")[0])
-        group = _Workers(self.bootstrap, app_id, self.work, store=store, partitions=self.o.partitions,
+        group = self._workers(app_id, self.work, store=store, partitions=self.o.partitions,
                          residency_changes=True)
         t_start = time.perf_counter()
         group.start(workers)
@@ -837,7 +839,6 @@ class Bench:
         from confluent_kafka import Consumer, TopicPartition
 
         from kafka_io.config import client_config
-        from producers.kafka_sink import KvEventProducer
         from schemas import AvroCodec
         from schemas.topics import KV_EVENTS, TopicNames
 
@@ -855,7 +856,7 @@ class Bench:
         changes = TopicNames(group.app_id).residency_changes
         starts = [TopicPartition(changes, p, consumer.get_watermark_offsets(TopicPartition(changes, p))[1])
                   for p in range(self.o.partitions)]
-        producer = KvEventProducer(self.bootstrap, KV_EVENTS)
+        producer = self._kv_producer(KV_EVENTS)
         sent = 0
         t0 = time.perf_counter()
         began = time.time()
@@ -915,10 +916,9 @@ class Bench:
     def _fill_rows(self, rows_wanted: int, label: str) -> int:
         """Append eviction-free repetitions of the trace to kv-events until it holds ``rows_wanted`` more
         resident rows; returns the rows added."""
-        from producers.kafka_sink import KvEventProducer
         from schemas.topics import KV_EVENTS
 
-        producer = KvEventProducer(self.bootstrap, KV_EVENTS)
+        producer = self._kv_producer(KV_EVENTS)
         added = 0
         repetition = self.results["details"].setdefault("_next_repetition", 1)
         with tqdm(total=rows_wanted, unit="row", desc=label, leave=False, disable=None) as bar:
@@ -944,7 +944,7 @@ class Bench:
             _say(f"      writing {rows - have:,}+ resident rows into kv-events")
             have += self._fill_rows(rows - have, "rows")
             self.results["details"]["_rows_in_kv_events"] = have
-        group = _Workers(self.bootstrap, app_id, self.work, store="rocksdb://", partitions=self.o.partitions)
+        group = self._workers(app_id, self.work, store="rocksdb://", partitions=self.o.partitions)
         group.start(1)
         peak = _Peak(group.pids)
         try:
@@ -963,7 +963,7 @@ class Bench:
             self._recovery(app_id, resident)
 
     def _recovery(self, app_id: str, rows: int) -> None:
-        group = _Workers(self.bootstrap, app_id, self.work / "recovery", store="rocksdb://",
+        group = self._workers(app_id, self.work / "recovery", store="rocksdb://",
                          partitions=self.o.partitions)
         t0 = time.perf_counter()
         group.start(1)
@@ -1073,7 +1073,6 @@ class Bench:
         if self._peer_input_info is not None:
             return self._peer_input_info
         from kafka_io.admin import ensure_topics
-        from producers.kafka_sink import KvEventProducer
         from producers.simulator import load_trace
         from schemas.topics import TopicNames
 
@@ -1085,7 +1084,7 @@ class Bench:
         if self.o.stream_requests is not None and self.o.stream_requests != len(requests):
             requests = load_trace(limit=self.o.stream_requests)
         batches, sim = _fleet_batches(requests)
-        producer = KvEventProducer(self.bootstrap, topic,
+        producer = self._kv_producer(topic,
                                    dead_letter_topic=TopicNames(prefix=PEER_PREFIX).dead_letter)
         for batch in batches:
             for index, event in enumerate(batch.events):
@@ -1114,7 +1113,7 @@ class Bench:
             stop = peer.stop
         else:
             store = "rocksdb://" if name == "stream-rocksdb" else "memory://"
-            workers = _Workers(self.bootstrap, app_id, self.work, store=store, partitions=self.o.partitions,
+            workers = self._workers(app_id, self.work, store=store, partitions=self.o.partitions,
                                topic_prefix=PEER_PREFIX)
             workers.start(1)
             pids, labels, alive = workers.pids, {workers.processes[0].pid: "worker"}, workers.check_alive
@@ -1214,6 +1213,21 @@ class Bench:
         self._set("messages_per_event_kafka_streams", k.get("messages_per_event"))
         if errors:
             raise RuntimeError("; ".join(errors))
+
+    # ---- producers and workers in the run's framing
+
+    def _kv_producer(self, topic: str, **kwargs):
+        """A kv-event producer to ``topic``; with ``--schema-registry``, in the Confluent wire format."""
+        from kafka_io.schema_registry import writer_codec
+        from producers.kafka_sink import KvEventProducer
+        from schemas.topics import SCHEMAS
+
+        codec = writer_codec("kv_event", self.bootstrap, topic, self.o.schema_registry, SCHEMAS)
+        return KvEventProducer(self.bootstrap, topic, codec=codec, **kwargs)
+
+    def _workers(self, app_id: str, work: Path, **kwargs) -> _Workers:
+        """A group of workers of ``app_id``, with the run's schema registry."""
+        return _Workers(self.bootstrap, app_id, work, schema_registry_url=self.o.schema_registry, **kwargs)
 
     # ---- driver
 
