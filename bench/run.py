@@ -33,6 +33,7 @@ import multiprocessing
 import os
 import platform
 import shutil
+import subprocess
 import statistics
 import sys
 import threading
@@ -1041,9 +1042,10 @@ class Bench:
                 messages += high - low
         finally:
             consumer.close()
+        registry = ["--schema-registry", self.o.schema_registry] if self.o.schema_registry else []
         tail_s = self._time_process([sys.executable, "-c", "import sys; from kvstream.cli import main; "
                                      "sys.exit(main())", "tail", topic, "--bootstrap-servers", self.bootstrap,
-                                     "--from-beginning", "--to-end"])
+                                     "--from-beginning", "--to-end", *registry])
         found = {"topic": topic, "messages": messages, "tail_s": round(tail_s, 3),
                  "tail_messages_per_s": round(messages / tail_s)}
         kcat = shutil.which("kcat") or shutil.which("kafkacat")
@@ -1053,6 +1055,14 @@ class Bench:
         kcat_s = self._time_process([kcat, "-C", "-b", self.bootstrap, "-t", topic, "-o", "beginning", "-e", "-q"])
         found.update(kcat_s=round(kcat_s, 3), kcat_messages_per_s=round(messages / kcat_s),
                      tail_vs_kcat=round(kcat_s / tail_s, 3))
+        # kcat above prints the raw bytes; in registry mode a kcat built with Avro support decodes them to JSON
+        # as tail does (the same job), so that ratio is in details too
+        avro_kcat = _kcat_with_avro()
+        if self.o.schema_registry and avro_kcat:
+            avro_s = self._time_process([avro_kcat, "-C", "-b", self.bootstrap, "-t", topic, "-o", "beginning", "-e",
+                                         "-q", "-s", "value=avro", "-r", self.o.schema_registry, "-f", "%s\n"])
+            found.update(kcat_avro_s=round(avro_s, 3), kcat_avro_messages_per_s=round(messages / avro_s),
+                         tail_vs_kcat_avro=round(avro_s / tail_s, 3))
         return found
 
     def step_tail(self) -> None:
@@ -1299,6 +1309,16 @@ class Bench:
 #: worker's switch from catching up to steady flow are a transient, not the steady state the figure is about
 #: (their delays are still in ``details``, as the first ``p99_ms_per_5s`` window).
 LATENCY_WARMUP_S = 5.0
+
+def _kcat_with_avro() -> str | None:
+    """A kcat that decodes Confluent-framed Avro (``-s value=avro``; Debian's package does not), or None."""
+    for candidate in ("/opt/kcat-avro/bin/kcat", shutil.which("kcat")):
+        if candidate and shutil.which(candidate):
+            shown = subprocess.run([candidate, "-h"], capture_output=True, text=True, check=False)
+            if "avro" in (shown.stdout + shown.stderr).lower():
+                return candidate
+    return None
+
 
 #: Steps in run order (``--only`` takes these names).
 STEPS = ("baselines", "memory", "producer", "plain-consumer", "bridge", "stream-1w", "latency", "stream-1w-rocksdb",

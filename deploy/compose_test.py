@@ -93,7 +93,8 @@ class Compose:
         """``http://127.0.0.1:PORT`` of worker replica ``index`` (1-based), or None if it has no port yet."""
         proc = self.run("port", "--index", str(index), "worker", str(WEB_PORT), check=False, capture=True)
         match = re.search(r":(\d+)\s*$", proc.stdout.strip()) if proc.returncode == 0 else None
-        return f"http://127.0.0.1:{match.group(1)}" if match else None
+        # a replica still starting may report port 0: no port yet, not a port to remember
+        return f"http://127.0.0.1:{match.group(1)}" if match and match.group(1) != "0" else None
 
     def worker_volumes(self) -> set[str]:
         """Names of the volumes on ``/data`` of the running worker replicas (their anonymous state volumes)."""
@@ -158,6 +159,8 @@ def wait_ready(compose: Compose, replicas: int, since: float, timeout_s: float,
             if status == 200:
                 pending.discard(index)
                 say(f"worker {index} ({url}) ready after {time.monotonic() - since:.1f} s")
+            else:
+                urls.pop(index)  # asked again next time: a replica recreated while starting has a new port
         if pending and time.monotonic() > deadline:
             raise RuntimeError(f"workers {sorted(pending)} not ready after {timeout_s:.0f} s")
         time.sleep(0.5)
