@@ -85,6 +85,26 @@ class _BoundStore:
         self.recovery_timeout_s = recovery_timeout_s
 
 
+class _EntryCache:
+    """The decoded-entry cache both residency stores keep in front of their encoded entries."""
+
+    _cache: OrderedDict[str, dict | None]
+    cache_entries: int
+
+    def _remember(self, key: str, entry: dict | None) -> None:
+        """Put ``entry`` (None: known absent) under ``key`` as the most recent; evict the least recent."""
+        cache = self._cache
+        cache[key] = entry
+        cache.move_to_end(key)
+        if len(cache) > self.cache_entries:
+            cache.popitem(last=False)
+
+    def forget_cache(self) -> None:
+        """Drop the decoded entries (partitions were revoked or assigned: another worker may have written
+        their keys). Entries waiting for their changelog acknowledgement, if any, stay."""
+        self._cache.clear()
+
+
 class MemoryTableStore(_BoundStore, faust.stores.memory.Store):
     """Faust's memory store whose writes produce their changelog records through the output producer.
 
@@ -133,7 +153,7 @@ class MemoryTableStore(_BoundStore, faust.stores.memory.Store):
         """No cache to drop."""
 
 
-class CompactMemoryTableStore(MemoryTableStore):
+class CompactMemoryTableStore(_EntryCache, MemoryTableStore):
     """The memory store of the ``residency`` table (``--store memory://``): each entry held as the Avro bytes of
     its changelog record, with a cache of decoded entries in front (``--residency-cache``).
 
@@ -184,13 +204,6 @@ class CompactMemoryTableStore(MemoryTableStore):
         raw = self.data.get(key)
         return None if raw is None else self.codec.decode(raw)
 
-    def _remember(self, key: str, entry: dict | None) -> None:
-        cache = self._cache
-        cache[key] = entry
-        cache.move_to_end(key)
-        if len(cache) > self.cache_entries:
-            cache.popitem(last=False)
-
     def write(self, partition: int, key: str, value: dict | None) -> None:
         """Store ``value`` (None: delete) as its Avro bytes and produce them as its changelog record to
         ``partition``."""
@@ -215,12 +228,8 @@ class CompactMemoryTableStore(MemoryTableStore):
             del self.data[key]
         self._cache.clear()
 
-    def forget_cache(self) -> None:
-        """Drop the decoded entries (partitions were revoked or assigned)."""
-        self._cache.clear()
 
-
-class RocksDBTableStore(_BoundStore, faust.stores.rocksdb.Store):
+class RocksDBTableStore(_EntryCache, _BoundStore, faust.stores.rocksdb.Store):
     """Faust's RocksDB store with an entry cache, changelog-acknowledged writes and a fast changelog copy.
 
     Written through its partitions' databases, not Faust's ``_set``/``_del``, which remember every key ever
@@ -269,13 +278,6 @@ class RocksDBTableStore(_BoundStore, faust.stores.rocksdb.Store):
         raw = None if db is None else db.get(key.encode())
         return None if raw is None else self.codec.decode(raw)
 
-    def _remember(self, key: str, entry: dict | None) -> None:
-        cache = self._cache
-        cache[key] = entry
-        cache.move_to_end(key)
-        if len(cache) > self.cache_entries:
-            cache.popitem(last=False)
-
     def write(self, partition: int, key: str, entry: dict | None) -> None:
         """Produce ``entry``'s changelog record (None: a tombstone) to ``partition``; it reaches the disk at
         the first :meth:`persist` after the record is acknowledged."""
@@ -317,13 +319,6 @@ class RocksDBTableStore(_BoundStore, faust.stores.rocksdb.Store):
         """Keys of ``partition``: on disk and pending (a scan, for rare source-wide events)."""
         on_disk = [raw.decode() for raw in self._db_for_partition(partition).keys() if raw != self.offset_key]
         return list(dict.fromkeys([*on_disk, *self._pending[partition]]))
-
-    def forget_cache(self) -> None:
-        """Drop the cache (partitions were revoked or assigned: another worker may have written their keys).
-
-        Pending entries stay: they belong to the batch in hand, which finishes before the rebalance does.
-        """
-        self._cache.clear()
 
     async def on_rebalance(self, assigned, revoked, newly_assigned, generation_id: int = 0) -> None:
         """Faust's rebalance (opens the newly assigned partitions' databases), then the changelog copy into
