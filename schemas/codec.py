@@ -334,6 +334,9 @@ class AvroCodec:
             except Exception as exc:
                 raise DecodeError(f"schema id {schema_id} not found in the registry: {exc}") from None
             writer = fastavro.parse_schema(json.loads(registered.schema_str))
+            # a version this reader ships, under its registry id: the same parsed object, so records of the
+            # newest version take the generated reader, as single-object ones do
+            writer = self._by_fingerprint.get(schema_fingerprint(writer), writer)
             self._registry_ids[schema_id] = writer
         return writer
 
