@@ -34,11 +34,11 @@ class OutputTopics:
     Args:
         bootstrap_servers: Kafka bootstrap servers (security from :mod:`kafka_io.config`).
         topics: the app's topic names (its own output topics, the shared dead-letter topic).
-        residency_changes: whether :meth:`change` is called (``kvstream worker --residency-changes``); callers
-            check :attr:`residency_changes` before building a change.
         schema_registry_url: with a registry, the output topics carry the Confluent wire format, their schemas
             registered under ``<topic>-value``; empty: single-object framing, the schemas published to the
             schemas topic.
+        residency_changes: whether :meth:`change` is called (``kvstream worker --residency-changes``); callers
+            check :attr:`residency_changes` before building a change.
 
     Raises:
         schemas.codec.RegistryRefused: the registry refused an output schema (e.g. not BACKWARD compatible).
