@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping
 
-from confluent_kafka import Consumer, Message, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from kafka_io.config import client_config
 
@@ -78,7 +78,7 @@ def messages_to_end(bootstrap_servers: str, topic: str, timeout_s: float = 60.0,
             stop_at_time = {tp.partition: tp.offset for tp in found if tp.offset >= 0}  # -1: none that late
         starts, ends = {}, {}
         for p in partitions:
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+            low, high = _watermarks(consumer, TopicPartition(topic, p))
             start = low if start_offsets is None else max(low, start_offsets[p])
             stop = stop_offsets if isinstance(stop_offsets, int) else (stop_offsets or {}).get(p, high)
             end = min(high, stop_at_time.get(p, high), stop)
@@ -105,3 +105,28 @@ def messages_to_end(bootstrap_servers: str, topic: str, timeout_s: float = 60.0,
                     del ends[p]
     finally:
         consumer.close()
+
+
+#: Errors a partition answers with while its leader is being elected (just after the topic was created).
+_LEADER_MOVING = frozenset({KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
+                            KafkaError.UNKNOWN_TOPIC_OR_PART})
+
+
+def _watermarks(consumer: Consumer, partition: TopicPartition, retry_s: float = 15.0) -> tuple[int, int]:
+    """A partition's (low, high) offsets, asked again while the broker answers with a retriable error.
+
+    Just after a topic is created its partitions' leaders are still being elected, and the broker answers
+    NOT_LEADER_FOR_PARTITION for a moment; a worker starting then crashed on it once.
+    """
+    deadline = time.monotonic() + retry_s
+    while True:
+        try:
+            return consumer.get_watermark_offsets(partition, timeout=10)
+        except KafkaException as exc:
+            error = exc.args[0] if exc.args else None
+            code = error.code() if hasattr(error, "code") else None
+            if (code not in _LEADER_MOVING and not (hasattr(error, "retriable") and error.retriable())
+                    or time.monotonic() > deadline):
+                raise
+            time.sleep(0.2)
+
