@@ -15,6 +15,9 @@ from __future__ import annotations
 import logging
 import os
 import re
+from typing import Annotated
+
+from pydantic import AfterValidator, Field
 
 #: Default bootstrap servers: the embedded broker of ``kvstream broker start``. Commands take theirs from
 #: their settings object (flag, then ``KVSTREAM_BOOTSTRAP_SERVERS``, then this).
@@ -42,6 +45,12 @@ def check_bootstrap_servers(servers: str) -> str:
         if not host or not port.isdigit():
             raise ValueError(f"bootstrap server {entry!r} is not HOST:PORT (e.g. 127.0.0.1:9092)")
     return ",".join(entries)
+
+
+#: The type of every command's ``bootstrap_servers`` setting (``KVSTREAM_BOOTSTRAP_SERVERS``): checked by
+#: :func:`check_bootstrap_servers` (``HOST:PORT[,HOST:PORT...]``, no URL scheme).
+BootstrapServers = Annotated[str, AfterValidator(check_bootstrap_servers),
+                             Field(description="Kafka bootstrap servers, HOST:PORT[,...]")]
 
 
 class _OncePerMessage(logging.Filter):

@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from kafka_io.config import DEFAULT_BOOTSTRAP_SERVERS, check_bootstrap_servers
+from kafka_io.config import DEFAULT_BOOTSTRAP_SERVERS, BootstrapServers
 from kafka_io.schema_registry import RegistryUrl, schema_registry_field
 from schemas.topics import TopicNames
 
@@ -68,7 +68,7 @@ class TailSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVSTREAM_", frozen=True, extra="forbid")
 
     #: Kafka bootstrap servers, ``HOST:PORT[,HOST:PORT...]`` (no URL scheme).
-    bootstrap_servers: str = Field(DEFAULT_BOOTSTRAP_SERVERS, description="Kafka bootstrap servers, HOST:PORT[,...]")
+    bootstrap_servers: BootstrapServers = DEFAULT_BOOTSTRAP_SERVERS
     #: Start at the earliest offset; otherwise only records written from now on are printed.
     from_beginning: bool = Field(False, description="start at the earliest offset")
     #: Stop after this many records; none: no limit.
@@ -82,11 +82,6 @@ class TailSettings(BaseSettings):
     #: Stop at the end every partition has when the command starts (as ``kcat -e``); needs ``from_beginning``.
     to_end: bool = Field(False, description="stop at the end the topic has at the start, as kcat -e (with "
                                             "--from-beginning)")
-
-    @field_validator("bootstrap_servers")
-    @classmethod
-    def _no_url_scheme(cls, value: str) -> str:
-        return check_bootstrap_servers(value)
 
 
 class QuerySettings(BaseSettings):
@@ -113,7 +108,7 @@ class _AppTopicsSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVSTREAM_", frozen=True, extra="forbid")
 
     #: Kafka bootstrap servers, ``HOST:PORT[,HOST:PORT...]`` (no URL scheme).
-    bootstrap_servers: str = Field(DEFAULT_BOOTSTRAP_SERVERS, description="Kafka bootstrap servers, HOST:PORT[,...]")
+    bootstrap_servers: BootstrapServers = DEFAULT_BOOTSTRAP_SERVERS
     #: The stream app whose topics and tables are meant by their short names (``kvstream worker --app-id``).
     app_id: str = Field("kvstream", min_length=1, description="app id of the stream app whose topics are read")
     #: The topic prefix of that app (``kvstream worker --topic-prefix``); empty: none.
@@ -122,11 +117,6 @@ class _AppTopicsSettings(BaseSettings):
     schema_registry_url: RegistryUrl = schema_registry_field()
     #: Longest time the whole read of the topic may take, in seconds.
     read_timeout_s: float = Field(3600.0, gt=0, description="longest time the read of the topic may take, seconds")
-
-    @field_validator("bootstrap_servers")
-    @classmethod
-    def _no_url_scheme(cls, value: str) -> str:
-        return check_bootstrap_servers(value)
 
     @property
     def topics(self) -> TopicNames:

@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from kafka_io.config import DEFAULT_BOOTSTRAP_SERVERS, DEFAULT_PARTITIONS, check_bootstrap_servers
+from kafka_io.config import DEFAULT_BOOTSTRAP_SERVERS, DEFAULT_PARTITIONS, BootstrapServers
 from kafka_io.schema_registry import RegistryUrl, schema_registry_field
 from producers.simulator import FleetConfig
 from schemas.topics import KV_EVENTS, KV_EVENTS_DEAD_LETTER, SCHEMAS
@@ -43,7 +43,7 @@ class _KafkaTarget(_Settings):
     """Where events are produced."""
 
     #: Kafka bootstrap servers, ``HOST:PORT[,HOST:PORT...]`` (no URL scheme).
-    bootstrap_servers: str = Field(DEFAULT_BOOTSTRAP_SERVERS, description="Kafka bootstrap servers, HOST:PORT[,...]")
+    bootstrap_servers: BootstrapServers = DEFAULT_BOOTSTRAP_SERVERS
     #: The topic of block-level events (before the prefix).
     topic: str = Field(KV_EVENTS, min_length=1, description="Kafka topic of the block events")
     #: Put in front of the topic's and the dead-letter topic's names (as ``kvstream worker --topic-prefix``).
@@ -54,11 +54,6 @@ class _KafkaTarget(_Settings):
     schema_registry_url: RegistryUrl = schema_registry_field()
     #: Partitions of the topic if this command creates it (an existing topic keeps its own).
     partitions: int = Field(DEFAULT_PARTITIONS, ge=1, description="partitions if the topic is created")
-
-    @field_validator("bootstrap_servers")
-    @classmethod
-    def _no_url_scheme(cls, value: str) -> str:
-        return check_bootstrap_servers(value)
 
     @property
     def events_topic(self) -> str:

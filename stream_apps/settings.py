@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from kafka_io.config import DEFAULT_BOOTSTRAP_SERVERS, DEFAULT_PARTITIONS, check_bootstrap_servers
+from kafka_io.config import DEFAULT_BOOTSTRAP_SERVERS, DEFAULT_PARTITIONS, BootstrapServers
 from kafka_io.schema_registry import RegistryUrl, schema_registry_field
 from schemas.topics import TopicNames
 from stream_apps.residency import SourceSettings, parse_tier_weights
@@ -27,7 +27,7 @@ class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVSTREAM_", frozen=True, extra="forbid")
 
     #: Kafka bootstrap servers, ``HOST:PORT[,HOST:PORT...]`` (no URL scheme).
-    bootstrap_servers: str = Field(DEFAULT_BOOTSTRAP_SERVERS, description="Kafka bootstrap servers, HOST:PORT[,...]")
+    bootstrap_servers: BootstrapServers = DEFAULT_BOOTSTRAP_SERVERS
     #: Faust app id: the consumer group of the materializing agent and the prefix of every topic the app owns
     #: (``<app id>-kv-events-by-ownership``, ``<app id>-residency-changelog``, ...). Workers with the same app
     #: id share the partitions; another app id is another, independent set of tables.
@@ -87,11 +87,6 @@ class WorkerSettings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
     #: ``text``, or ``json``: one JSON object per line (kafka_io/logs.py).
     log_format: Literal["text", "json"] = Field("text", description="log format: text, or json (one object per line)")
-
-    @field_validator("bootstrap_servers")
-    @classmethod
-    def _no_url_scheme(cls, value: str) -> str:
-        return check_bootstrap_servers(value)
 
     @field_validator("clear_scope")
     @classmethod
