@@ -82,12 +82,12 @@ def registry_config(url: str) -> dict | None:
     return config
 
 
-def publish_schema(bootstrap_servers: str, topic: str, version: SchemaVersion, timeout_s: float = 30.0) -> None:
-    """Write ``version``'s schema to the schemas ``topic`` (created compacted if absent), keyed by its
-    fingerprint in hex, and wait for the broker's acknowledgement.
+def publish_schema(bootstrap_servers: str, topic: str, *versions: SchemaVersion, timeout_s: float = 30.0) -> None:
+    """Write each of ``versions``' schemas to the schemas ``topic`` (created compacted if absent), keyed by its
+    fingerprint in hex, and wait for the broker's acknowledgements: one topic check and one producer for all.
 
     Raises:
-        RuntimeError: the topic could not be created or the record was not acknowledged in ``timeout_s``.
+        RuntimeError: the topic could not be created or a record was not acknowledged in ``timeout_s``.
     """
     ensure_topics(bootstrap_servers, {topic: 1}, configs={topic: SCHEMAS_TOPIC_CONFIG})
     errors: list[str] = []
@@ -97,9 +97,12 @@ def publish_schema(bootstrap_servers: str, topic: str, version: SchemaVersion, t
             errors.append(str(err))
 
     producer = Producer(producer_config(bootstrap_servers))
-    producer.produce(topic, key=version.fingerprint.hex().encode(), value=version.text.encode(), on_delivery=delivered)
+    for version in versions:
+        producer.produce(topic, key=version.fingerprint.hex().encode(), value=version.text.encode(),
+                         on_delivery=delivered)
     if producer.flush(timeout_s) or errors:
-        raise RuntimeError(f"could not publish the {version.family} v{version.version} schema to {topic}: "
+        names = ", ".join(f"{v.family} v{v.version}" for v in versions)
+        raise RuntimeError(f"could not publish the schemas of {names} to {topic}: "
                            f"{errors[0] if errors else 'not acknowledged in time'}")
 
 

@@ -73,8 +73,8 @@ class OutputTopics:
         """The confluent-kafka producer, created on first use (after Faust has forked nothing more)."""
         if self._producer is None:
             if not self._registry:
-                for codec in (self._change_codec, self._occupancy_codec):
-                    publish_schema(self.bootstrap_servers, self.topics.schemas, codec.schema)
+                publish_schema(self.bootstrap_servers, self.topics.schemas, self._change_codec.schema,
+                               self._occupancy_codec.schema)
             self._producer = Producer(producer_config(self.bootstrap_servers, on_delivery=self.on_delivery))
         return self._producer
 

@@ -44,6 +44,7 @@ from faust.types import TP
 from schemas import AvroCodec
 from schemas.avro_writers import ResidencyWriter
 from stream_apps import changelog_recovery
+from stream_apps.residency import key_partition
 
 if TYPE_CHECKING:
     from stream_apps.outputs import OutputTopics
@@ -182,8 +183,6 @@ class CompactMemoryTableStore(_EntryCache, MemoryTableStore):
         self._cache.clear()
 
     def _partition_of(self, key: str) -> int:
-        from stream_apps.residency import key_partition
-
         return key_partition(key, self.table.partitions)
 
     def entry(self, partition: int, key: str) -> dict | None:
