@@ -175,11 +175,16 @@ def _record_branches(branches: list) -> int:
 
 
 def _emit_union(w: _Writer, indent: int, branches: list, target: str, named: dict) -> None:
+    # The branch index is compared in its zig-zag form (branch n is the byte 2n), so the usual one-byte index
+    # costs no decode; a longer (non-canonical) varint is decoded and zig-zagged back to compare the same way.
     index = w.name("u")
-    _emit_long(w, indent, index)
+    w.emit(indent, f"{index} = data[pos]; pos += 1")
+    w.emit(indent, f"if {index} & 0x80:")
+    w.emit(indent + 1, f"{index}, pos = _long_tail(data, pos, {index})")
+    w.emit(indent + 1, f"{index} = {index} << 1 if {index} >= 0 else -2 * {index} - 1")
     bare = w.override_names and _record_branches(branches) == 1
     for number, branch in enumerate(branches):
-        w.emit(indent, f"{'if' if number == 0 else 'elif'} {index} == {number}:")
+        w.emit(indent, f"{'if' if number == 0 else 'elif'} {index} == {2 * number}:")
         if not bare and _is_record(branch, named):  # return_record_name: a record branch comes as (name, dict)
             value = w.name("r")
             _emit(w, indent + 1, branch, value, named)
@@ -188,7 +193,7 @@ def _emit_union(w: _Writer, indent: int, branches: list, target: str, named: dic
         else:
             _emit(w, indent + 1, branch, target, named)
     w.emit(indent, "else:")
-    w.emit(indent + 1, f"_fail('union branch ' + str({index}) + ' at ' + str(pos))")
+    w.emit(indent + 1, f"_fail('union branch ' + str(({index} >> 1) ^ -({index} & 1)) + ' at ' + str(pos))")
 
 
 def compile_reader(schema: dict, override_names: bool = False) -> Callable[[bytes, int], tuple[Any, int]]:

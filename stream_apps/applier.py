@@ -191,6 +191,8 @@ class BatchApplier:
         self.new_keys: set[str] = set()
         self._watermarks: dict[str, ClearPosition] = {}
         self._epochs: dict[str, int | None] = {}
+        #: (instance, dp rank, worker rank) -> (source key, publisher key).
+        self._publisher_keys: dict[tuple, tuple[str, str]] = {}
 
     def _watermark(self, source: str) -> ClearPosition:
         mark = self._watermarks.get(source)
@@ -220,6 +222,14 @@ class BatchApplier:
         self.m.add_occupancy(self.partition, self.occupancy)
         self.m.note_applied(self.partition, self.publishers)
 
+    def _publisher_keys_of(self, identity: tuple) -> tuple[str, str]:
+        """Source key ``<partition>/<instance>/<dp rank>`` and publisher key (source + ``/<worker rank or -1>``)
+        of ``identity`` = (instance, dp rank, worker rank), kept for the rest of the batch message."""
+        instance, dp_rank, worker = identity
+        source = f"{self.partition}/{instance}/{dp_rank}"
+        keys = self._publisher_keys[identity] = (source, f"{source}/{-1 if worker is None else worker}")
+        return keys
+
     def apply(self, item: dict, record: dict) -> None:
         """Apply one re-keyed event (``item`` from the ownership batch, ``record`` its decoded kv_event).
 
@@ -229,7 +239,9 @@ class BatchApplier:
         m = self.m
         m.materialized += 1
         partition = self.partition
-        source = f"{partition}/{record['instance_id']}/{record['data_parallel_rank']}"
+        # a batch message holds many events of few publishers: their keys are formatted once
+        identity = (record["instance_id"], record["data_parallel_rank"], record["worker_rank"])
+        source, publisher = self._publisher_keys.get(identity) or self._publisher_keys_of(identity)
         watermark = self._watermark(source)
         mark = ClearPosition.of(item["clear_mark"])
         kind, body = record["event"]
@@ -245,8 +257,6 @@ class BatchApplier:
             else:
                 m.apply_source_event(partition, record, self.occupancy)
             return
-        worker = record["worker_rank"]
-        publisher = f"{source}/{-1 if worker is None else worker}"
         retired = self._retired_epoch(publisher)
         if retired is not None and record["publisher_epoch"] < retired:
             m.stats.retired_late += 1

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from schemas import AvroCodec, DecodeError
 from schemas.codec import schema_versions
-from schemas.fast_reader import compile_reader
+from schemas.fast_reader import ReadError, compile_reader
 
 FAMILIES = ("kv_event", "ownership_batch", "residency", "residency_change", "clear_watermark", "source_clears",
             "source_status", "tier_occupancy")
@@ -142,3 +142,20 @@ def test_hand_checked_errors_name_the_problem():
         codec.decode(encoded[:tier_at] + b"\x0a" + encoded[tier_at + 1:])
     with pytest.raises(DecodeError, match="1 trailing bytes"):
         codec.decode(encoded + b"\x00")
+
+
+def test_a_union_index_in_a_longer_varint_reads_as_fastavro_reads_it():
+    """The readers compare a union's one-byte index without decoding it; an index written in more bytes than it
+    needs (legal Avro, which fastavro accepts) takes the decoding path and must pick the same branch."""
+    schema = fastavro.parse_schema({"type": "record", "name": "U", "fields": [
+        {"name": "a", "type": ["null", "int"]}, {"name": "b", "type": ["null", "string", "long"]}]})
+    # a: branch 1 (int 3) with its index as 0x82 0x00; b: branch 2 (long -1) as 0x84 0x80 0x00; then a
+    # negative branch index (-1, zig-zag 1) written long, which both refuse
+    canonical = b"\x02\x06\x04\x01"
+    stretched = b"\x82\x00\x06\x84\x80\x00\x01"
+    expected = fastavro.schemaless_reader(io.BytesIO(stretched), schema, None)
+    assert expected == fastavro.schemaless_reader(io.BytesIO(canonical), schema, None) == {"a": 3, "b": -1}
+    read = compile_reader(schema)
+    assert read(stretched, 0) == (expected, len(stretched))
+    with pytest.raises(ReadError, match="union branch -1"):
+        read(b"\x81\x00\x00", 0)
