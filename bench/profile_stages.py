@@ -37,6 +37,8 @@ from pathlib import Path
 
 from murmurhash2 import murmurhash2
 
+from stream_apps.checkpoint import tune_gc
+
 PARTITIONS = 8
 _SEED = 0x9747B28C
 
@@ -147,6 +149,22 @@ def consume_batches(partitions: dict[int, list[FakeMessage]], size: int = 10_000
             if len(batch) >= size:
                 break
         yield batch
+
+
+class CollectorClock:
+    """A ``gc.callbacks`` entry: wall seconds spent in Python's collector, and collections per generation."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.collections = [0, 0, 0]
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._started
+            self.collections[info["generation"]] += 1
 
 
 def run_repartition(partitions) -> tuple[list[tuple[int, bytes]], float, int]:
@@ -319,6 +337,8 @@ def run_materialize(batches, store_kind: str, producer, commit_every: int, cprof
             profiler = cProfile.Profile()
         gc.collect()
         gc.freeze()
+        collector = CollectorClock()
+        gc.callbacks.append(collector)
         started = time.perf_counter()
         cpu_started = time.thread_time()
         if profiler:
@@ -352,6 +372,7 @@ def run_materialize(batches, store_kind: str, producer, commit_every: int, cprof
             profiler.dump_stats(cprofile)
         wall = time.perf_counter() - started
         cpu = time.thread_time() - cpu_started
+        gc.callbacks.remove(collector)
         stats = materializer.stats
         if store_kind == "memory":
             entries = list(residency.data.values())
@@ -361,6 +382,7 @@ def run_materialize(batches, store_kind: str, producer, commit_every: int, cprof
         if entries is not None:
             resident = sum(1 for e in entries for r in e["rows"] if r["copies"] > 0)
         result = {"items": items_total, "batch_messages": len(batches), "wall_s": wall, "cpu_s": cpu,
+                  "gc_s": collector.seconds, "gc_collections": collector.collections,
                   "ownership_batch decode": t_batch / 1e9, "kv_event decode": t_event / 1e9,
                   "apply loop": t_apply / 1e9, "finish (write-back, occupancy, sources)": t_finish / 1e9,
                   "checkpoint (persist, gc.freeze; no flush)": t_commit / 1e9,
@@ -420,6 +442,8 @@ def report(events: int, repartition_s: float, stage2: dict, plain: dict, store_k
                  f"{'':>6} {cpu_us:>9.2f}")
     lines.append(f"  (the pass with timers: {stage2['cpu_s'] / events * 1e6:.2f} µs/event of CPU, "
                  f"{stage2['wall_s'] / events * 1e6:.2f} wall)")
+    lines.append(f"  of which Python's collector: {plain['gc_s'] / events * 1e6:.2f} µs/event "
+                 f"(collections by generation: {plain['gc_collections']}; thresholds {gc.get_threshold()})")
     lines.append(f"  of which produce() enqueue, all outputs: {produce / wall * cpu_us:.2f} µs/event "
                  f"({t['produce (enqueue, all outputs)']['calls'] / events:.2f} outputs per event)")
     lines.append(f"  calls: rules {t['residency rules (apply_block_event)']['calls']:,}, change records "
@@ -446,6 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, metavar="FILE", help="write the figures as JSON too")
     args = p.parse_args(argv)
 
+    tune_gc()  # the worker's collector thresholds (stream_apps.checkpoint.GC_THRESHOLDS)
     t0 = time.perf_counter()
     partitions, events = kv_events_input(args.requests)
     print(f"input: {events:,} kv-events messages ({time.perf_counter() - t0:.1f}s to simulate and encode)",

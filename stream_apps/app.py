@@ -25,7 +25,7 @@ from kafka_io.schema_registry import reader_codec
 from schemas.topics import DEAD_LETTER_TOPIC_CONFIG
 from stream_apps import consumer_fixes
 from stream_apps.applier import Materializer
-from stream_apps.checkpoint import Checkpoint, CommitSensor, warn_on_long_gc_pauses
+from stream_apps.checkpoint import Checkpoint, CommitSensor, tune_gc, warn_on_long_gc_pauses
 from stream_apps.health import Readiness
 from stream_apps.materialize import register_agent
 from stream_apps.metrics import WorkerMetrics
@@ -147,5 +147,6 @@ def create_app(settings: WorkerSettings) -> StreamApp:
         readiness.assigned = True
         metrics.rebalances += 1
 
+    tune_gc()
     warn_on_long_gc_pauses()
     return stream_app
