@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+_tuple_new = tuple.__new__
+
 
 class ClearPosition(NamedTuple):
     """Where a clear stands among its source's events; ordered like the events themselves."""
@@ -25,7 +27,8 @@ class ClearPosition(NamedTuple):
         """The position of a ``ClearMark``, ``ClearWatermark`` or ``kv_event`` record; :data:`NO_CLEAR` for None."""
         if record is None:
             return NO_CLEAR
-        return cls(record["publisher_epoch"], record["seq"], record["batch_index"])
+        # tuple.__new__ directly: the generated NamedTuple constructor costs twice as much, and this runs per event
+        return _tuple_new(cls, (record["publisher_epoch"], record["seq"], record["batch_index"]))
 
 
 
@@ -33,10 +36,23 @@ class ClearPosition(NamedTuple):
 NO_CLEAR = ClearPosition(-1, -1, -1)
 
 
+#: Position -> its ``ClearMark`` record: every row an event touches gets one, and a source has few clears.
+_MARK_RECORDS: dict[tuple[int, int, int], dict] = {}
+
+
 def clear_mark_record(position: tuple[int, int, int]) -> dict | None:
     """The Avro ``ClearMark`` record of a position (a :class:`ClearPosition` or a plain 3-tuple); None for
-    :data:`NO_CLEAR`."""
-    if position == NO_CLEAR:
-        return None
-    epoch, seq, batch_index = position
-    return {"publisher_epoch": epoch, "seq": seq, "batch_index": batch_index}
+    :data:`NO_CLEAR`.
+
+    The record is shared by every row with that mark (rows replace their mark, never change it in place), so
+    callers must not modify it.
+    """
+    record = _MARK_RECORDS.get(position)
+    if record is None:
+        if position == NO_CLEAR:
+            return None
+        if len(_MARK_RECORDS) >= 4096:  # a bound, not an LRU: marks come and go with sources' clears
+            _MARK_RECORDS.clear()
+        epoch, seq, batch_index = position
+        record = _MARK_RECORDS[tuple(position)] = {"publisher_epoch": epoch, "seq": seq, "batch_index": batch_index}
+    return record

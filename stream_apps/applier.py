@@ -22,7 +22,6 @@ from stream_apps.residency import (
     SourceSettings,
     apply_block_event,
     apply_clear,
-    residency_key,
     retire_epoch,
 )
 from stream_apps.tables import Tables
@@ -242,7 +241,7 @@ class BatchApplier:
         # a batch message holds many events of few publishers: their keys are formatted once
         identity = (record["instance_id"], record["data_parallel_rank"], record["worker_rank"])
         source, publisher = self._publisher_keys.get(identity) or self._publisher_keys_of(identity)
-        watermark = self._watermark(source)
+        watermark = self._watermarks.get(source) or self._watermark(source)
         mark = ClearPosition.of(item["clear_mark"])
         kind, body = record["event"]
         if kind in SOURCE_WIDE_EVENTS:
@@ -257,13 +256,14 @@ class BatchApplier:
             else:
                 m.apply_source_event(partition, record, self.occupancy)
             return
-        retired = self._retired_epoch(publisher)
+        epochs = self._epochs
+        retired = epochs[publisher] if publisher in epochs else self._retired_epoch(publisher)
         if retired is not None and record["publisher_epoch"] < retired:
             m.stats.retired_late += 1
             return
         key = item["key"]
         block_hash = record["block_hash"]
-        if block_hash is None or key != residency_key(body["ownership"], block_hash):
+        if block_hash is None or key != f"{body['ownership'] or PRIMARY}/{block_hash.hex()}":  # residency_key
             # routed by its kvstream-ownership header (stream_apps/repartition.py), which the record contradicts
             raise InvalidRecord(f"routed as {key!r}, but the record's ownership is {body['ownership']!r} and its "
                                 f"block hash {None if block_hash is None else block_hash.hex()}")
@@ -277,8 +277,10 @@ class BatchApplier:
         instance = record["instance_id"]
         sources, stats = m.sources, m.stats
         applied_before = stats.applied
-        entry, delta, copies = apply_block_event(entry, record, mark, watermark, sources.clear_tiers(instance),
-                                                 stats, sources.aggregation.get(instance))
+        # SourceSettings.clear_tiers written out, as residency_key above: this runs per event
+        entry, delta, copies = apply_block_event(
+            entry, record, mark, watermark, sources.clear_scopes.get(instance, sources.default_clear_tiers), stats,
+            sources.aggregation.get(instance))
         touched[key] = entry
         if stats.applied != applied_before:  # a redelivered event is counted as a duplicate only, never applied
             seen = self.publishers.get(publisher)

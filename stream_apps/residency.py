@@ -195,14 +195,6 @@ def aggregate_copies(workers: list[dict], world_size: int, aggregation: str) -> 
     return min(counts.get(rank, 0) for rank in range(world_size))
 
 
-def _position(record: dict) -> tuple[int, int, int, int]:
-    return record["publisher_epoch"], record["seq"], record["batch_index"], record["block_index"]
-
-
-def _worker_position(worker: dict) -> tuple[int, int, int, int]:
-    return worker["publisher_epoch"], worker["seq"], worker["batch_index"], worker["block_index"]
-
-
 def apply_block_event(entry: dict | None, record: dict, clear_mark: ClearPosition,
                       clear_watermark: ClearPosition, clear_tiers: frozenset,
                       stats: ApplyStats, aggregation: tuple[int, str] | None = None) -> tuple[dict | None, int, int]:
@@ -276,12 +268,12 @@ def apply_block_event(entry: dict | None, record: dict, clear_mark: ClearPositio
         if candidate["worker_rank"] == worker_rank:
             worker = candidate
             break
-    position = _position(record)
+    position = (record["publisher_epoch"], record["seq"], record["batch_index"], record["block_index"])
     if worker is None:
         worker = {"worker_rank": worker_rank, "count": 0, "publisher_epoch": -1, "seq": -1, "batch_index": -1,
                   "block_index": -1, "content": None}
         row["workers"].append(worker)
-    elif position <= _worker_position(worker):
+    elif position <= (worker["publisher_epoch"], worker["seq"], worker["batch_index"], worker["block_index"]):
         stats.duplicates += 1
         return entry, 0, row["copies"]
     elif position[0] > worker["publisher_epoch"]:
@@ -309,7 +301,11 @@ def apply_block_event(entry: dict | None, record: dict, clear_mark: ClearPositio
     row["medium"] = body["medium"]
     row["last_ts"] = record["ts"]
     row["clear_mark"] = clear_mark_record(clear_mark)
-    after = aggregate_copies(row["workers"], row["world_size"], row["aggregation"])
+    workers = row["workers"]
+    if len(workers) == 1 and (world_size <= 1 or mode == "SHARDED"):
+        after = worker["count"]  # aggregate_copies' sum, over the one worker the row has
+    else:
+        after = aggregate_copies(workers, world_size, mode)
     row["copies"] = after
     delta = 0
     if after > 0 and row["since"] is None:
