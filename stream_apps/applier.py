@@ -229,8 +229,9 @@ class BatchApplier:
         keys = self._publisher_keys[identity] = (source, f"{source}/{-1 if worker is None else worker}")
         return keys
 
-    def apply(self, item: dict, record: dict) -> None:
-        """Apply one re-keyed event (``item`` from the ownership batch, ``record`` its decoded kv_event).
+    def apply(self, key: str, mark: ClearPosition, record: dict) -> None:
+        """Apply one re-keyed event: ``key`` (its residency key, or ``clear/...`` for a clear's copy) and
+        ``mark`` (its source's latest clear before it) from its ownership batch item, ``record`` its kv_event.
 
         Raises:
             InvalidRecord: the record contradicts the key it was routed by.
@@ -242,7 +243,6 @@ class BatchApplier:
         identity = (record["instance_id"], record["data_parallel_rank"], record["worker_rank"])
         source, publisher = self._publisher_keys.get(identity) or self._publisher_keys_of(identity)
         watermark = self._watermarks.get(source) or self._watermark(source)
-        mark = ClearPosition.of(item["clear_mark"])
         kind, body = record["event"]
         if kind in SOURCE_WIDE_EVENTS:
             self.write_back()  # source-wide events scan the stored entries
@@ -261,7 +261,6 @@ class BatchApplier:
         if retired is not None and record["publisher_epoch"] < retired:
             m.stats.retired_late += 1
             return
-        key = item["key"]
         block_hash = record["block_hash"]
         if block_hash is None or key != f"{body['ownership'] or PRIMARY}/{block_hash.hex()}":  # residency_key
             # routed by its kvstream-ownership header (stream_apps/repartition.py), which the record contradicts

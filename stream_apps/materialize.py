@@ -1,9 +1,10 @@
 """The ``materialize-residency`` agent: reads ``<app id>-kv-events-by-ownership`` and applies each batch message.
 
-Thin by design: decode, apply (:class:`stream_apps.applier.BatchApplier`), dead-letter what cannot be
-applied. The agent never waits for the broker: outputs are flushed by the checkpoint before Faust commits
-offsets (:class:`stream_apps.checkpoint.Checkpoint`), so outputs of several messages can be unflushed at
-once; a source-wide event runs a checkpoint before the record that marks it applied.
+Thin by design: decode (one pass per batch message, :class:`schemas.ownership_batch.OwnershipBatchReader`),
+apply (:class:`stream_apps.applier.BatchApplier`), dead-letter what cannot be applied. The agent never
+waits for the broker: outputs are flushed by the checkpoint before Faust commits offsets
+(:class:`stream_apps.checkpoint.Checkpoint`), so outputs of several messages can be unflushed at once; a
+source-wide event runs a checkpoint before the record that marks it applied.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import faust
 
 from schemas import AvroCodec, DecodeError
+from schemas.ownership_batch import OwnershipBatchReader
 from stream_apps.applier import BatchApplier, InvalidRecord, Materializer
 from stream_apps.checkpoint import CheckpointError
 
@@ -26,7 +28,8 @@ def register_agent(app: faust.App, topic: faust.TopicT, materializer: Materializ
     """Declare the agent on ``app``: every ``ownership_batch`` message of ``topic`` is applied with
     ``materializer``, its kv_event records decoded with ``event_codec`` (either framing, any writer schema
     it can resolve); undecodable or inapplicable events go to the dead-letter topic with the reason."""
-    batch_codec = AvroCodec("ownership_batch")
+    reader = OwnershipBatchReader(event_codec)
+    decode = event_codec.decode
     outputs = materializer.outputs
 
     async def materialize_residency(stream):
@@ -34,23 +37,23 @@ def register_agent(app: faust.App, topic: faust.TopicT, materializer: Materializ
             message = event.message
             where = f"{message.topic}/{message.partition}/{message.offset}"
             try:
-                batch = batch_codec.decode(event.value)
+                items = reader.read(event.value)
             except DecodeError as exc:
                 outputs.dead_letter(message.key, message.value, str(exc), where)
                 continue
             applier = BatchApplier(materializer, message.partition)
-            for item in batch["events"]:
+            for key, mark, buffer, start, end, record in items:
                 try:
-                    applier.apply(item, event_codec.decode(item["event"]))
+                    applier.apply(key, mark, decode(buffer[start:end]) if record is None else record)
                 except CheckpointError as exc:  # never dead-letter a clear whose removals may be lost: stop
                     log.error("stopping the worker: %s", exc)
                     await app.crash(exc)
                     raise
                 except (DecodeError, InvalidRecord) as exc:
-                    outputs.dead_letter(item["key"].encode(), item["event"], str(exc), where)
+                    outputs.dead_letter(key.encode(), buffer[start:end], str(exc), where)
                 except Exception as exc:  # a record this code cannot apply: keep it, say why, go on
-                    log.exception("could not apply %s", item["key"])
-                    outputs.dead_letter(item["key"].encode(), item["event"],
+                    log.exception("could not apply %s", key)
+                    outputs.dead_letter(key.encode(), buffer[start:end],
                                         f"could not apply: {type(exc).__name__}: {exc}", where)
             applier.finish()
 
