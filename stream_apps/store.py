@@ -45,6 +45,7 @@ from schemas import AvroCodec
 from schemas.avro_writers import ResidencyWriter
 from stream_apps import changelog_recovery
 from stream_apps.residency import key_partition
+from stream_apps.store_settings import ResidencyRocksDBOptions
 
 if TYPE_CHECKING:
     from stream_apps.outputs import OutputTopics
@@ -237,6 +238,8 @@ class RocksDBTableStore(_EntryCache, _BoundStore, faust.stores.rocksdb.Store):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # Faust's options class ignores the memtable filter of the table's options (store_settings)
+        self.rocksdb_options = ResidencyRocksDBOptions(**self.options, use_rocksdict=self.use_rocksdict)
         #: Highest changelog offset acknowledged per partition since the last :meth:`persist`.
         self._acked: dict[int, int] = {}
         #: Key -> decoded entry (None: known absent), least recently used first. An OrderedDict: evicting
