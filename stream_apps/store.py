@@ -142,7 +142,7 @@ class MemoryTableStore(_BoundStore, faust.stores.memory.Store):
         else:
             self.data[key] = value
         self._key_partition[key] = partition
-        self.outputs.produce_to(self.changelog, key.encode(), None if value is None else self.encode(value), partition)
+        self.outputs.produce(self.changelog, key.encode(), None if value is None else self.encode(value), partition)
 
     def persist(self) -> None:
         """Nothing to persist: the changelog is this store's only durable copy."""
@@ -213,7 +213,7 @@ class CompactMemoryTableStore(_EntryCache, MemoryTableStore):
         else:
             self.data[key] = encoded
         self._remember(key, value)
-        self.outputs.produce_to(self.changelog, key.encode(), encoded, partition)
+        self.outputs.produce(self.changelog, key.encode(), encoded, partition)
 
     def partition_keys(self, partition: int) -> list[str]:
         """Keys of ``partition`` held here (a scan computing each key's partition, for rare source-wide events)."""
@@ -286,7 +286,7 @@ class RocksDBTableStore(_EntryCache, _BoundStore, faust.stores.rocksdb.Store):
         value = None if entry is None else self.encode(entry)
         self._pending[partition][key] = (entry, value)
         self._remember(key, entry)
-        self.outputs.produce_to(self.changelog, key.encode(), value, partition, self._on_delivery)
+        self.outputs.produce(self.changelog, key.encode(), value, partition, self._on_delivery)
 
     def _on_delivery(self, error, message) -> None:
         if error is None:
