@@ -361,7 +361,8 @@ class ResidencyWriter(_TableRecordWriter):
         instance_id, data_parallel_rank, tier, medium, locality, group_idx, world_size, aggregation = key
         encoded = b"".join((avro_string(instance_id), avro_long(data_parallel_rank), self.tier[tier],
                             avro_optional_string(medium), avro_optional_string(locality),
-                            avro_optional(group_idx, avro_long), avro_long(world_size), self.aggregation[aggregation]))
+                            avro_optional(group_idx, avro_long), avro_long(world_size),
+                            self.aggregation[aggregation]))
         if len(self._identities) > 10_000:
             self._identities.clear()
         self._identities[key] = encoded
@@ -411,7 +412,8 @@ class ResidencyWriter(_TableRecordWriter):
                 worker["batch_index"], worker["block_index"], worker["content"])
             copies, since, last_ts, mark = row["copies"], row["since"], row["last_ts"], row["clear_mark"]
             return b"".join((
-                self.header, size, block_hash, ownership, b"\x02", self._identities.get(key) or self._identity(key), b"\x02",  # one row, one worker
+                self.header, size, block_hash, ownership,
+                b"\x02", self._identities.get(key) or self._identity(key), b"\x02",  # one row; its one worker:
                 small[rank + 1024] if -1024 <= rank <= 4095 else long_(rank),
                 small[count + 1024] if -1024 <= count <= 4095 else long_(count),
                 longs.get(epoch) or self._long(epoch),
@@ -421,7 +423,8 @@ class ResidencyWriter(_TableRecordWriter):
                 AVRO_NULL if content is None else _BRANCH_1 + (longs.get(content) or self._long(content)),
                 b"\x00",  # end of workers
                 small[copies + 1024] if -1024 <= copies <= 4095 else long_(copies),
-                AVRO_NULL + avro_double(last_ts) if since is None else _pack_branch_1_double_double(2, since, last_ts),
+                AVRO_NULL + avro_double(last_ts) if since is None
+                else _pack_branch_1_double_double(2, since, last_ts),
                 b"\x00\x00" if mark is None else self._mark(mark) + b"\x00"))  # mark, end of rows
         out = [self.header, size, block_hash, ownership]
         if rows:
@@ -443,7 +446,8 @@ class ResidencyWriter(_TableRecordWriter):
                                 small[seq + 1024] if -1024 <= seq <= 4095 else long_(seq),
                                 small[batch_index + 1024] if -1024 <= batch_index <= 4095 else long_(batch_index),
                                 small[block_index + 1024] if -1024 <= block_index <= 4095 else long_(block_index),
-                                AVRO_NULL if content is None else _BRANCH_1 + (longs.get(content) or self._long(content)))
+                                AVRO_NULL if content is None
+                                else _BRANCH_1 + (longs.get(content) or self._long(content)))
                 copies, since, last_ts, mark = row["copies"], row["since"], row["last_ts"], row["clear_mark"]
                 out += (b"\x00",  # end of workers
                         small[copies + 1024] if -1024 <= copies <= 4095 else long_(copies),
@@ -460,9 +464,9 @@ class ResidencyChangeWriter(_TableRecordWriter):
     transition.
 
     :meth:`change` takes the fields as arguments (no record dict to build); :meth:`encode` takes a
-    record. The encoded row identity (``instance_id`` .. ``group_idx``) and the cause are cached. Checked
-    against fastavro in ``tests/unit/test_writers.py``. Construction as :class:`_TableRecordWriter` (a
-    ``residency_change`` v1 codec, or ValueError).
+    record. The encoded ``ownership`` with the row identity (``instance_id`` .. ``group_idx``), and the
+    cause, are cached. Checked against fastavro in ``tests/unit/test_writers.py``. Construction as
+    :class:`_TableRecordWriter` (a ``residency_change`` v1 codec, or ValueError).
     """
 
     FAMILY = "residency_change"
@@ -471,14 +475,15 @@ class ResidencyChangeWriter(_TableRecordWriter):
 
     def __init__(self, codec: AvroCodec) -> None:
         super().__init__(codec)
-        #: (instance_id, data_parallel_rank, tier, medium, locality, group_idx) -> encoded; cause -> encoded.
+        #: (ownership, instance_id, data_parallel_rank, tier, medium, locality, group_idx) -> encoded (the
+        #: fields between ``block_hash`` and ``resident``); cause -> encoded.
         self._rows: dict[tuple, bytes] = {}
         self._causes: dict[str, bytes] = {}
 
     def _row(self, key: tuple) -> bytes:
-        instance_id, data_parallel_rank, tier, medium, locality, group_idx = key
-        encoded = b"".join((avro_string(instance_id), avro_long(data_parallel_rank), self.tier[tier],
-                            avro_optional_string(medium), avro_optional_string(locality),
+        ownership, instance_id, data_parallel_rank, tier, medium, locality, group_idx = key
+        encoded = b"".join((avro_optional_string(ownership), avro_string(instance_id), avro_long(data_parallel_rank),
+                            self.tier[tier], avro_optional_string(medium), avro_optional_string(locality),
                             avro_optional(group_idx, avro_long)))
         if len(self._rows) > 10_000:
             self._rows.clear()
@@ -499,9 +504,12 @@ class ResidencyChangeWriter(_TableRecordWriter):
         Raises:
             KeyError, TypeError, AttributeError: a field has the wrong type (an unknown tier is a KeyError).
         """
-        key = (instance_id, data_parallel_rank, tier, medium, locality, group_idx)
-        return b"".join((self.header, avro_long(len(block_hash)), block_hash, avro_optional_string(ownership),
-                         self._rows.get(key) or self._row(key), b"\x01" if resident else b"\x00", avro_long(copies),
+        key = (ownership, instance_id, data_parallel_rank, tier, medium, locality, group_idx)
+        size = len(block_hash)
+        # small ints in line, as in ResidencyWriter.encode
+        return b"".join((self.header, _SMALL_INTS[size + 1024] if size <= 4095 else avro_long(size), block_hash,
+                         self._rows.get(key) or self._row(key), b"\x01" if resident else b"\x00",
+                         _SMALL_INTS[copies + 1024] if -1024 <= copies <= 4095 else avro_long(copies),
                          avro_double(ts), self._causes.get(cause) or self._cause(cause)))
 
     def encode(self, record: dict) -> bytes:

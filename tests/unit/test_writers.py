@@ -189,6 +189,7 @@ def test_change_writer_caches_do_not_mix_up_records(changes):
             for values in [("a", "GPU", None, None, None, "x"), ("a", "CPU", None, None, None, "y"),
                            ("a", "CPU", "CPU", None, None, "x"), ("a", "CPU", "CPU", "LOCAL", None, "x"),
                            ("a", "CPU", "CPU", "LOCAL", 0, "x"), ("b", "CPU", "CPU", "LOCAL", 0, "x")]]
+    seen += [{**change, "ownership": ownership} for change in seen for ownership in ("kvcr", "a", "")]
     for change in seen * 2:
         assert writer.encode(change) == codec.encode(change)
 
