@@ -214,7 +214,6 @@ def _bind(ns, cls, *names):
 
 def make_materializer(store_kind: str, producer, tmp: Path, timers: dict[str, Timer], instrument: bool = True):
     """A Materializer over the worker's store methods on plain objects, outputs into ``producer``."""
-    from faust.stores.rocksdb import RocksDBOptions
     from rocksdict import Rdict
 
     import stream_apps.store as store_module
@@ -224,7 +223,7 @@ def make_materializer(store_kind: str, producer, tmp: Path, timers: dict[str, Ti
     from stream_apps.checkpoint import Checkpoint
     from stream_apps.outputs import OutputTopics
     from stream_apps.residency import SourceSettings
-    from stream_apps.store_settings import residency_rocksdb_options
+    from stream_apps.store_settings import ResidencyRocksDBOptions, residency_rocksdb_options
 
     outputs = OutputTopics("unused:0", TopicNames("profile"))
     outputs._producer = producer
@@ -247,7 +246,7 @@ def make_materializer(store_kind: str, producer, tmp: Path, timers: dict[str, Ti
                                           changelog="profile-residency-changelog", encode=encode, codec=codec)
         _bind(residency, store_module.MemoryTableStore, "entry", "lookup", "write", "persist", "partition_keys")
     else:
-        options = RocksDBOptions(**residency_rocksdb_options()).as_options()
+        options = ResidencyRocksDBOptions(**residency_rocksdb_options()).as_options()
         dbs = {}
 
         def db_for_partition(partition):

@@ -577,10 +577,8 @@ class Bench:
 
     def step_memory(self) -> None:
         """Bytes per resident row in the memory store (tracemalloc) and in a RocksDB store (disk)."""
-        from faust.stores.rocksdb import RocksDBOptions
-
         from schemas import AvroCodec
-        from stream_apps.store_settings import residency_rocksdb_options
+        from stream_apps.store_settings import ResidencyRocksDBOptions, residency_rocksdb_options
 
         rows = self.o.memory_rows
         pairs = list(tqdm(self._row_entries(rows), total=rows, unit="row", desc="rows", leave=False,
@@ -611,7 +609,7 @@ class Bench:
         shutil.rmtree(path, ignore_errors=True)
         from rocksdict import Rdict
 
-        options = RocksDBOptions(**residency_rocksdb_options())  # as the worker's residency store, default sizes
+        options = ResidencyRocksDBOptions(**residency_rocksdb_options())  # the worker's, default sizes
         db = Rdict(str(path), options=options.as_options())
         value_bytes = 0
         for key, entry in pairs:

@@ -46,7 +46,8 @@ def _zigzag_varint(n: int) -> bytes:
     return bytes(out)
 
 
-#: Encodings of the ints -1024..4095, the positions, counts and indexes most records carry.
+#: Encodings of the ints -1024..4095, the positions, counts and indexes most records carry
+#: (ResidencyWriter.encode writes these bounds in line).
 _SMALL_MIN, _SMALL_MAX = -1024, 4095
 _SMALL_INTS = [_zigzag_varint(n) for n in range(_SMALL_MIN, _SMALL_MAX + 1)]
 #: Avro ``double``: 8 bytes, little-endian IEEE 754.
@@ -314,7 +315,15 @@ class ResidencyWriter(_TableRecordWriter):
     fastavro's generic writer is slow here (it resolves each optional field's union and looks up every
     field of the nested rows and workers), and the materializing agent encodes one entry per touched key.
     This writer encodes the field layout of ``residency_v2.avsc`` directly. Checked against fastavro
-    in ``tests/unit/test_writers.py``.
+    in ``tests/unit/test_writers.py`` (fixed cases and a hypothesis property) and
+    ``tests/unit/test_writer_parity.py`` (edge values, refusals).
+
+    Most entries hold one row with one worker, so that shape is encoded in a single join without a loop.
+    What repeats across entries is encoded once and cached (each cache emptied when it grows past its
+    bound): a row's identity fields (``instance_id`` .. ``aggregation``), optional strings, longs beyond
+    the small-int table (publisher epochs, content digests) and clear marks. A cache is keyed by value, so
+    a value equal to a cached one (``1.0`` and ``1``) gets its bytes where fastavro would refuse the float;
+    the agent's entries only hold ints there.
 
     Every field must be present in the dicts (fastavro would write a missing optional field's default;
     here it is a KeyError). ``clear_mark`` is the ClearMark dict or None, as the codec decodes it.
@@ -329,13 +338,51 @@ class ResidencyWriter(_TableRecordWriter):
         super().__init__(codec)
         #: symbol -> encoded index of the AggregationMode enum (a named type of kv_event_v1).
         self.aggregation = _named_enum(codec, "kvstream.v1.AggregationMode")
-        #: publisher_epoch -> its varint: epochs are few and large (milliseconds, six bytes), so cached.
-        self._epochs: dict[int, bytes] = {}
+        #: (instance_id, data_parallel_rank, tier, medium, locality, group_idx, world_size, aggregation) ->
+        #: those fields encoded: one row identity per source and tier, so few.
+        self._identities: dict[tuple, bytes] = {}
+        #: ``["null", "string"]`` value -> encoded (``ownership``, ``medium``, ``locality``).
+        self._optional_strings: dict[str | None, bytes] = {None: AVRO_NULL}
+        #: long -> varint, for longs outside the small-int table: publisher epochs (milliseconds, few) and
+        #: content digests (one per stored block, re-encoded at each of the block's events; 9-10 bytes).
+        self._longs: dict[int, bytes] = {}
+        #: (publisher_epoch, seq, batch_index) -> the encoded ``["null", ClearMark]`` branch 1: one per source clear.
+        self._marks: dict[tuple[int, int, int], bytes] = {}
 
-    def _epoch(self, epoch: int) -> bytes:
-        if len(self._epochs) > 1000:
-            self._epochs.clear()
-        encoded = self._epochs[epoch] = avro_long(epoch)
+    def _optional_string(self, value: str) -> bytes:
+        cache = self._optional_strings
+        if len(cache) > 10_000:
+            cache.clear()
+            cache[None] = AVRO_NULL
+        encoded = cache[value] = _BRANCH_1 + avro_string(value)
+        return encoded
+
+    def _identity(self, key: tuple) -> bytes:
+        instance_id, data_parallel_rank, tier, medium, locality, group_idx, world_size, aggregation = key
+        encoded = b"".join((avro_string(instance_id), avro_long(data_parallel_rank), self.tier[tier],
+                            avro_optional_string(medium), avro_optional_string(locality),
+                            avro_optional(group_idx, avro_long), avro_long(world_size),
+                            self.aggregation[aggregation]))
+        if len(self._identities) > 10_000:
+            self._identities.clear()
+        self._identities[key] = encoded
+        return encoded
+
+    def _long(self, n: int) -> bytes:
+        encoded = avro_long(n)  # before caching: a value fastavro refuses raises here, every time
+        if len(self._longs) > 10_000:
+            self._longs.clear()
+        self._longs[n] = encoded
+        return encoded
+
+    def _mark(self, mark: dict) -> bytes:
+        key = (mark["publisher_epoch"], mark["seq"], mark["batch_index"])
+        encoded = self._marks.get(key)
+        if encoded is None:
+            encoded = b"".join((_BRANCH_1, avro_long(key[0]), avro_long(key[1]), avro_long(key[2])))
+            if len(self._marks) > 1000:
+                self._marks.clear()
+            self._marks[key] = encoded
         return encoded
 
     def encode(self, entry: dict) -> bytes:
@@ -344,38 +391,69 @@ class ResidencyWriter(_TableRecordWriter):
         Raises:
             KeyError, TypeError, AttributeError: a field is missing or has the wrong type (an unknown
                 enum symbol is a KeyError).
+            OverflowError: an int outside Avro's long range (as fastavro).
         """
-        long_ = avro_long
-        optional_string = avro_optional_string
-        tiers, aggregations, epochs = self.tier, self.aggregation, self._epochs
-        block_hash = entry["block_hash"]
-        out = [self.header, long_(len(block_hash)), block_hash, optional_string(entry["ownership"])]
-        rows = entry["rows"]
-        if len(rows):  # len, not truth: None is refused (TypeError), as fastavro refuses it
+        # An int field in the small-int table is one comparison and one index, in line: a call to
+        # avro_long per field was most of this method's time. The index refuses a float (TypeError), as
+        # fastavro does; None fails the comparison (TypeError).
+        small, long_, strings, longs = _SMALL_INTS, avro_long, self._optional_strings, self._longs
+        block_hash, ownership, rows = entry["block_hash"], entry["ownership"], entry["rows"]
+        size = len(block_hash)
+        size = small[size + 1024] if size <= 4095 else long_(size)
+        ownership = strings.get(ownership) or self._optional_string(ownership)
+        row = rows[0] if len(rows) == 1 else None  # len, not truth: None is refused (TypeError), as by fastavro
+        workers = None if row is None else row["workers"]
+        if workers is not None and len(workers) == 1:
+            worker = workers[0]
+            key = (row["instance_id"], row["data_parallel_rank"], row["tier"], row["medium"], row["locality"],
+                   row["group_idx"], row["world_size"], row["aggregation"])
+            rank, count, epoch, seq, batch_index, block_index, content = (
+                worker["worker_rank"], worker["count"], worker["publisher_epoch"], worker["seq"],
+                worker["batch_index"], worker["block_index"], worker["content"])
+            copies, since, last_ts, mark = row["copies"], row["since"], row["last_ts"], row["clear_mark"]
+            return b"".join((
+                self.header, size, block_hash, ownership,
+                b"\x02", self._identities.get(key) or self._identity(key), b"\x02",  # one row; its one worker:
+                small[rank + 1024] if -1024 <= rank <= 4095 else long_(rank),
+                small[count + 1024] if -1024 <= count <= 4095 else long_(count),
+                longs.get(epoch) or self._long(epoch),
+                small[seq + 1024] if -1024 <= seq <= 4095 else long_(seq),
+                small[batch_index + 1024] if -1024 <= batch_index <= 4095 else long_(batch_index),
+                small[block_index + 1024] if -1024 <= block_index <= 4095 else long_(block_index),
+                AVRO_NULL if content is None else _BRANCH_1 + (longs.get(content) or self._long(content)),
+                b"\x00",  # end of workers
+                small[copies + 1024] if -1024 <= copies <= 4095 else long_(copies),
+                AVRO_NULL + avro_double(last_ts) if since is None
+                else _pack_branch_1_double_double(2, since, last_ts),
+                b"\x00\x00" if mark is None else self._mark(mark) + b"\x00"))  # mark, end of rows
+        out = [self.header, size, block_hash, ownership]
+        if rows:
             out.append(long_(len(rows)))
             for row in rows:
-                group = row["group_idx"]
-                out += (avro_string(row["instance_id"]), long_(row["data_parallel_rank"]), tiers[row["tier"]],
-                        optional_string(row["medium"]), optional_string(row["locality"]),
-                        AVRO_NULL if group is None else _BRANCH_1 + long_(group), long_(row["world_size"]),
-                        aggregations[row["aggregation"]])
+                key = (row["instance_id"], row["data_parallel_rank"], row["tier"], row["medium"], row["locality"],
+                       row["group_idx"], row["world_size"], row["aggregation"])
+                out.append(self._identities.get(key) or self._identity(key))
                 workers = row["workers"]
-                if workers:
+                if len(workers):
                     out.append(long_(len(workers)))
                     for worker in workers:
-                        epoch, content = worker["publisher_epoch"], worker["content"]
-                        out += (long_(worker["worker_rank"]), long_(worker["count"]),
-                                epochs.get(epoch) or self._epoch(epoch), long_(worker["seq"]),
-                                long_(worker["batch_index"]), long_(worker["block_index"]),
-                                AVRO_NULL if content is None else _BRANCH_1 + long_(content))
-                out.append(b"\x00")  # end of workers
-                since, mark = row["since"], row["clear_mark"]
-                out += (long_(row["copies"]),
-                        AVRO_NULL + avro_double(row["last_ts"]) if since is None
-                        else _pack_branch_1_double_double(2, since, row["last_ts"]),
-                        AVRO_NULL if mark is None else b"".join((
-                            _BRANCH_1, long_(mark["publisher_epoch"]), long_(mark["seq"]),
-                            long_(mark["batch_index"]))))
+                        rank, count, epoch, seq, batch_index, block_index, content = (
+                            worker["worker_rank"], worker["count"], worker["publisher_epoch"], worker["seq"],
+                            worker["batch_index"], worker["block_index"], worker["content"])
+                        out += (small[rank + 1024] if -1024 <= rank <= 4095 else long_(rank),
+                                small[count + 1024] if -1024 <= count <= 4095 else long_(count),
+                                longs.get(epoch) or self._long(epoch),
+                                small[seq + 1024] if -1024 <= seq <= 4095 else long_(seq),
+                                small[batch_index + 1024] if -1024 <= batch_index <= 4095 else long_(batch_index),
+                                small[block_index + 1024] if -1024 <= block_index <= 4095 else long_(block_index),
+                                AVRO_NULL if content is None
+                                else _BRANCH_1 + (longs.get(content) or self._long(content)))
+                copies, since, last_ts, mark = row["copies"], row["since"], row["last_ts"], row["clear_mark"]
+                out += (b"\x00",  # end of workers
+                        small[copies + 1024] if -1024 <= copies <= 4095 else long_(copies),
+                        AVRO_NULL + avro_double(last_ts) if since is None
+                        else _pack_branch_1_double_double(2, since, last_ts),
+                        AVRO_NULL if mark is None else self._mark(mark))
         out.append(b"\x00")  # end of rows
         return b"".join(out)
 
@@ -386,9 +464,9 @@ class ResidencyChangeWriter(_TableRecordWriter):
     transition.
 
     :meth:`change` takes the fields as arguments (no record dict to build); :meth:`encode` takes a
-    record. The encoded row identity (``instance_id`` .. ``group_idx``) and the cause are cached. Checked
-    against fastavro in ``tests/unit/test_writers.py``. Construction as :class:`_TableRecordWriter` (a
-    ``residency_change`` v1 codec, or ValueError).
+    record. The encoded ``ownership`` with the row identity (``instance_id`` .. ``group_idx``), and the
+    cause, are cached. Checked against fastavro in ``tests/unit/test_writers.py``. Construction as
+    :class:`_TableRecordWriter` (a ``residency_change`` v1 codec, or ValueError).
     """
 
     FAMILY = "residency_change"
@@ -397,14 +475,15 @@ class ResidencyChangeWriter(_TableRecordWriter):
 
     def __init__(self, codec: AvroCodec) -> None:
         super().__init__(codec)
-        #: (instance_id, data_parallel_rank, tier, medium, locality, group_idx) -> encoded; cause -> encoded.
+        #: (ownership, instance_id, data_parallel_rank, tier, medium, locality, group_idx) -> encoded (the
+        #: fields between ``block_hash`` and ``resident``); cause -> encoded.
         self._rows: dict[tuple, bytes] = {}
         self._causes: dict[str, bytes] = {}
 
     def _row(self, key: tuple) -> bytes:
-        instance_id, data_parallel_rank, tier, medium, locality, group_idx = key
-        encoded = b"".join((avro_string(instance_id), avro_long(data_parallel_rank), self.tier[tier],
-                            avro_optional_string(medium), avro_optional_string(locality),
+        ownership, instance_id, data_parallel_rank, tier, medium, locality, group_idx = key
+        encoded = b"".join((avro_optional_string(ownership), avro_string(instance_id), avro_long(data_parallel_rank),
+                            self.tier[tier], avro_optional_string(medium), avro_optional_string(locality),
                             avro_optional(group_idx, avro_long)))
         if len(self._rows) > 10_000:
             self._rows.clear()
@@ -425,9 +504,12 @@ class ResidencyChangeWriter(_TableRecordWriter):
         Raises:
             KeyError, TypeError, AttributeError: a field has the wrong type (an unknown tier is a KeyError).
         """
-        key = (instance_id, data_parallel_rank, tier, medium, locality, group_idx)
-        return b"".join((self.header, avro_long(len(block_hash)), block_hash, avro_optional_string(ownership),
-                         self._rows.get(key) or self._row(key), b"\x01" if resident else b"\x00", avro_long(copies),
+        key = (ownership, instance_id, data_parallel_rank, tier, medium, locality, group_idx)
+        size = len(block_hash)
+        # small ints in line, as in ResidencyWriter.encode
+        return b"".join((self.header, _SMALL_INTS[size + 1024] if size <= 4095 else avro_long(size), block_hash,
+                         self._rows.get(key) or self._row(key), b"\x01" if resident else b"\x00",
+                         _SMALL_INTS[copies + 1024] if -1024 <= copies <= 4095 else avro_long(copies),
                          avro_double(ts), self._causes.get(cause) or self._cause(cause)))
 
     def encode(self, record: dict) -> bytes:

@@ -105,26 +105,29 @@ class OutputTopics:
 
     def produce(self, topic: str, key: bytes | None, value: bytes | None, partition: int | None = None,
                 on_delivery=None, headers=None) -> None:
-        """Enqueue one record (``partition`` None: the key's murmur2 partition); waits while the queue is full."""
-        extra = {} if partition is None else {"partition": partition}
-        if on_delivery is not None:
-            extra["on_delivery"] = on_delivery
-        if headers is not None:
-            extra["headers"] = headers
-        produce_waiting(self.producer, topic, value, key, **extra)
+        """Enqueue one record; waits only while librdkafka's queue is full.
 
-    def produce_to(self, topic: str, key: bytes, value: bytes | None, partition: int, on_delivery=None) -> None:
-        """:meth:`produce` for the stores' changelog records, which always name their partition: positional
-        arguments straight to librdkafka (a keyword dict per record cost about a microsecond), waiting only
-        when the queue is full."""
+        Args:
+            topic: the topic.
+            key, value: the record's bytes (None: no key; a tombstone).
+            partition: the partition; None: the key's murmur2 partition (the producer's partitioner).
+            on_delivery: ``(error, message)`` callback of this record's delivery report instead of
+                :meth:`on_delivery` (which must then be called with a failure, or :meth:`flush` does not raise).
+            headers: the record's headers, ``[(name, bytes)]``.
+        """
         producer = self._producer or self.producer
+        # Positional arguments straight to librdkafka: the stores call this once per changelog record, and
+        # building keyword arguments per record costs about as much as the enqueue. -1 is librdkafka's
+        # "unassigned" partition: the partitioner picks it.
         try:
-            if on_delivery is None:
-                producer.produce(topic, value, key, partition)
+            if headers is None:
+                producer.produce(topic, value, key, -1 if partition is None else partition, on_delivery)
             else:
-                producer.produce(topic, value, key, partition, on_delivery)
+                producer.produce(topic, value, key, -1 if partition is None else partition, on_delivery,
+                                 headers=headers)
         except BufferError:
-            self.produce(topic, key, value, partition, on_delivery=on_delivery)
+            produce_waiting(producer, topic, value, key, partition=-1 if partition is None else partition,
+                            on_delivery=on_delivery, headers=headers)
 
     def flush(self, timeout_s: float = 60.0) -> None:
         """Wait until every output is acknowledged.

@@ -45,6 +45,7 @@ from schemas import AvroCodec
 from schemas.avro_writers import ResidencyWriter
 from stream_apps import changelog_recovery
 from stream_apps.residency import key_partition
+from stream_apps.store_settings import ResidencyRocksDBOptions
 
 if TYPE_CHECKING:
     from stream_apps.outputs import OutputTopics
@@ -141,7 +142,7 @@ class MemoryTableStore(_BoundStore, faust.stores.memory.Store):
         else:
             self.data[key] = value
         self._key_partition[key] = partition
-        self.outputs.produce_to(self.changelog, key.encode(), None if value is None else self.encode(value), partition)
+        self.outputs.produce(self.changelog, key.encode(), None if value is None else self.encode(value), partition)
 
     def persist(self) -> None:
         """Nothing to persist: the changelog is this store's only durable copy."""
@@ -212,7 +213,7 @@ class CompactMemoryTableStore(_EntryCache, MemoryTableStore):
         else:
             self.data[key] = encoded
         self._remember(key, value)
-        self.outputs.produce_to(self.changelog, key.encode(), encoded, partition)
+        self.outputs.produce(self.changelog, key.encode(), encoded, partition)
 
     def partition_keys(self, partition: int) -> list[str]:
         """Keys of ``partition`` held here (a scan computing each key's partition, for rare source-wide events)."""
@@ -237,6 +238,8 @@ class RocksDBTableStore(_EntryCache, _BoundStore, faust.stores.rocksdb.Store):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # Faust's options class ignores the memtable filter of the table's options (store_settings)
+        self.rocksdb_options = ResidencyRocksDBOptions(**self.options, use_rocksdict=self.use_rocksdict)
         #: Highest changelog offset acknowledged per partition since the last :meth:`persist`.
         self._acked: dict[int, int] = {}
         #: Key -> decoded entry (None: known absent), least recently used first. An OrderedDict: evicting
@@ -283,7 +286,7 @@ class RocksDBTableStore(_EntryCache, _BoundStore, faust.stores.rocksdb.Store):
         value = None if entry is None else self.encode(entry)
         self._pending[partition][key] = (entry, value)
         self._remember(key, entry)
-        self.outputs.produce_to(self.changelog, key.encode(), value, partition, self._on_delivery)
+        self.outputs.produce(self.changelog, key.encode(), value, partition, self._on_delivery)
 
     def _on_delivery(self, error, message) -> None:
         if error is None:
