@@ -241,10 +241,12 @@ def make_materializer(store_kind: str, producer, tmp: Path, timers: dict[str, Ti
     encode = store_module.value_encoder(codec)
     if instrument:
         encode = timers["entry encode (residency writer)"].wrap(encode)
-    if store_kind == "memory":
-        residency = types.SimpleNamespace(data={}, _key_partition={}, outputs=outputs,
-                                          changelog="profile-residency-changelog", encode=encode, codec=codec)
-        _bind(residency, store_module.MemoryTableStore, "entry", "lookup", "write", "persist", "partition_keys")
+    if store_kind == "memory":  # the residency table's memory store, as the worker runs it: Avro bytes + a cache
+        residency = types.SimpleNamespace(data={}, _cache=OrderedDict(), cache_entries=10_000, outputs=outputs,
+                                          changelog="profile-residency-changelog", encode=encode, codec=codec,
+                                          table=types.SimpleNamespace(partitions=PARTITIONS))
+        _bind(residency, store_module.CompactMemoryTableStore, "entry", "lookup", "_remember", "write", "persist",
+              "partition_keys", "_partition_of")
     else:
         options = ResidencyRocksDBOptions(**residency_rocksdb_options()).as_options()
         dbs = {}
@@ -376,7 +378,7 @@ def run_materialize(batches, store_kind: str, producer, commit_every: int, cprof
         gc.callbacks.remove(collector)
         stats = materializer.stats
         if store_kind == "memory":
-            entries = list(residency.data.values())
+            entries = [residency.codec.decode(raw) for raw in residency.data.values()]
         else:
             entries = None
         resident = None
