@@ -50,6 +50,9 @@ def broker_credentials():
     return None
 
 
+#: How often the worker serves its output producer's delivery reports between checkpoints (seconds).
+DELIVERY_REPORTS_EVERY_S = 0.05
+
 @dataclass
 class StreamApp:
     """One worker's app and the pieces :func:`create_app` wired into it."""
@@ -135,6 +138,10 @@ def create_app(settings: WorkerSettings) -> StreamApp:
     register_views(app, tables, materializer, settings.weights, stream_app.counters, readiness, metrics)
 
     store = tables.residency_store
+
+    @app.timer(DELIVERY_REPORTS_EVERY_S)
+    async def _serve_delivery_reports() -> None:
+        outputs.serve_delivery_reports()
 
     @app.on_partitions_revoked.connect
     async def _checkpoint_on_revoke(app, revoked, **kwargs) -> None:

@@ -126,6 +126,15 @@ class OutputTopics:
         except BufferError:
             self.produce(topic, key, value, partition, on_delivery=on_delivery)
 
+    def serve_delivery_reports(self) -> None:
+        """Run the delivery callbacks of the outputs acknowledged so far, without waiting.
+
+        Called often between messages, so that a checkpoint's :meth:`flush` finds few reports left to serve:
+        each is a Python call, and a whole commit interval's of them stopped the agent at every checkpoint.
+        """
+        if self._producer is not None:
+            self._producer.poll(0)
+
     def flush(self, timeout_s: float = 60.0) -> None:
         """Wait until every output is acknowledged.
 
