@@ -24,6 +24,7 @@ from kafka_io.config import aiokafka_security
 from kafka_io.schema_registry import reader_codec
 from schemas.topics import DEAD_LETTER_TOPIC_CONFIG
 from stream_apps import consumer_fixes
+from stream_apps.agent_progress import AgentProgress
 from stream_apps.applier import Materializer
 from stream_apps.checkpoint import Checkpoint, CommitSensor, tune_gc, warn_on_long_gc_pauses
 from stream_apps.health import Readiness
@@ -49,6 +50,9 @@ def broker_credentials():
         return faust.SSLCredentials(settings["ssl_context"])
     return None
 
+
+#: How often the worker serves its output producer's delivery reports between checkpoints (seconds).
+DELIVERY_REPORTS_EVERY_S = 0.05
 
 @dataclass
 class StreamApp:
@@ -126,15 +130,22 @@ def create_app(settings: WorkerSettings) -> StreamApp:
                    reader_codec("kv_event", settings.bootstrap_servers, settings.schema_registry_url, topics.schemas))
     repartition = RepartitionService(app, settings.bootstrap_servers, topics, settings.partitions,
                                      batch_size=settings.repartition_batch, within_s=settings.repartition_within_s,
+                                     linger_s=settings.repartition_linger_s,
                                      log_format=settings.log_format,
                                      schema_registry_url=settings.schema_registry_url)
     app.service(repartition)
+    agent_progress = AgentProgress(topics.by_ownership, repartition.agent_progress)
+    app.sensors.add(agent_progress)
     readiness = Readiness(app, lambda: repartition.alive)
     metrics = WorkerMetrics(settings, materializer, checkpoint, repartition, readiness, lambda: app.in_recovery)
     stream_app = StreamApp(settings, app, tables, outputs, checkpoint, materializer, repartition, readiness, metrics)
     register_views(app, tables, materializer, settings.weights, stream_app.counters, readiness, metrics)
 
     store = tables.residency_store
+
+    @app.timer(DELIVERY_REPORTS_EVERY_S)
+    async def _serve_delivery_reports() -> None:
+        outputs.serve_delivery_reports()
 
     @app.on_partitions_revoked.connect
     async def _checkpoint_on_revoke(app, revoked, **kwargs) -> None:
@@ -144,6 +155,7 @@ def create_app(settings: WorkerSettings) -> StreamApp:
     @app.on_partitions_assigned.connect
     async def _on_assigned(app, assigned, **kwargs) -> None:
         store.forget_cache()
+        agent_progress.assigned({tp.partition for tp in assigned if tp.topic == topics.by_ownership})
         readiness.assigned = True
         metrics.rebalances += 1
 

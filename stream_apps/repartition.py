@@ -6,7 +6,9 @@ block-level event"), and Faust spends more on each message it consumes than the
 whole re-keying costs, so this stage is a confluent-kafka consumer loop in a
 child process of the worker (:class:`RepartitionProcess`, started by the
 worker), in its own consumer group ``<app id>-repartition``. It reads batches
-of up to ``batch_size`` messages and, per batch:
+of up to ``batch_size`` messages (whole batches while the input is backlogged; otherwise what arrived
+within ``linger_s``, longer while the agent is still applying the previous batch: :meth:`Repartitioner._read`)
+and, per batch:
 
 1. decodes each event and computes its residency key
    ``<ownership or primary>/<block hash hex>`` and the key's partition (Kafka's
@@ -18,8 +20,8 @@ of up to ``batch_size`` messages and, per batch:
 3. writes one ``ownership_batch`` message per destination partition (split at
    :data:`MAX_BATCH_BYTES`); source-wide events (clears, the bridge's
    ``PublisherRestarted`` and ``SourceStale``) keep their partition number;
-4. flushes the producer and only then commits the batch's offsets: at least
-   once. A redelivered event reaches the materializing agent again and is ignored there
+4. flushes the producer and only then commits the batch's offsets (asynchronously: the next batch does not
+   wait for the commit): at least once. A redelivered event reaches the materializing agent again and is ignored there
    (idempotent rows, :mod:`stream_apps.residency`).
 
 Clear marks survive restarts and rebalances: each source's last clears on a
@@ -35,6 +37,7 @@ the reason in the ``kvstream-error`` header and the original bytes.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import multiprocessing
 import os
@@ -60,11 +63,16 @@ from stream_apps.residency import key_partition, residency_key
 
 log = logging.getLogger(__name__)
 
-#: Clears kept per source and partition; a replay reaches back at most one batch (offsets are committed after
-#: every batch), so this only has to exceed the clears one source can emit within one batch.
+#: Clears kept per source and partition; a replay reaches back a batch or two (each batch's offsets are committed,
+#: asynchronously, right after its flush), so this only has to exceed the clears one source can emit within them.
 CLEAR_HISTORY = 8
 #: Upper bound of one ownership_batch message's payload; the re-keyed topic allows 8 MiB messages.
 MAX_BATCH_BYTES = 1 << 20
+#: In :class:`stream_apps.agent_progress.AgentProgress`, a partition whose progress does not hold the next batch back: this worker's agent
+#: does not read it (another worker does, or it is not assigned yet).
+NOT_READ_HERE = 1 << 62
+#: How often a batch that waits for the agent to finish the previous one checks again (seconds).
+AGENT_CHECK_S = 0.002
 
 
 def repartition_group(app_id: str) -> str:
@@ -170,14 +178,20 @@ class Repartitioner:
         partitions: partitions of the re-keyed topic (the app's partition count).
         counters: a mapping whose ``repartitioned`` and ``dead_lettered`` counts move here.
         batch_size: messages read per batch (one flush and one commit each).
-        within_s: how long a read waits for a batch to fill.
+        within_s: how long a read waits for a batch to fill while the input is backlogged, and for the first
+            message while none arrives (seconds).
+        linger_s: otherwise, a batch takes what arrived within this many seconds of the previous read, and,
+            with ``agent_progress``, longer while the agent has not finished the previous batch.
+        agent_progress: per re-keyed partition, the offset of the last message this worker's agent finished
+            (:class:`stream_apps.agent_progress.AgentProgress`); None: batches do not wait for the agent.
         stop_event: set to stop the loop after the batch in hand (anything with ``is_set()``).
         schema_registry_url: the registry that resolves Confluent-framed records' schema ids; empty: none
             (writer schemas this version does not ship are then looked up in the schemas topic).
     """
 
     def __init__(self, bootstrap_servers: str, topics: TopicNames, partitions: int, counters, *,
-                 batch_size: int = 10_000, within_s: float = 0.1, stop_event, schema_registry_url: str = "") -> None:
+                 batch_size: int = 10_000, within_s: float = 0.1, linger_s: float = 0.02, stop_event,
+                 schema_registry_url: str = "", agent_progress=None) -> None:
         self.bootstrap_servers = bootstrap_servers
         self.topics = topics
         self.app_id = topics.scoped_app_id
@@ -185,6 +199,10 @@ class Repartitioner:
         self.counters = counters
         self.batch_size = batch_size
         self.within_s = within_s
+        self.linger_s = linger_s
+        self.agent_progress = agent_progress
+        #: Re-keyed partition -> offset of the last ownership_batch message written there (acknowledged).
+        self._written: dict[int, int] = {}
         self.output_topic = topics.by_ownership
         self.clears_topic = topics.source_clears
         self._event_codec = reader_codec("kv_event", bootstrap_servers, schema_registry_url, topics.schemas)
@@ -207,20 +225,85 @@ class Repartitioner:
         config = client_config(self.bootstrap_servers, **{
             "group.id": repartition_group(self.app_id), "enable.auto.commit": False,
             "auto.offset.reset": "earliest", "enable.partition.eof": False, "client.id": "kvstream-repartition",
-            "session.timeout.ms": session_ms, "heartbeat.interval.ms": min(3000, session_ms // 3)})
+            "session.timeout.ms": session_ms, "heartbeat.interval.ms": min(3000, session_ms // 3),
+            "on_commit": self._on_commit})
         self._consumer = Consumer(config)
         self._producer = Producer(producer_config(self.bootstrap_servers, **{
             "client.id": "kvstream-repartition", "partitioner": "murmur2_random", "linger.ms": 5,
             "message.max.bytes": 8 << 20}))
         self._consumer.subscribe([self.topics.kv_events], on_assign=self._on_assign, on_revoke=self._on_revoke,
                                  on_lost=self._on_revoke)
+        # What exists now (modules, schemas, codecs) lives as long as the process: out of the collector's
+        # sight, a full collection scans only what came later instead of stopping a batch for every module
+        gc.freeze()
+        backlogged, last_read = True, time.monotonic()
         try:
             while not self._stop.is_set():
-                messages = self._consumer.consume(self.batch_size, self.within_s)
+                messages = self._read(backlogged, last_read)
                 if messages:
-                    self.process(messages)
+                    last_read = time.monotonic()
+                    backlogged = self._backlogged(self.process(messages))
         finally:
             self._consumer.close()
+
+    def _read(self, backlogged: bool, last_read: float) -> list:
+        """The next batch: up to ``batch_size`` messages.
+
+        Backlogged, it waits up to ``within_s`` for a whole batch (few, large messages for the agent). Otherwise
+        it takes what arrived within ``linger_s`` of the previous read (the flush and commit of that batch
+        overlap the wait), so an event waits about ``linger_s`` here instead of ``within_s``; but while the
+        agent has not finished the previous batch, and for at most ``within_s``, the batch keeps growing. The
+        agent pays a fixed cost per message: batches cut faster than it finishes them would multiply its
+        messages until it falls behind for good, whereas this way they grow to whatever size it keeps up
+        with. With nothing arrived, it waits up to ``within_s`` for the first message and takes it with
+        whatever came with it.
+        """
+        if backlogged:
+            timeout = self.within_s
+        else:
+            timeout = max(0.0, last_read + self.linger_s - time.monotonic())
+        messages = self._consumer.consume(self.batch_size, timeout)
+        if not backlogged:
+            deadline = last_read + self.within_s
+            while (messages and len(messages) < self.batch_size and not self._agent_done()
+                   and time.monotonic() < deadline and not self._stop.is_set()):
+                messages += self._consumer.consume(self.batch_size - len(messages), AGENT_CHECK_S)
+        if messages or self._stop.is_set():
+            return messages
+        messages = self._consumer.consume(1, self.within_s)
+        if messages and self.batch_size > 1:
+            messages += self._consumer.consume(self.batch_size - 1, 0)
+        return messages
+
+    def _agent_done(self) -> bool:
+        """Whether this worker's agent has finished every batch message written to the partitions it reads."""
+        progress = self.agent_progress
+        if progress is None:
+            return True
+        for partition, offset in self._written.items():
+            if progress[partition] < offset:
+                return False
+        return True
+
+    def _backlogged(self, next_offsets: dict[int, int]) -> bool:
+        """Whether another whole batch already waits on the broker behind ``next_offsets`` (kv-events partition
+        -> next offset), by the high watermarks of the latest fetch responses (no request to the broker)."""
+        waiting = 0
+        for partition, offset in next_offsets.items():
+            try:
+                _, high = self._consumer.get_watermark_offsets(TopicPartition(self.topics.kv_events, partition),
+                                                              cached=True)
+            except KafkaException:  # e.g. the partition was revoked meanwhile
+                continue
+            if high > offset:
+                waiting += high - offset
+        return waiting >= self.batch_size
+
+    def _on_commit(self, error, partitions) -> None:
+        # offsets are committed asynchronously (after the flush: at least once either way); a commit that fails,
+        # e.g. because a rebalance took the partitions, only means the batch is read again
+        if error is not None:
+            log.warning("repartition commit failed (%s); the batch will be redelivered", error)
 
     # -- assignment: clear histories follow their partitions ---------------------------------------------------
 
@@ -270,8 +353,12 @@ class Repartitioner:
 
     # -- the hot path -----------------------------------------------------------------------------------------
 
-    def process(self, messages: list) -> None:
-        """Re-key one batch, produce it, wait for the broker's acks, commit the batch's offsets.
+    def process(self, messages: list) -> dict[int, int]:
+        """Re-key one batch, produce it, wait for the broker's acks, commit the batch's offsets (asynchronously:
+        the commit is only sent after the acks, and a lost commit means a redelivery).
+
+        Returns:
+            kv-events partition -> the offset after the batch's last message on it.
 
         Raises:
             RuntimeError: the broker did not acknowledge every output (the offsets are not committed, so the
@@ -324,9 +411,10 @@ class Repartitioner:
         if next_offsets:
             try:
                 self._consumer.commit(offsets=[TopicPartition(self.topics.kv_events, p, o) for p, o in next_offsets.items()],
-                                      asynchronous=False)
-            except KafkaException as exc:  # e.g. a rebalance took the partitions: they are read again elsewhere
+                                      asynchronous=True)
+            except KafkaException as exc:  # e.g. no partitions assigned any more: they are read again elsewhere
                 log.warning("repartition commit failed (%s); the batch will be redelivered", exc)
+        return next_offsets
 
     def _route(self, message, value: bytes, partition: int) -> tuple[str, ClearHistory | None] | None:
         """(ownership, the source's clear history) from the ownership header and the record's first fields."""
@@ -387,6 +475,8 @@ class Repartitioner:
     def _on_delivery(self, error, message) -> None:
         if error is not None:
             self._delivery_errors.append(f"{message.topic()}[{message.partition()}]: {error}")
+        elif message.topic() == self.output_topic:
+            self._written[message.partition()] = message.offset()
 
     def _dead_letter(self, message, reason: str) -> None:
         """Send a record's original key and bytes to the dead-letter topic with the reason; move the counter."""
@@ -414,6 +504,12 @@ class _SharedCounters:
         self._values[name].value = value
 
 
+def new_agent_progress(partitions: int):
+    """A shared int64 array (one element per re-keyed partition, all :data:`NOT_READ_HERE`) that the worker
+    writes and its repartition process reads, as :class:`Repartitioner`'s ``agent_progress``."""
+    return multiprocessing.get_context("spawn").Array("q", [NOT_READ_HERE] * partitions, lock=False)
+
+
 class RepartitionProcess:
     """Runs a :class:`Repartitioner` in a spawned child process for the worker's lifetime.
 
@@ -426,20 +522,26 @@ class RepartitionProcess:
     acknowledged is read again.
 
     Args:
-        bootstrap_servers, topics, partitions, batch_size, within_s: as :class:`Repartitioner`. The child
+        bootstrap_servers, topics, partitions, batch_size, within_s, linger_s, agent_progress: as
+            :class:`Repartitioner` (``agent_progress`` made by :func:`new_agent_progress`; None: a new one). The child
             inherits the environment (security settings, ``BROKER_SESSION_TIMEOUT``).
     """
 
     def __init__(self, bootstrap_servers: str, topics: TopicNames, partitions: int, *, batch_size: int = 10_000,
-                 within_s: float = 0.1, log_format: str = "text", schema_registry_url: str = "") -> None:
+                 within_s: float = 0.1, linger_s: float = 0.02, log_format: str = "text",
+                 schema_registry_url: str = "", agent_progress=None) -> None:
         context = multiprocessing.get_context("spawn")  # the worker has threads; fork would copy their locks
         self._stop = context.Event()
+        #: Re-keyed partition -> offset of the last message this worker's agent finished
+        #: (:class:`stream_apps.agent_progress.AgentProgress`).
+        self.agent_progress = agent_progress if agent_progress is not None else new_agent_progress(partitions)
         #: Events re-keyed and records dead-lettered by the child, read by the worker's ``/stats/``.
         self._values = {"repartitioned": context.Value("q", 0, lock=False),
                         "dead_lettered": context.Value("q", 0, lock=False)}
         self._process = context.Process(
             target=_run_child, name="kvstream-repartition", daemon=True,
-            args=(bootstrap_servers, topics, partitions, batch_size, within_s, self._stop, self._values,
+            args=(bootstrap_servers, topics, partitions, batch_size, within_s, linger_s, self.agent_progress,
+                  self._stop, self._values,
                   os.getpid(), logging.getLevelName(logging.getLogger().getEffectiveLevel()), log_format,
                   schema_registry_url))
 
@@ -470,8 +572,8 @@ class RepartitionProcess:
             self._process.join(5)
 
 
-def _run_child(bootstrap_servers: str, topics: TopicNames, partitions: int, batch_size: int, within_s: float, stop,
-               values: dict, parent_pid: int, log_level: str, log_format: str, schema_registry_url: str) -> None:
+def _run_child(bootstrap_servers: str, topics: TopicNames, partitions: int, batch_size: int, within_s: float,
+               linger_s: float, agent_progress, stop, values: dict, parent_pid: int, log_level: str, log_format: str, schema_registry_url: str) -> None:
     """The child process of :class:`RepartitionProcess`: run the loop until asked to stop."""
     configure_logging(log_level, log_format)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -485,8 +587,8 @@ def _run_child(bootstrap_servers: str, topics: TopicNames, partitions: int, batc
 
     threading.Thread(target=watch_parent, name="kvstream-parent-watch", daemon=True).start()
     repartitioner = Repartitioner(bootstrap_servers, topics, partitions, _SharedCounters(values),
-                                  batch_size=batch_size, within_s=within_s, stop_event=stop,
-                                  schema_registry_url=schema_registry_url)
+                                  batch_size=batch_size, within_s=within_s, linger_s=linger_s, stop_event=stop,
+                                  schema_registry_url=schema_registry_url, agent_progress=agent_progress)
     try:
         repartitioner.run()
     except BaseException:  # noqa: BLE001 - the worker learns it from the exit code
@@ -502,23 +604,27 @@ class RepartitionService(mode.Service):
 
     Args:
         app: the Faust app (its ``crash`` is called when the process exits).
-        bootstrap_servers, topics, partitions, batch_size, within_s: as :class:`Repartitioner`.
+        bootstrap_servers, topics, partitions, batch_size, within_s, linger_s: as :class:`Repartitioner`.
     """
 
     def __init__(self, app, bootstrap_servers: str, topics: TopicNames, partitions: int, *, batch_size: int,
-                 within_s: float, log_format: str = "text", schema_registry_url: str = "", **kwargs) -> None:
+                 within_s: float, linger_s: float = 0.02, log_format: str = "text", schema_registry_url: str = "",
+                 **kwargs) -> None:
         super().__init__(**kwargs)
         self.app = app
-        self._arguments = (bootstrap_servers, topics, partitions, batch_size, within_s, log_format,
+        self._arguments = (bootstrap_servers, topics, partitions, batch_size, within_s, linger_s, log_format,
                            schema_registry_url)
+        #: What the worker's agent has finished, for the process (:class:`stream_apps.agent_progress.AgentProgress`).
+        self.agent_progress = new_agent_progress(partitions)
         self.process: RepartitionProcess | None = None
         self._spawned = False
 
     async def on_start(self) -> None:
         # built here, not in __init__: the process takes the log level Faust has configured by now
-        bootstrap_servers, topics, partitions, batch_size, within_s, log_format, registry_url = self._arguments
+        bootstrap_servers, topics, partitions, batch_size, within_s, linger_s, log_format, registry_url = self._arguments
         self.process = RepartitionProcess(bootstrap_servers, topics, partitions, batch_size=batch_size,
-                                          within_s=within_s, log_format=log_format,
+                                          within_s=within_s, linger_s=linger_s, log_format=log_format,
+                                          agent_progress=self.agent_progress,
                                           schema_registry_url=registry_url)
         self.process.start()
         self._spawned = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -55,3 +56,97 @@ def test_source_is_read_from_the_front_of_the_record_without_decoding_it():
         assert source_of(value[:12], FINGERPRINTS) is None  # cut short
     assert source_of(b"\x00\x00\x00\x00\x01rest", FINGERPRINTS) is None  # Confluent framing: decoded instead
     assert source_of(b"\xc3\x01" + bytes(8) + b"\x02a\x00", FINGERPRINTS) is None  # unknown fingerprint
+
+
+class _Consumer:
+    """A consumer whose reads return what ``arrivals`` holds for each call, recording (count, timeout)."""
+
+    def __init__(self, arrivals, high=None, on_read=None) -> None:
+        self.arrivals = list(arrivals)
+        self.calls: list[tuple[int, float]] = []
+        self.high = high or {}
+        self.on_read = on_read
+
+    def consume(self, count, timeout):
+        self.calls.append((count, timeout))
+        if self.on_read is not None:
+            self.on_read(len(self.calls))
+        batch = self.arrivals.pop(0) if self.arrivals else []
+        assert len(batch) <= count
+        return batch
+
+    def get_watermark_offsets(self, partition, cached=False):
+        assert cached  # never a request to the broker per batch
+        return 0, self.high.get(partition.partition, -1)
+
+
+def _repartitioner(consumer, batch_size=10, agent_progress=None):
+    from types import SimpleNamespace
+
+    from schemas.topics import TopicNames
+    from stream_apps.repartition import Repartitioner
+
+    r = Repartitioner("unused:0", TopicNames("unit"), 4, {}, batch_size=batch_size, within_s=60.0, linger_s=0.02,
+                      stop_event=SimpleNamespace(is_set=lambda: False), agent_progress=agent_progress)
+    r._consumer = consumer
+    return r
+
+
+def test_a_backlogged_read_waits_for_a_whole_batch():
+    consumer = _Consumer([list(range(10))])
+    assert _repartitioner(consumer)._read(backlogged=True, last_read=time.monotonic()) == list(range(10))
+    assert consumer.calls == [(10, 60.0)]
+
+
+def test_a_read_without_backlog_waits_only_for_the_rest_of_the_linger():
+    consumer = _Consumer([[1, 2]])
+    assert _repartitioner(consumer)._read(backlogged=False, last_read=time.monotonic() - 1.0) == [1, 2]
+    assert consumer.calls == [(10, 0.0)]  # the linger has passed since the previous read: what is here now
+
+
+def test_a_read_with_nothing_arrived_waits_for_the_first_message_and_takes_what_came_with_it():
+    consumer = _Consumer([[], [1], [2, 3]])
+    assert _repartitioner(consumer)._read(backlogged=False, last_read=time.monotonic() - 1.0) == [1, 2, 3]
+    assert consumer.calls == [(10, 0.0), (1, 60.0), (9, 0)]
+
+
+def test_a_batch_grows_while_the_agent_has_not_finished_the_previous_one():
+    from stream_apps.repartition import AGENT_CHECK_S, new_agent_progress
+
+    progress = new_agent_progress(4)
+    progress[1] = 6  # the agent read up to offset 6 of partition 1; the batch before wrote offset 7 there
+
+    def agent(calls):
+        if calls == 3:
+            progress[1] = 7
+
+    consumer = _Consumer([[1], [2], [3], [4]], on_read=agent)
+    r = _repartitioner(consumer, agent_progress=progress)
+    r._written = {1: 7, 2: 3}
+    assert r._read(backlogged=False, last_read=time.monotonic() - 1.0) == [1, 2, 3]
+    assert consumer.calls == [(10, 0.0), (9, AGENT_CHECK_S), (8, AGENT_CHECK_S)]
+
+
+def test_backlog_is_another_whole_batch_behind_the_read_offsets():
+    consumer = _Consumer([], high={0: 120, 1: 55})
+    r = _repartitioner(consumer, batch_size=20)
+    assert r._backlogged({0: 100, 1: 50}) is True  # 20 + 5 waiting
+    assert r._backlogged({0: 110, 1: 50}) is False
+    assert r._backlogged({3: 7}) is False  # no fetch seen for the partition yet (high -1)
+
+
+def test_agent_progress_follows_finished_messages_and_the_assignment():
+    from types import SimpleNamespace
+
+    from stream_apps.agent_progress import AgentProgress
+    from stream_apps.repartition import NOT_READ_HERE, new_agent_progress
+
+    progress = new_agent_progress(3)
+    sensor = AgentProgress("app-kv-events-by-ownership", progress)
+    sensor.assigned({0, 1})
+    assert list(progress) == [-1, -1, NOT_READ_HERE]
+    sensor.on_message_out(SimpleNamespace(topic="app-kv-events-by-ownership", partition=1), 41, None)
+    sensor.on_message_out(SimpleNamespace(topic="app-residency-changelog", partition=0), 99, None)
+    assert list(progress) == [-1, 41, NOT_READ_HERE]
+    sensor.assigned({1, 2})  # a partition kept keeps its progress; one that left is no longer waited for
+    assert list(progress) == [NOT_READ_HERE, 41, -1]
