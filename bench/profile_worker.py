@@ -65,8 +65,8 @@ def fold(raw: Path) -> dict[str, Counter]:
     out: dict[str, Counter] = defaultdict(Counter)
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
-        if not stack:
-            continue
+        if not stack or not count.isdigit():
+            continue  # a frame name with a line break in it (py-spy prints some modules' docstrings): a fragment
         frames = stack.split(";")
         child = any("spawn_main" in f or "_run_child" in f for f in frames)
         process = "repartition" if child else "worker"
