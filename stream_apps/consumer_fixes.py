@@ -1,5 +1,5 @@
 """Three corrections to faust-streaming 0.15.3 (its aiokafka driver, and mode's flow control) that keep a
-rebalance from skipping messages, and one setting of its consumer that Faust does not expose.
+rebalance from skipping messages.
 
 Both were found by ``make chaos``'s rebalance scenario, which lost rows about once in six runs, with or without
 standby replicas (docs/operations.md, "Standby replicas"). The sequence that lost them:
@@ -32,12 +32,6 @@ The corrections:
   suspended. Stale events of a previous assignment are still dropped: Faust clears the queues when
   partitions are revoked, the first resume after a suspend clears them, and streams skip messages of
   another generation.
-
-The setting: Faust builds its aiokafka consumer with ``fetch_max_wait_ms=1500``. aiokafka sends one fetch
-request per broker at a time, for the partitions that have no fetched records waiting, so a request for
-partitions that receive nothing holds back the next fetch of those that do until the broker gives up on it:
-the agent then sat idle for 1-1.5 s with messages waiting on the broker (bench latency step).
-:func:`_create_worker_consumer` lowers the wait to :data:`FETCH_MAX_WAIT_MS`.
 
 :func:`install` applies them once per process; ``pyproject.toml`` pins the faust-streaming and
 mode-streaming versions they were written against, and both are checked.
@@ -93,21 +87,8 @@ def _resume_flow_control(self) -> None:
         _original_resume(self)
 
 
-_original_create_worker_consumer = driver.AIOKafkaConsumerThread._create_worker_consumer
-
-#: Longest a fetch request of the agent's consumer waits at the broker for data (Faust: 1500 ms).
-FETCH_MAX_WAIT_MS = 20
-
-
-def _create_worker_consumer(self, transport):
-    """Faust's consumer, whose fetch requests wait at most :data:`FETCH_MAX_WAIT_MS` at the broker."""
-    consumer = _original_create_worker_consumer(self, transport)
-    consumer._fetch_max_wait_ms = FETCH_MAX_WAIT_MS
-    return consumer
-
-
 def install() -> None:
-    """Replace the four methods (idempotent).
+    """Replace the three methods (idempotent).
 
     Raises:
         RuntimeError: another faust-streaming or mode-streaming version is installed; the corrections must be
@@ -120,4 +101,3 @@ def install() -> None:
     driver.AIOKafkaConsumerThread._fetch_records = _fetch_records
     driver.AIOKafkaConsumerThread.seek_to_committed = _seek_to_committed
     FlowControlEvent.resume = _resume_flow_control
-    driver.AIOKafkaConsumerThread._create_worker_consumer = _create_worker_consumer
