@@ -301,14 +301,14 @@ class AvroCodec:
             raise DecodeError(f"{len(data) - end} trailing bytes after the {self.family} record")
         return record
 
-    def in_place_reader(self) -> Callable[[bytes, int, int], "dict | None"]:
-        """A reader of records of this codec's own version inside a larger buffer, without copying them out.
+    def own_version_reader(self) -> Callable[[bytes, int, int], "dict | None"]:
+        """A reader of records of this codec's own version found inside a larger buffer.
 
-        The returned ``read(data, start, end)`` reads the framed record at ``data[start:end]`` and returns
-        what :meth:`decode` would, or None when the record was written with another version (an older one,
-        a newer one, or a registry id :meth:`decode` has not resolved yet) or is not a valid record: the
-        caller then decodes ``data[start:end]`` with :meth:`decode`, which resolves the version or raises
-        the :class:`DecodeError` that says why.
+        The returned ``read(data, start, end)`` reads the framed record ``data[start:end]`` and returns what
+        :meth:`decode` would, or None when the record was written with another version (an older one, a
+        newer one, or a registry id :meth:`decode` has not resolved yet) or is not a valid record: the caller
+        then decodes ``data[start:end]`` with :meth:`decode`, which resolves the version or raises the
+        :class:`DecodeError` that says why. It saves :meth:`decode`'s checks of the framing per record.
 
         Raises:
             NotImplementedError: the schema has a type the generated readers do not support.
@@ -321,22 +321,24 @@ class AvroCodec:
         registry_ids = self._registry_ids
         read_errors = (ReadError, IndexError, struct.error, UnicodeDecodeError)
 
-        def read_in_place(data: bytes, start: int, end: int) -> dict | None:
-            if data[start:start + _HEADER_LEN] in headers:
-                body = start + _HEADER_LEN
-            elif data[start:start + 1] == CONFLUENT_MAGIC and registry_ids.get(
-                    int.from_bytes(data[start + 1:start + 5], "big")) is own:
-                body = start + 5
+        def read_own_version(data: bytes, start: int, end: int) -> dict | None:
+            # The record is copied out rather than read in the buffer: the generated reader checks lengths
+            # against the end of what it is given, and a corrupt count in the buffer would make it read on
+            # through the records after this one before failing.
+            data = data[start:end]
+            if data[:_HEADER_LEN] in headers:
+                body = _HEADER_LEN
+            elif data[:1] == CONFLUENT_MAGIC and registry_ids.get(int.from_bytes(data[1:5], "big")) is own:
+                body = 5
             else:
                 return None
             try:
                 record, pos = read(data, body)
             except read_errors:
                 return None
-            # reads only move forward, so ending exactly at ``end`` means nothing past it was read
-            return record if pos == end else None
+            return record if pos == len(data) else None
 
-        return read_in_place
+        return read_own_version
 
     def _writer_for_fingerprint(self, fp: bytes):
         """A writer schema this reader does not ship, from the writer-schema source; DecodeError if unknown."""

@@ -1,11 +1,11 @@
 """One pass over an ``ownership_batch`` message: its items, each with its event already decoded.
 
-Decoding a batch message with its codec gives a list of ``KeyedEvent`` dicts, each with a clear-mark dict
-and a copy of its event's bytes, and each event then goes through the event codec's framing checks.
+Decoding a batch message with its codec gives a list of ``KeyedEvent`` dicts, each with a clear-mark dict,
+and each event then goes through the event codec's framing checks.
 :class:`OwnershipBatchReader` walks the message once instead. For each item it gives the key, the clear mark
-as a :class:`~schemas.clear_position.ClearPosition`, where the event's bytes lie in the message (no copy: a
-dead letter slices them out), and the event decoded in place by the event codec's generated reader
-(:meth:`schemas.codec.AvroCodec.in_place_reader`).
+as a :class:`~schemas.clear_position.ClearPosition`, where the event's bytes lie in the message (a dead
+letter slices them out), and the event decoded by the event codec's generated reader without its framing
+checks per record (:meth:`schemas.codec.AvroCodec.own_version_reader`).
 
 Anything else is left to the codecs, so the result never differs from decoding item by item: a batch
 message written with another ``ownership_batch`` version is decoded by its codec; an event written with
@@ -33,7 +33,7 @@ class OwnershipBatchReader:
 
     Args:
         event_codec: the ``kv_event`` codec of the caller (its framing, registry and writer schemas); records
-            of its own version are decoded in place.
+            of its own version are decoded as the items are read.
     """
 
     def __init__(self, event_codec: AvroCodec) -> None:
@@ -41,7 +41,7 @@ class OwnershipBatchReader:
         own = self._batch_codec.schema.parsed
         self._headers = frozenset(SINGLE_OBJECT_MAGIC + fp for fp, parsed in self._batch_codec._by_fingerprint.items()
                                   if parsed is own)
-        self._read_event = event_codec.in_place_reader()
+        self._read_event = event_codec.own_version_reader()
 
     def read(self, data: bytes) -> list[BatchItem]:
         """The items of one batch message, in order.

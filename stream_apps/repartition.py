@@ -212,6 +212,10 @@ class Repartitioner:
         self._fingerprints = frozenset(v.fingerprint for v in schema_versions("kv_event"))
         #: (kv-events partition, instance, dp rank) -> clear history, for the assigned partitions.
         self._histories: dict[tuple[int, str, int], ClearHistory] = {}
+        #: kv-events partitions assigned to this consumer now, and how many assignments and revocations it has
+        #: seen (a batch read across one must not keep messages of a partition that left: see _read).
+        self._assigned: set[int] = set()
+        self._rebalances = 0
         self._delivery_errors: list[str] = []
         self._stop = stop_event
         self._consumer: Consumer | None = None
@@ -258,6 +262,7 @@ class Repartitioner:
         with. With nothing arrived, it waits up to ``within_s`` for the first message and takes it with
         whatever came with it.
         """
+        rebalances = self._rebalances
         if backlogged:
             timeout = self.within_s
         else:
@@ -266,13 +271,18 @@ class Repartitioner:
         if not backlogged:
             deadline = last_read + self.within_s
             while (messages and len(messages) < self.batch_size and not self._agent_done()
-                   and time.monotonic() < deadline and not self._stop.is_set()):
+                   and time.monotonic() < deadline and not self._stop.is_set() and self._rebalances == rebalances):
                 messages += self._consumer.consume(self.batch_size - len(messages), AGENT_CHECK_S)
-        if messages or self._stop.is_set():
-            return messages
-        messages = self._consumer.consume(1, self.within_s)
-        if messages and self.batch_size > 1:
-            messages += self._consumer.consume(self.batch_size - 1, 0)
+        if not messages and not self._stop.is_set():
+            messages = self._consumer.consume(1, self.within_s)
+            if messages and self.batch_size > 1:
+                messages += self._consumer.consume(self.batch_size - 1, 0)
+        if self._rebalances != rebalances:
+            # A later consume() ran a revocation: messages read before it from a partition that left have lost
+            # their clear history (a block event would be re-keyed with no clear mark) and belong to the new
+            # owner, which reads them again from the committed offset. They are neither re-keyed nor committed.
+            assigned = self._assigned
+            messages = [m for m in messages if m.error() is not None or m.partition() in assigned]
         return messages
 
     def _agent_done(self) -> bool:
@@ -310,12 +320,16 @@ class Repartitioner:
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         assigned = {tp.partition for tp in partitions}
         self._histories.update(self._load_histories(assigned))
+        self._assigned |= assigned
+        self._rebalances += 1
         log.info("repartition stage assigned kv-events partitions %s", sorted(assigned))
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         revoked = {tp.partition for tp in partitions}
         for key in [k for k in self._histories if k[0] in revoked]:
             del self._histories[key]
+        self._assigned -= revoked
+        self._rebalances += 1
 
     def _load_histories(self, partitions: set[int]) -> dict[tuple[int, str, int], ClearHistory]:
         """Read the clear-history topic's records of these kv-events partitions (it is small and compacted)."""

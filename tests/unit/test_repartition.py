@@ -127,6 +127,35 @@ def test_a_batch_grows_while_the_agent_has_not_finished_the_previous_one():
     assert consumer.calls == [(10, 0.0), (9, AGENT_CHECK_S), (8, AGENT_CHECK_S)]
 
 
+def test_a_batch_read_across_a_revocation_drops_the_revoked_partitions_messages_and_stops_growing():
+    """librdkafka runs the revocation inside consume(): messages read before it from a partition that left have
+    lost their clear history (re-keyed, a block event would get no clear mark, and the agent would then drop it
+    as older than the clear) and belong to the new owner, which reads them again from the committed offset."""
+    from types import SimpleNamespace
+
+    from confluent_kafka import TopicPartition
+
+    from stream_apps.repartition import new_agent_progress
+
+    def message(partition, offset):
+        return SimpleNamespace(partition=lambda: partition, offset=lambda: offset, error=lambda: None)
+
+    progress = new_agent_progress(4)
+    progress[1] = 6  # the agent has not finished the previous batch: without the rebalance the batch would grow
+    first, second = [message(0, 10), message(1, 20)], [message(1, 21)]
+
+    def rebalance(calls):
+        if calls == 2:
+            r._on_revoke(None, [TopicPartition(r.topics.kv_events, 0)])
+
+    consumer = _Consumer([first, second, [message(1, 22)]], on_read=rebalance)
+    r = _repartitioner(consumer, agent_progress=progress)
+    r._assigned, r._written = {0, 1}, {1: 7}
+    batch = r._read(backlogged=False, last_read=time.monotonic() - 1.0)
+    assert [(m.partition(), m.offset()) for m in batch] == [(1, 20), (1, 21)]
+    assert len(consumer.calls) == 2  # no read after the one that served the revocation
+
+
 def test_backlog_is_another_whole_batch_behind_the_read_offsets():
     consumer = _Consumer([], high={0: 120, 1: 55})
     r = _repartitioner(consumer, batch_size=20)
