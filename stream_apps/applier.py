@@ -22,6 +22,7 @@ from stream_apps.residency import (
     SourceSettings,
     apply_block_event,
     apply_clear,
+    residency_key,
     retire_epoch,
 )
 from stream_apps.tables import Tables
@@ -118,10 +119,9 @@ class Materializer:
             for row in stopped:
                 stopped_total += 1
                 occupancy[(entry["ownership"], row["tier"], instance)] -= 1
-                if self.outputs.residency_changes:
-                        self.outputs.change(entry["block_hash"], entry["ownership"], row["instance_id"],
-                                        row["data_parallel_rank"], row["tier"], None, row["locality"],
-                                        row["group_idx"], False, 0, ts, cause)
+                self.outputs.change(entry["block_hash"], entry["ownership"], row["instance_id"],
+                                    row["data_parallel_rank"], row["tier"], None, row["locality"], row["group_idx"],
+                                    False, 0, ts, cause)
         return stopped_total
 
     def apply_clear(self, partition: int, record: dict, mark: ClearPosition, occupancy: dict[tuple, int]) -> None:
@@ -242,7 +242,7 @@ class BatchApplier:
         # a batch message holds many events of few publishers: their keys are formatted once
         identity = (record["instance_id"], record["data_parallel_rank"], record["worker_rank"])
         source, publisher = self._publisher_keys.get(identity) or self._publisher_keys_of(identity)
-        watermark = self._watermarks.get(source) or self._watermark(source)
+        watermark = self._watermark(source)
         kind, body = record["event"]
         if kind in SOURCE_WIDE_EVENTS:
             self.write_back()  # source-wide events scan the stored entries
@@ -256,13 +256,12 @@ class BatchApplier:
             else:
                 m.apply_source_event(partition, record, self.occupancy)
             return
-        epochs = self._epochs
-        retired = epochs[publisher] if publisher in epochs else self._retired_epoch(publisher)
+        retired = self._retired_epoch(publisher)
         if retired is not None and record["publisher_epoch"] < retired:
             m.stats.retired_late += 1
             return
         block_hash = record["block_hash"]
-        if block_hash is None or key != f"{body['ownership'] or PRIMARY}/{block_hash.hex()}":  # residency_key
+        if block_hash is None or key != residency_key(body["ownership"], block_hash):
             # routed by its kvstream-ownership header (stream_apps/repartition.py), which the record contradicts
             raise InvalidRecord(f"routed as {key!r}, but the record's ownership is {body['ownership']!r} and its "
                                 f"block hash {None if block_hash is None else block_hash.hex()}")
@@ -276,10 +275,8 @@ class BatchApplier:
         instance = record["instance_id"]
         sources, stats = m.sources, m.stats
         applied_before = stats.applied
-        # SourceSettings.clear_tiers written out, as residency_key above: this runs per event
-        entry, delta, copies = apply_block_event(
-            entry, record, mark, watermark, sources.clear_scopes.get(instance, sources.default_clear_tiers), stats,
-            sources.aggregation.get(instance))
+        entry, delta, copies = apply_block_event(entry, record, mark, watermark, sources.clear_tiers(instance),
+                                                 stats, sources.aggregation.get(instance))
         touched[key] = entry
         if stats.applied != applied_before:  # a redelivered event is counted as a duplicate only, never applied
             seen = self.publishers.get(publisher)
@@ -289,7 +286,7 @@ class BatchApplier:
             seen["count"] += 1
         if delta:
             self.occupancy[(body["ownership"], record["tier"], instance)] += delta
-            if m.outputs.residency_changes:
+            if m.outputs.residency_changes:  # change() checks it too; here it spares the call per transition
                 m.outputs.change(block_hash, body["ownership"], instance, record["data_parallel_rank"],
                                  record["tier"], body["medium"], body["locality"], body["group_idx"], delta > 0, copies,
                                  record["ts"], kind.rsplit(".", 1)[-1])

@@ -37,8 +37,8 @@ class OutputTopics:
         schema_registry_url: with a registry, the output topics carry the Confluent wire format, their schemas
             registered under ``<topic>-value``; empty: single-object framing, the schemas published to the
             schemas topic.
-        residency_changes: whether :meth:`change` is called (``kvstream worker --residency-changes``); callers
-            check :attr:`residency_changes` before building a change.
+        residency_changes: whether :meth:`change` publishes anything (``kvstream worker --residency-changes``);
+            a caller on the hot path may check :attr:`residency_changes` to spare the call.
 
     Raises:
         schemas.codec.RegistryRefused: the registry refused an output schema (e.g. not BACKWARD compatible).
@@ -86,7 +86,10 @@ class OutputTopics:
     def change(self, block_hash: bytes, ownership: str | None, instance_id: str, data_parallel_rank: int,
                tier: str, medium: str | None, locality: str | None, group_idx: int | None, resident: bool,
                copies: int, ts: float, cause: str) -> None:
-        """One ``<app id>-kv-residency-changes`` record (schemas/residency_change_v1.avsc), keyed by block hash."""
+        """One ``<app id>-kv-residency-changes`` record (schemas/residency_change_v1.avsc), keyed by block hash;
+        nothing unless :attr:`residency_changes` is on."""
+        if not self.residency_changes:
+            return
         self.produce(self.topics.residency_changes, block_hash, self._encode_change(
             block_hash, ownership, instance_id, data_parallel_rank, tier, medium, locality, group_idx, resident,
             copies, ts, cause))
