@@ -28,6 +28,14 @@ BatchItem = tuple[str, ClearPosition, bytes, int, int, "dict | None"]
 _tuple_new = tuple.__new__
 
 
+def _long(data: bytes, pos: int) -> tuple[int, int]:
+    """The zig-zag varint at ``pos`` and the position after it."""
+    b = data[pos]
+    if b & 0x80:
+        return _long_tail(data, pos + 1, b)
+    return (b >> 1) ^ -(b & 1), pos + 1
+
+
 class OwnershipBatchReader:
     """Reads ``ownership_batch`` messages (schemas/ownership_batch_v1.avsc) into :data:`BatchItem` lists.
 
@@ -68,24 +76,14 @@ class OwnershipBatchReader:
         # ValueError, and read() hands the message to the codec, which reads what is valid and names what is not.
         read_event, items, size, pos = self._read_event, [], len(data), _HEADER_LEN
         while True:
-            b = data[pos]; pos += 1
-            if b & 0x80:
-                count, pos = _long_tail(data, pos, b)
-            else:
-                count = (b >> 1) ^ -(b & 1)
+            count, pos = _long(data, pos)
             if count == 0:
                 break
             if count < 0:  # a block that gives its byte size, which a one-pass reader does not need
                 count = -count
-                b = data[pos]; pos += 1
-                if b & 0x80:
-                    _, pos = _long_tail(data, pos, b)
+                _, pos = _long(data, pos)
             for _ in range(count):
-                b = data[pos]; pos += 1
-                if b & 0x80:
-                    n, pos = _long_tail(data, pos, b)
-                else:
-                    n = (b >> 1) ^ -(b & 1)
+                n, pos = _long(data, pos)
                 end = pos + n
                 if n < 0 or end > size:
                     raise ValueError("bad key length")
@@ -94,29 +92,13 @@ class OwnershipBatchReader:
                 if b == 0:
                     mark = NO_CLEAR
                 elif b == 2:
-                    b = data[pos]; pos += 1
-                    if b & 0x80:
-                        epoch, pos = _long_tail(data, pos, b)
-                    else:
-                        epoch = (b >> 1) ^ -(b & 1)
-                    b = data[pos]; pos += 1
-                    if b & 0x80:
-                        seq, pos = _long_tail(data, pos, b)
-                    else:
-                        seq = (b >> 1) ^ -(b & 1)
-                    b = data[pos]; pos += 1
-                    if b & 0x80:
-                        index, pos = _long_tail(data, pos, b)
-                    else:
-                        index = (b >> 1) ^ -(b & 1)
+                    epoch, pos = _long(data, pos)
+                    seq, pos = _long(data, pos)
+                    index, pos = _long(data, pos)
                     mark = _tuple_new(ClearPosition, (epoch, seq, index))
                 else:
                     raise ValueError("clear_mark union index")
-                b = data[pos]; pos += 1
-                if b & 0x80:
-                    n, pos = _long_tail(data, pos, b)
-                else:
-                    n = (b >> 1) ^ -(b & 1)
+                n, pos = _long(data, pos)
                 end = pos + n
                 if n < 0 or end > size:
                     raise ValueError("bad event length")
