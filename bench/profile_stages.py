@@ -266,13 +266,13 @@ def make_materializer(store_kind: str, producer, tmp: Path, timers: dict[str, Ti
     residency.window_keys = set()
     residency.merged_writes = 0
     residency.total_writes = 0
+    tables = types.SimpleNamespace(
+        residency_store=residency,
+        tier_occupancy=types.SimpleNamespace(data=small("tier_occupancy", "profile-tier-occupancy-changelog")),
+        sources=types.SimpleNamespace(data=small("source_status", "profile-sources-changelog")),
+        clear_watermarks=types.SimpleNamespace(data=small("clear_watermark", "profile-clear-watermarks-changelog")),
+        publisher_epochs=types.SimpleNamespace(data=small("clear_watermark", "profile-publisher-epochs-changelog")))
     if not instrument:
-        tables = types.SimpleNamespace(
-            residency_store=residency,
-            tier_occupancy=types.SimpleNamespace(data=small("tier_occupancy", "profile-tier-occupancy-changelog")),
-            sources=types.SimpleNamespace(data=small("source_status", "profile-sources-changelog")),
-            clear_watermarks=types.SimpleNamespace(data=small("clear_watermark", "profile-clear-watermarks-changelog")),
-            publisher_epochs=types.SimpleNamespace(data=small("clear_watermark", "profile-publisher-epochs-changelog")))
         return Materializer(tables, outputs, Checkpoint(outputs, [residency]), SourceSettings()), residency
     residency.entry = timers["entry read (store/cache, decode on miss)"].wrap(residency.entry)
     # changelog writes, and the distinct keys among them per checkpoint window (what a cache that merges the
@@ -293,12 +293,6 @@ def make_materializer(store_kind: str, producer, tmp: Path, timers: dict[str, Ti
         persist()
 
     residency.persist = counted_persist
-    tables = types.SimpleNamespace(
-        residency_store=residency,
-        tier_occupancy=types.SimpleNamespace(data=small("tier_occupancy", "profile-tier-occupancy-changelog")),
-        sources=types.SimpleNamespace(data=small("source_status", "profile-sources-changelog")),
-        clear_watermarks=types.SimpleNamespace(data=small("clear_watermark", "profile-clear-watermarks-changelog")),
-        publisher_epochs=types.SimpleNamespace(data=small("clear_watermark", "profile-publisher-epochs-changelog")))
     checkpoint = Checkpoint(outputs, [residency])  # after the wrappers: it calls residency.persist
     return Materializer(tables, outputs, checkpoint, SourceSettings()), residency
 
