@@ -8,7 +8,7 @@ puts them, and then run through the worker's own code, stage by stage:
    messages (header routing, residency key, murmur2, clear marks, ``ownership_batch`` encode, produce);
 2. the materializing agent, as :func:`stream_apps.materialize.register_agent` runs it: ``ownership_batch``
    decode, ``kv_event`` decode per item, :meth:`stream_apps.applier.BatchApplier.apply` (the residency rules,
-   :func:`stream_apps.residency.apply_block_event`, timed apart), :meth:`~stream_apps.applier.BatchApplier.finish`
+   :func:`stream_apps.residency.apply_block`, timed apart), :meth:`~stream_apps.applier.BatchApplier.finish`
    (entry encode, changelog produce, occupancy, sources) and a checkpoint (:class:`stream_apps.checkpoint.Checkpoint`)
    every ``--commit-every`` batch messages (the flush itself is a no-op here: no broker).
 
@@ -308,11 +308,11 @@ def run_materialize(batches, store_kind: str, producer, commit_every: int, cprof
     from schemas.ownership_batch import OwnershipBatchReader
 
     timers = defaultdict(Timer)
-    rules = timers["residency rules (apply_block_event)"]
-    original_rules = applier_module.apply_block_event
+    rules = timers["residency rules (apply_block)"]
+    original_rules = applier_module.apply_block
     original_write_back = applier_module.BatchApplier.write_back
     if instrument:
-        applier_module.apply_block_event = rules.wrap(original_rules)
+        applier_module.apply_block = rules.wrap(original_rules)
         write_back_timer = timers["write-back (entry encode, changelog produce, store write)"]
         applier_module.BatchApplier.write_back = write_back_timer.wrap(original_write_back)
     tmp = Path(tempfile.mkdtemp(prefix="kvstream-profile-"))
@@ -349,7 +349,10 @@ def run_materialize(batches, store_kind: str, producer, commit_every: int, cprof
             t2 = clock()
             applier = applier_module.BatchApplier(materializer, partition)
             for (key, mark, *_), record in zip(items, records):
-                applier.apply(key, mark, record)
+                if type(record) is tuple:
+                    applier.apply(key, mark, record)
+                else:
+                    applier.apply_record(key, mark, record)
             t3 = clock()
             applier.finish()
             t4 = clock()
@@ -393,7 +396,7 @@ def run_materialize(batches, store_kind: str, producer, commit_every: int, cprof
             residency.close_all()
         return result
     finally:
-        applier_module.apply_block_event = original_rules
+        applier_module.apply_block = original_rules
         applier_module.BatchApplier.write_back = original_write_back
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -402,7 +405,7 @@ def report(events: int, repartition_s: float, stage2: dict, plain: dict, store_k
     """The per-stage table: each stage's share of the instrumented pass's wall time, times the CPU time of the
     uninstrumented pass (so neither the timers' own cost nor the machine's load inflates the µs)."""
     t = stage2["timers"]
-    rules = t["residency rules (apply_block_event)"]["s"]
+    rules = t["residency rules (apply_block)"]["s"]
     change = t["residency change: encode + produce"]["s"]
     entry = t["entry read (store/cache, decode on miss)"]["s"]
     encode = t["entry encode (residency writer)"]["s"]
@@ -412,10 +415,10 @@ def report(events: int, repartition_s: float, stage2: dict, plain: dict, store_k
     apply_rest = (stage2["apply loop"] + stage2["finish (write-back, occupancy, sources)"]
                   - rules - change - entry - write_back - small)
     parts = [
-        ("decode: batch items and their kv_event records, one pass", stage2["ownership_batch decode"]),
+        ("decode: batch items (block fields; other events' records), one pass", stage2["ownership_batch decode"]),
         ("kv_event decode of other versions (codec)", stage2["kv_event decode"]),
         ("entry read (store/cache; RocksDB get + decode on miss)", entry),
-        ("residency rules (apply_block_event)", rules),
+        ("residency rules (apply_block)", rules),
         ("BatchApplier.apply bookkeeping (keys, sources, marks)", apply_rest),
         ("residency change record: encode + produce", change),
         ("write-back: entry encode", encode),
@@ -443,7 +446,7 @@ def report(events: int, repartition_s: float, stage2: dict, plain: dict, store_k
                  f"(collections by generation: {plain['gc_collections']}; thresholds {gc.get_threshold()})")
     lines.append(f"  of which produce() enqueue, all outputs: {produce / wall * cpu_us:.2f} µs/event "
                  f"({t['produce (enqueue, all outputs)']['calls'] / events:.2f} outputs per event)")
-    lines.append(f"  calls: rules {t['residency rules (apply_block_event)']['calls']:,}, change records "
+    lines.append(f"  calls: rules {t['residency rules (apply_block)']['calls']:,}, change records "
                  f"{t['residency change: encode + produce']['calls']:,}, entry encodes "
                  f"{t['entry encode (residency writer)']['calls']:,}, entry reads "
                  f"{t['entry read (store/cache, decode on miss)']['calls']:,}")

@@ -23,9 +23,9 @@ from pathlib import Path
 #: (stage, pattern on one frame "function (file:line)"), leaf-most match wins; order breaks ties in one frame.
 STAGE_RULES = [
     ("kv_event decode", r"<avro reader of [\w.]*KvBlockEvent>"),
-    ("ownership_batch decode", r"<avro reader of [\w.]*OwnershipBatch>"),
+    ("ownership_batch read (block fields)", r"<avro reader of [\w.]*OwnershipBatch>|ownership_batch\.py"),
     ("entry decode (RocksDB miss)", r"<avro reader of [\w.]*ResidencyEntry>"),
-    ("residency rules", r"apply_block_event|aggregate_copies|clear_mark_record|ClearPosition"),
+    ("residency rules", r"apply_block|aggregate_copies|clear_mark_record|ClearPosition"),
     ("encode (entry, change record)", r"avro_writers\.py"),
     ("produce (librdkafka enqueue)", r"^produce |produce_waiting|\(outputs\.py:\d+\)$"),
     ("checkpoint: flush", r"^flush \("),
@@ -33,7 +33,7 @@ STAGE_RULES = [
     ("checkpoint: gc.freeze", r"_freeze_gc"),
     ("entry read (cache, RocksDB get)", r"^entry \(.*store\.py|_remember"),
     ("write-back, occupancy, sources", r"write_back|^finish \(|add_occupancy|note_applied|^write \(.*store\.py"),
-    ("apply bookkeeping", r"^apply \(.*applier\.py|_watermark|_retired_epoch|residency_key"),
+    ("apply bookkeeping", r"^apply(_record)? \(.*applier\.py|_watermark|_retired_epoch|_publisher_keys_of|residency_key"),
     ("ownership_batch/kv_event decode (codec)", r"^decode \(.*codec\.py"),
     ("materialize loop (agent)", r"materialize_residency"),
     ("GC (collection)", r"^<gc>|gc_collect"),
@@ -41,9 +41,11 @@ STAGE_RULES = [
 REPARTITION_RULES = [
     ("repartition: consume (librdkafka)", r"^consume \("),
     ("repartition: flush + commit", r"^flush \(|^commit \("),
+    ("repartition: kv_event decode", r"<avro reader of [\w.]*KvBlockEvent>|read_own_version|^decode \(.*codec\.py"),
+    ("repartition: block fields", r"block_event\.py"),
     ("repartition: encode batches", r"encode_ownership_batch|encode_keyed_event|encode_clear_mark"),
     ("repartition: produce", r"^produce |_send \("),
-    ("repartition: route (header, source, key, murmur2)", r"_route|source_of|residency_key|key_partition"),
+    ("repartition: route (key, murmur2, content digest)", r"residency_key|key_partition|needs_content|content_digest"),
     ("repartition: process (rest)", r"^process \(.*repartition\.py"),
 ]
 

@@ -120,8 +120,8 @@ class KvEventProducer:
             self.stats.first_error = str(err)
 
     def _ownership_header(self, ownership: str | None) -> list[tuple[str, bytes]]:
-        """The ``kvstream-ownership`` header of a block record (:data:`schemas.topics.OWNERSHIP_HEADER`): the
-        stream app routes the record by it without decoding it."""
+        """The ``kvstream-ownership`` header of a block record (:data:`schemas.topics.OWNERSHIP_HEADER`), for
+        consumers that route records without decoding them."""
         headers = self._headers.get(ownership)
         if headers is None:
             headers = self._headers[ownership] = [(OWNERSHIP_HEADER, (ownership or "").encode())]

@@ -528,18 +528,27 @@ def encode_clear_mark(mark: tuple[int, int, int]) -> bytes:
     return b"\x02" + avro_long(mark[0]) + avro_long(mark[1]) + avro_long(mark[2])
 
 
-def encode_keyed_event(key: str, mark: bytes, event: bytes) -> bytes:
-    """One ``KeyedEvent`` of schemas/ownership_batch_v1.avsc in Avro binary (``mark`` from :func:`encode_clear_mark`).
+def encode_keyed_event(key: str, mark: bytes, event: bytes, block: bytes | None = None) -> bytes:
+    """One ``KeyedEvent`` of schemas/ownership_batch_v2.avsc in Avro binary (``mark`` from :func:`encode_clear_mark`,
+    ``block`` from :meth:`schemas.block_event.BlockFieldsWriter.block` or None).
 
     Written by hand because the repartition process writes one per event and fastavro's generic writer costs several times
     more; tests check the bytes against fastavro's.
     """
     raw_key = key.encode()
-    return avro_long(len(raw_key)) + raw_key + mark + avro_long(len(event)) + event
+    if block is None:
+        return b"".join((avro_long(len(raw_key)), raw_key, mark, avro_long(len(event)), event, b"\x00"))
+    return b"".join((avro_long(len(raw_key)), raw_key, mark, avro_long(len(event)), event, b"\x02",
+                     avro_long(len(block)), block))
 
 
-def encode_ownership_batch(header: bytes, items: list[bytes]) -> bytes:
-    """A single-object ``OwnershipBatch`` (``header``: magic and fingerprint) of encoded KeyedEvents."""
+#: The ``sources`` and ``strings`` tables of a message without block fields: two empty arrays.
+NO_TABLES = b"\x00\x00"
+
+
+def encode_ownership_batch(header: bytes, items: list[bytes], tables: bytes = NO_TABLES) -> bytes:
+    """A single-object ``OwnershipBatch`` (``header``: magic and fingerprint of version 2) of encoded KeyedEvents,
+    after its ``tables`` (:meth:`schemas.block_event.BlockFieldsWriter.tables`)."""
     if not items:
-        return header + b"\x00"
-    return b"".join((header, avro_long(len(items)), *items, b"\x00"))
+        return b"".join((header, tables, b"\x00"))
+    return b"".join((header, tables, avro_long(len(items)), *items, b"\x00"))

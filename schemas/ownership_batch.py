@@ -1,29 +1,35 @@
-"""One pass over an ``ownership_batch`` message: its items, each with its event already decoded.
+"""One pass over an ``ownership_batch`` message: its items, each with its event ready for the rules.
 
 Decoding a batch message with its codec gives a list of ``KeyedEvent`` dicts, each with a clear-mark dict,
-and each event then goes through the event codec's framing checks.
+and each event then goes through the event codec's framing checks and into two dicts.
 :class:`OwnershipBatchReader` walks the message once instead. For each item it gives the key, the clear mark
 as a :class:`~schemas.clear_position.ClearPosition`, where the event's bytes lie in the message (a dead
-letter slices them out), and the event decoded by the event codec's generated reader without its framing
-checks per record (:meth:`schemas.codec.AvroCodec.own_version_reader`).
+letter slices them out), and the event: a :class:`~schemas.block_event.BlockEvent` tuple read from the block
+fields the repartition stage wrote (one ``struct`` call, no record decoded), or, for an item without them
+(source-wide events, records the repartition stage left undecoded), the record decoded by the event codec's
+generated reader without its framing checks per record (:meth:`schemas.codec.AvroCodec.own_version_reader`).
 
 Anything else is left to the codecs, so the result never differs from decoding item by item: a batch
-message written with another ``ownership_batch`` version is decoded by its codec; an event written with
-another ``kv_event`` version, or whose bytes the generated reader refuses, comes with record None, and the
-caller decodes it with the event codec, which resolves the version or raises the ``DecodeError`` that says
-why.
+message written with another ``ownership_batch`` version, or whose walk fails, is decoded by its codec
+(its items then come as records, their block fields unread); an event written with another ``kv_event``
+version, or whose bytes the generated reader refuses, comes with None, and the caller decodes it with the
+event codec, which resolves the version or raises the ``DecodeError`` that says why.
 """
 
 from __future__ import annotations
 
+import struct
+
+from schemas.block_event import BLOCK_FIELDS, KINDS, PARENT_KNOWN, BlockEvent, Source
 from schemas.clear_position import NO_CLEAR, ClearPosition
 from schemas.codec import _HEADER_LEN, SINGLE_OBJECT_MAGIC, AvroCodec
 from schemas.fast_reader import _long_tail
+from schemas.tiers import TIERS
 
-#: One item of a batch message: ``(key, clear mark, buffer, start, end, record or None)``. The event's
-#: framed bytes are ``buffer[start:end]``; ``record`` is None when the caller must decode those bytes with
-#: the event codec.
-BatchItem = tuple[str, ClearPosition, bytes, int, int, "dict | None"]
+#: One item of a batch message: ``(key, clear mark, buffer, start, end, event)``. The event's framed bytes are
+#: ``buffer[start:end]``; ``event`` is a :class:`BlockEvent` tuple (from the item's block fields), a decoded
+#: ``kv_event`` record dict, or None when the caller must decode those bytes with the event codec.
+BatchItem = tuple[str, ClearPosition, bytes, int, int, "BlockEvent | dict | None"]
 
 _tuple_new = tuple.__new__
 
@@ -61,20 +67,24 @@ class OwnershipBatchReader:
             return self._read_decoded(data)
         try:
             return self._walk(data)
-        except (IndexError, UnicodeDecodeError, ValueError):
+        except (IndexError, UnicodeDecodeError, ValueError, struct.error):
             return self._read_decoded(data)  # raises the codec's DecodeError, which names the fault
 
     def _read_decoded(self, data: bytes) -> list[BatchItem]:
         """Through the batch codec: another version of the batch schema, or a message the walk refused."""
         batch = self._batch_codec.decode(data)
         return [(item["key"], ClearPosition.of(item["clear_mark"]), item["event"], 0, len(item["event"]), None)
-                for item in batch["events"]]
+                for item in batch["events"]]  # block fields unread: the caller decodes every event
 
     def _walk(self, data: bytes) -> list[BatchItem]:
-        # The newest batch schema read in line: an array of (key: string, clear_mark: [null, ClearMark],
-        # event: bytes). Anything unusual (a long-form union index, a bad length) raises IndexError or
-        # ValueError, and read() hands the message to the codec, which reads what is valid and names what is not.
-        read_event, items, size, pos = self._read_event, [], len(data), _HEADER_LEN
+        # The newest batch schema read in line: the sources and strings tables, then an array of (key: string,
+        # clear_mark: [null, ClearMark], event: bytes, block: [null, bytes]). Anything unusual (a long-form union
+        # index, a bad length, a block field's index out of its table) raises IndexError, ValueError or
+        # struct.error, and read() hands the message to the codec, which reads what is valid and names what is not.
+        read_event, items, size = self._read_event, [], len(data)
+        sources, pos = _read_sources(data, _HEADER_LEN)
+        strings, pos = _read_strings(data, pos)
+        unpack, fields_size, kinds, tiers, known = BLOCK_FIELDS.unpack_from, BLOCK_FIELDS.size, KINDS, TIERS, PARENT_KNOWN
         while True:
             count, pos = _long(data, pos)
             if count == 0:
@@ -99,11 +109,84 @@ class OwnershipBatchReader:
                 else:
                     raise ValueError("clear_mark union index")
                 n, pos = _long(data, pos)
-                end = pos + n
+                start = pos
+                pos = end = start + n
                 if n < 0 or end > size:
                     raise ValueError("bad event length")
-                items.append((key, mark, data, pos, end, read_event(data, pos, end)))
-                pos = end
+                b = data[pos]; pos += 1
+                if b == 0:
+                    items.append((key, mark, data, start, end, read_event(data, start, end)))
+                    continue
+                if b != 2:
+                    raise ValueError("block union index")
+                n, pos = _long(data, pos)
+                fields = pos + fields_size
+                if n < fields_size or pos + n > size:
+                    raise ValueError("bad block length")
+                (kind, source, epoch, seq, batch_index, block_index, ts, tier, medium, locality, group, ownership,
+                 parent_known, has_content, content) = unpack(data, pos)
+                pos += n
+                items.append((key, mark, data, start, end, (
+                    kinds[kind], sources[source], epoch, seq, batch_index, block_index, ts, data[fields:pos],
+                    tiers[tier], strings[medium], strings[locality], group - 1 if group else None, strings[ownership],
+                    known[parent_known], content if has_content else None)))
         if pos != size:
             raise ValueError("trailing bytes")
         return items
+
+
+def _string(data: bytes, pos: int) -> tuple[str, int]:
+    n, pos = _long(data, pos)
+    end = pos + n
+    if n < 0 or end > len(data):
+        raise ValueError("bad string length")
+    return data[pos:end].decode(), end
+
+
+def _optional_long(data: bytes, pos: int) -> tuple[int | None, int]:
+    b = data[pos]
+    if b == 0:
+        return None, pos + 1
+    if b != 2:
+        raise ValueError("union index")
+    return _long(data, pos + 1)
+
+
+def _read_sources(data: bytes, pos: int) -> tuple[list, int]:
+    """The message's ``sources`` table: a list of :class:`~schemas.block_event.Source` tuples, and the position after it."""
+    sources = []
+    while True:
+        count, pos = _long(data, pos)
+        if count == 0:
+            return sources, pos
+        if count < 0:
+            count = -count
+            _, pos = _long(data, pos)
+        for _ in range(count):
+            instance, pos = _string(data, pos)
+            dp_rank, pos = _long(data, pos)
+            worker_rank, pos = _optional_long(data, pos)
+            world_size, pos = _optional_long(data, pos)
+            b = data[pos]
+            if b == 0:
+                aggregation, pos = None, pos + 1
+            elif b == 2:
+                aggregation, pos = _string(data, pos + 1)
+            else:
+                raise ValueError("union index")
+            sources.append(_tuple_new(Source, (instance, dp_rank, worker_rank, world_size, aggregation)))
+
+
+def _read_strings(data: bytes, pos: int) -> tuple[tuple, int]:
+    """The message's ``strings`` table as block fields index it (0: None), and the position after it."""
+    strings: list = [None]
+    while True:
+        count, pos = _long(data, pos)
+        if count == 0:
+            return tuple(strings), pos
+        if count < 0:
+            count = -count
+            _, pos = _long(data, pos)
+        for _ in range(count):
+            value, pos = _string(data, pos)
+            strings.append(value)

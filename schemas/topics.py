@@ -38,9 +38,8 @@ SCHEMAS = "kvstream-schemas"
 DEAD_LETTER_TOPIC_CONFIG = {"max.message.bytes": str(8 << 20)}
 
 #: Optional header of a block record on kv-events, written by the project's producers: the event's ownership in
-#: UTF-8, empty for the primary tiers (ownership null). The repartition process routes a record by it without
-#: decoding it and decodes records that lack it; the materializing agent dead-letters a record whose ownership
-#: contradicts it. Other consumers can ignore it.
+#: UTF-8, empty for the primary tiers (ownership null), for consumers that route records without decoding them.
+#: The stream app does not read it: it decodes every record, and the record's ownership decides the key.
 OWNERSHIP_HEADER = "kvstream-ownership"
 
 #: Header of a dead-letter record: why it could not be published or applied (UTF-8, at most 1,000 bytes).

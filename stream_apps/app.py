@@ -132,7 +132,8 @@ def create_app(settings: WorkerSettings) -> StreamApp:
                                      batch_size=settings.repartition_batch, within_s=settings.repartition_within_s,
                                      linger_s=settings.repartition_linger_s,
                                      log_format=settings.log_format,
-                                     schema_registry_url=settings.schema_registry_url)
+                                     schema_registry_url=settings.schema_registry_url,
+                                     aggregation=settings.sources.aggregation)
     app.service(repartition)
     agent_progress = AgentProgress(topics.by_ownership, repartition.agent_progress)
     app.sensors.add(agent_progress)

@@ -13,6 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from schemas import ALL_BLOCKS_CLEARED, SOURCE_STALE, SOURCE_WIDE_EVENTS
+from schemas.block_event import block_event_of
 from schemas.clear_position import ClearPosition
 from stream_apps.checkpoint import Checkpoint
 from stream_apps.outputs import OutputTopics
@@ -20,8 +21,10 @@ from stream_apps.residency import (
     PRIMARY,
     ApplyStats,
     SourceSettings,
-    apply_block_event,
+    apply_block,
     apply_clear,
+    content_digest,
+    needs_content,
     residency_key,
     retire_epoch,
 )
@@ -92,15 +95,16 @@ class Materializer:
             "last_lost_seq": None, "gaps": 0, "restarts": 0, "last_seq": None, "last_event_ts": None,
             "events_applied": 0, "changed_ts": record["ts"]}
 
-    def note_applied(self, partition: int, seen: dict[str, dict]) -> None:
-        """Fold a batch's per-publisher activity (``{publisher key: {"record": newest, "count": n}}``) into
+    def note_applied(self, partition: int, seen: dict[str, list]) -> None:
+        """Fold a batch's per-publisher activity (``{publisher key: [newest BlockEvent, events applied]}``) into
         ``sources``."""
-        for key, last in seen.items():
-            record = last["record"]
-            status = self.source_status(partition, key, record)
-            status.update(publisher_epoch=max(status["publisher_epoch"], record["publisher_epoch"]),
-                          last_seq=record["seq"], last_event_ts=record["ts"],
-                          events_applied=status["events_applied"] + last["count"])
+        for key, (event, count) in seen.items():
+            instance, dp_rank, worker_rank, _, _ = event[1]
+            status = self.source_status(partition, key, {
+                "instance_id": instance, "data_parallel_rank": dp_rank, "worker_rank": worker_rank,
+                "publisher_epoch": event[2], "ts": event[6]})
+            status.update(publisher_epoch=max(status["publisher_epoch"], event[2]), last_seq=event[3],
+                          last_event_ts=event[6], events_applied=status["events_applied"] + count)
             self.write_small_table(self.tables.sources, partition, key, status)
 
     def rewrite_partition(self, partition: int, instance: str, occupancy: dict[tuple, int], rewrite, ts: float,
@@ -184,13 +188,13 @@ class BatchApplier:
         self.touched: dict[str, dict | None] = {}
         #: (ownership, tier, instance) -> change of resident blocks.
         self.occupancy: dict[tuple, int] = defaultdict(int)
-        #: Publisher key -> {"record": newest, "count": events}.
-        self.publishers: dict[str, dict] = {}
+        #: Publisher key -> [newest BlockEvent applied, events applied].
+        self.publishers: dict[str, list] = {}
         #: Touched keys that were absent from the store: deleting one again writes nothing (no tombstone).
         self.new_keys: set[str] = set()
         self._watermarks: dict[str, ClearPosition] = {}
         self._epochs: dict[str, int | None] = {}
-        #: (instance, dp rank, worker rank) -> (source key, publisher key).
+        #: Source (:class:`schemas.block_event.Source`) -> (source key, publisher key).
         self._publisher_keys: dict[tuple, tuple[str, str]] = {}
 
     def _watermark(self, source: str) -> ClearPosition:
@@ -221,50 +225,65 @@ class BatchApplier:
         self.m.add_occupancy(self.partition, self.occupancy)
         self.m.note_applied(self.partition, self.publishers)
 
-    def _publisher_keys_of(self, identity: tuple) -> tuple[str, str]:
+    def _publisher_keys_of(self, source: tuple) -> tuple[str, str]:
         """Source key ``<partition>/<instance>/<dp rank>`` and publisher key (source + ``/<worker rank or -1>``)
-        of ``identity`` = (instance, dp rank, worker rank), kept for the rest of the batch message."""
-        instance, dp_rank, worker = identity
-        source = f"{self.partition}/{instance}/{dp_rank}"
-        keys = self._publisher_keys[identity] = (source, f"{source}/{-1 if worker is None else worker}")
+        of ``source`` (a :class:`schemas.block_event.Source`), kept for the rest of the batch message."""
+        instance, dp_rank, worker, _, _ = source
+        prefix = f"{self.partition}/{instance}/{dp_rank}"
+        keys = self._publisher_keys[source] = (prefix, f"{prefix}/{-1 if worker is None else worker}")
         return keys
 
-    def apply(self, key: str, mark: ClearPosition, record: dict) -> None:
-        """Apply one re-keyed event: ``key`` (its residency key, or ``clear/...`` for a clear's copy) and
-        ``mark`` (its source's latest clear before it) from its ownership batch item, ``record`` its kv_event.
+    def apply_record(self, key: str, mark: ClearPosition, record: dict) -> None:
+        """Apply one re-keyed event given as a decoded ``kv_event`` record: a source-wide event, or a block
+        event the repartition stage wrote without block fields (then checked against the key it was routed by).
 
         Raises:
             InvalidRecord: the record contradicts the key it was routed by.
         """
+        kind, body = record["event"]
+        if kind not in SOURCE_WIDE_EVENTS:
+            block_hash = record["block_hash"]
+            if block_hash is None or record["tier"] is None or key != residency_key(body["ownership"], block_hash):
+                # an older repartition stage routed by the kvstream-ownership header, which the record may contradict
+                raise InvalidRecord(f"routed as {key!r}, but the record's ownership is {body['ownership']!r} and "
+                                    f"its block hash {None if block_hash is None else block_hash.hex()}")
+            event = block_event_of(record)
+            if needs_content(kind, event.source, self.m.sources.aggregation.get(record["instance_id"])):
+                event = event._replace(content=content_digest(body))
+            self.apply(key, mark, event)
+            return
+        m = self.m
+        m.materialized += 1
+        partition = self.partition
+        source, _ = self._publisher_keys_of((record["instance_id"], record["data_parallel_rank"],
+                                             record["worker_rank"], record["world_size"], record["aggregation"]))
+        watermark = self._watermark(source)
+        self.write_back()  # source-wide events scan the stored entries
+        self._watermarks.clear()
+        self._epochs.clear()
+        if kind == ALL_BLOCKS_CLEARED:
+            if mark <= watermark:
+                m.stats.duplicates += 1
+                return
+            m.apply_clear(partition, record, mark, self.occupancy)
+        else:
+            m.apply_source_event(partition, record, self.occupancy)
+
+    def apply(self, key: str, mark: ClearPosition, event: tuple) -> None:
+        """Apply one re-keyed block event: ``key`` (its residency key) and ``mark`` (its source's latest clear
+        before it) from its ownership batch item, ``event`` a :class:`schemas.block_event.BlockEvent` (or a
+        plain tuple in its field order) whose block hash and ownership the key was made of."""
         m = self.m
         m.materialized += 1
         partition = self.partition
         # a batch message holds many events of few publishers: their keys are formatted once
-        identity = (record["instance_id"], record["data_parallel_rank"], record["worker_rank"])
-        source, publisher = self._publisher_keys.get(identity) or self._publisher_keys_of(identity)
-        watermark = self._watermark(source)
-        kind, body = record["event"]
-        if kind in SOURCE_WIDE_EVENTS:
-            self.write_back()  # source-wide events scan the stored entries
-            self._watermarks.clear()
-            self._epochs.clear()
-            if kind == ALL_BLOCKS_CLEARED:
-                if mark <= watermark:
-                    m.stats.duplicates += 1
-                    return
-                m.apply_clear(partition, record, mark, self.occupancy)
-            else:
-                m.apply_source_event(partition, record, self.occupancy)
-            return
+        source = event[1]
+        source_key, publisher = self._publisher_keys.get(source) or self._publisher_keys_of(source)
+        watermark = self._watermark(source_key)
         retired = self._retired_epoch(publisher)
-        if retired is not None and record["publisher_epoch"] < retired:
+        if retired is not None and event[2] < retired:
             m.stats.retired_late += 1
             return
-        block_hash = record["block_hash"]
-        if block_hash is None or key != residency_key(body["ownership"], block_hash):
-            # routed by its kvstream-ownership header (stream_apps/repartition.py), which the record contradicts
-            raise InvalidRecord(f"routed as {key!r}, but the record's ownership is {body['ownership']!r} and its "
-                                f"block hash {None if block_hash is None else block_hash.hex()}")
         touched = self.touched
         if key in touched:
             entry = touched[key]
@@ -272,21 +291,22 @@ class BatchApplier:
             entry = self.store.entry(partition, key)
             if entry is None:
                 self.new_keys.add(key)
-        instance = record["instance_id"]
+        instance = source[0]
         sources, stats = m.sources, m.stats
         applied_before = stats.applied
-        entry, delta, copies = apply_block_event(entry, record, mark, watermark, sources.clear_tiers(instance),
-                                                 stats, sources.aggregation.get(instance))
+        entry, delta, copies = apply_block(entry, event, mark, watermark, sources.clear_tiers(instance), stats,
+                                           sources.aggregation.get(instance))
         touched[key] = entry
         if stats.applied != applied_before:  # a redelivered event is counted as a duplicate only, never applied
             seen = self.publishers.get(publisher)
             if seen is None:
-                seen = self.publishers[publisher] = {"record": record, "count": 0}
-            seen["record"] = record
-            seen["count"] += 1
+                self.publishers[publisher] = [event, 1]
+            else:
+                seen[0] = event
+                seen[1] += 1
         if delta:
-            self.occupancy[(body["ownership"], record["tier"], instance)] += delta
+            (kind, _, _, _, _, _, ts, block_hash, tier, medium, locality, group, ownership, _, _) = event
+            self.occupancy[(ownership, tier, instance)] += delta
             if m.outputs.residency_changes:  # change() checks it too; here it spares the call per transition
-                m.outputs.change(block_hash, body["ownership"], instance, record["data_parallel_rank"],
-                                 record["tier"], body["medium"], body["locality"], body["group_idx"], delta > 0, copies,
-                                 record["ts"], kind.rsplit(".", 1)[-1])
+                m.outputs.change(block_hash, ownership, instance, source[1], tier, medium, locality, group,
+                                 delta > 0, copies, ts, kind.rsplit(".", 1)[-1])

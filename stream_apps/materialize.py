@@ -1,7 +1,8 @@
 """The ``materialize-residency`` agent: reads ``<app id>-kv-events-by-ownership`` and applies each batch message.
 
-Thin by design: decode (one pass per batch message, :class:`schemas.ownership_batch.OwnershipBatchReader`),
-apply (:class:`stream_apps.applier.BatchApplier`), dead-letter what cannot be applied. The agent never
+Thin by design: read (one pass per batch message, :class:`schemas.ownership_batch.OwnershipBatchReader`: block
+events come as :class:`schemas.block_event.BlockEvent` tuples, others as records), apply
+(:class:`stream_apps.applier.BatchApplier`), dead-letter what cannot be applied. The agent never
 waits for the broker: outputs are flushed by the checkpoint before Faust commits offsets
 (:class:`stream_apps.checkpoint.Checkpoint`), so outputs of several messages can be unflushed at once; a
 source-wide event runs a checkpoint before the record that marks it applied.
@@ -33,18 +34,22 @@ def register_agent(app: faust.App, topic: faust.TopicT, materializer: Materializ
     outputs = materializer.outputs
 
     async def materialize_residency(stream):
-        async for event in stream.events():
-            message = event.message
+        async for batch in stream.events():
+            message = batch.message
             where = f"{message.topic}/{message.partition}/{message.offset}"
             try:
-                items = reader.read(event.value)
+                items = reader.read(batch.value)
             except DecodeError as exc:
                 outputs.dead_letter(message.key, message.value, str(exc), where)
                 continue
             applier = BatchApplier(materializer, message.partition)
-            for key, mark, buffer, start, end, record in items:
+            apply, apply_record = applier.apply, applier.apply_record
+            for key, mark, buffer, start, end, event in items:
                 try:
-                    applier.apply(key, mark, decode(buffer[start:end]) if record is None else record)
+                    if type(event) is tuple:  # block fields read by the batch reader: the usual case
+                        apply(key, mark, event)
+                    else:
+                        apply_record(key, mark, decode(buffer[start:end]) if event is None else event)
                 except CheckpointError as exc:  # never dead-letter a clear whose removals may be lost: stop
                     log.error("stopping the worker: %s", exc)
                     await app.crash(exc)

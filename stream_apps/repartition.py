@@ -13,7 +13,10 @@ and, per batch:
 1. decodes each event and computes its residency key
    ``<ownership or primary>/<block hash hex>`` and the key's partition (Kafka's
    murmur2, as Faust's router computes it, so the tables stay co-partitioned
-   with the re-keyed topic and HTTP lookups route by key);
+   with the re-keyed topic and HTTP lookups route by key), and writes the
+   fields the residency rules read as the item's block fields
+   (:mod:`schemas.block_event`), so that the materializing stage, the
+   worker's bottleneck, does not decode the record again;
 2. stamps it with its source's latest ``AllBlocksCleared`` before it on its
    kv-events partition (the *clear mark*: after re-keying, a clear's copy and
    a block's events can reach a partition in either order);
@@ -54,12 +57,12 @@ from kafka_io.config import client_config, producer_config
 from kafka_io.logs import configure_logging
 from kafka_io.produce import produce_waiting
 from kafka_io.schema_registry import reader_codec
-from schemas import ALL_BLOCKS_CLEARED, SOURCE_WIDE_EVENTS, AvroCodec, DecodeError
-from schemas.avro_writers import encode_clear_mark, encode_keyed_event, encode_ownership_batch
+from schemas import ALL_BLOCKS_CLEARED, BLOCK_STORED, SOURCE_WIDE_EVENTS, AvroCodec, DecodeError
+from schemas.avro_writers import NO_TABLES, encode_clear_mark, encode_keyed_event, encode_ownership_batch
+from schemas.block_event import BlockFieldsWriter
 from schemas.clear_position import NO_CLEAR, ClearPosition
-from schemas.codec import schema_versions
-from schemas.topics import ERROR_HEADER, OWNERSHIP_HEADER, SOURCE_HEADER, TopicNames
-from stream_apps.residency import key_partition, residency_key
+from schemas.topics import ERROR_HEADER, SOURCE_HEADER, TopicNames
+from stream_apps.residency import content_digest, key_partition, needs_content, residency_key
 
 log = logging.getLogger(__name__)
 
@@ -132,43 +135,6 @@ class ClearHistory:
                    [(c["offset"], (c["publisher_epoch"], c["seq"], c["batch_index"])) for c in record["clears"]])
 
 
-def source_of(value: bytes, fingerprints: frozenset[bytes]) -> tuple[str, int] | None:
-    """``(instance_id, data_parallel_rank)`` read from the first two fields of a kv_event record.
-
-    Both are at the front of every kv_event version (an Avro string, then an int), so they are read without
-    decoding the rest. Returns None for single-object records of unknown fingerprints, other framings, or
-    bytes that end too soon. A Confluent-framed record (``00`` + schema id) is read too: the kv-events
-    subject only ever holds kv_event versions, and BACKWARD compatibility keeps these two fields first.
-    """
-    if value[:1] == b"\x00" and len(value) > 5:  # Confluent framing: the registry holds only kv_event here
-        start = 5
-    elif value[:2] == b"\xc3\x01" and value[2:10] in fingerprints:
-        start = 10
-    else:
-        return None
-    try:
-        length, pos = _read_long(value, start)
-        end = pos + length
-        instance = value[pos:end].decode()
-        dp_rank, last = _read_long(value, end)
-    except (IndexError, UnicodeDecodeError):
-        return None
-    return (instance, dp_rank) if length >= 0 and last <= len(value) else None
-
-
-def _read_long(data: bytes, pos: int) -> tuple[int, int]:
-    """Avro zig-zag varint at ``pos``: (value, position after it)."""
-    byte = data[pos]
-    result, shift = byte & 0x7F, 7
-    pos += 1
-    while byte & 0x80:
-        byte = data[pos]
-        result |= (byte & 0x7F) << shift
-        shift += 7
-        pos += 1
-    return (result >> 1) ^ -(result & 1), pos
-
-
 class Repartitioner:
     """The repartition stage's consumer loop (:meth:`run`; :class:`RepartitionProcess` runs it in a process).
 
@@ -187,11 +153,13 @@ class Repartitioner:
         stop_event: set to stop the loop after the batch in hand (anything with ``is_set()``).
         schema_registry_url: the registry that resolves Confluent-framed records' schema ids; empty: none
             (writer schemas this version does not ship are then looked up in the schemas topic).
+        aggregation: the worker's configured aggregation, instance -> (world_size, mode)
+            (:attr:`stream_apps.residency.SourceSettings.aggregation`).
     """
 
     def __init__(self, bootstrap_servers: str, topics: TopicNames, partitions: int, counters, *,
                  batch_size: int = 10_000, within_s: float = 0.1, linger_s: float = 0.02, stop_event,
-                 schema_registry_url: str = "", agent_progress=None) -> None:
+                 schema_registry_url: str = "", agent_progress=None, aggregation: dict | None = None) -> None:
         self.bootstrap_servers = bootstrap_servers
         self.topics = topics
         self.app_id = topics.scoped_app_id
@@ -208,8 +176,10 @@ class Repartitioner:
         self._event_codec = reader_codec("kv_event", bootstrap_servers, schema_registry_url, topics.schemas)
         self._batch_codec = AvroCodec("ownership_batch")
         self._clears_codec = AvroCodec("source_clears")
-        #: Fingerprints of the kv_event versions whose first fields :func:`source_of` reads.
-        self._fingerprints = frozenset(v.fingerprint for v in schema_versions("kv_event"))
+        self._read_own_version = self._event_codec.own_version_reader()
+        #: Instance -> configured (world_size, mode) of the worker (``--aggregation``): a store of a REPLICATED
+        #: source gets its content digest here (stream_apps.residency.needs_content).
+        self.aggregation = dict(aggregation or {})
         #: (kv-events partition, instance, dp rank) -> clear history, for the assigned partitions.
         self._histories: dict[tuple[int, str, int], ClearHistory] = {}
         #: kv-events partitions assigned to this consumer now, and how many assignments and revocations it has
@@ -379,11 +349,11 @@ class Repartitioner:
                 batch is read again after the worker restarts).
         """
         outgoing: dict[int, list[bytes]] = defaultdict(list)
+        writers: dict[int, BlockFieldsWriter] = {}
         changed_histories: dict[tuple[int, str, int], ClearHistory] = {}
         next_offsets: dict[int, int] = {}
-        decode = self._event_codec.decode
-        histories = self._histories
-        partitions = self.partitions
+        read_own, decode = self._read_own_version, self._event_codec.decode
+        histories, partitions, aggregation = self._histories, self.partitions, self.aggregation
         for message in messages:
             if message.error():
                 if message.error().code() != KafkaError._PARTITION_EOF:
@@ -391,19 +361,11 @@ class Repartitioner:
                 continue
             partition, offset, value = message.partition(), message.offset(), message.value()
             next_offsets[partition] = offset + 1
-            block_hash = message.key()
-            if block_hash is not None and value is not None:
-                route = self._route(message, value, partition)
-                if route is not None:  # routed by the ownership header, not decoded (schemas.topics.OWNERSHIP_HEADER)
-                    ownership, history = route
-                    key = residency_key(ownership, block_hash)
-                    mark = b"\x00" if history is None else history.encoded_mark_before(offset)
-                    outgoing[key_partition(key, partitions)].append(encode_keyed_event(key, mark, value))
-                    continue
             try:
-                record = decode(value)
+                record = (value and read_own(value, 0, len(value))) or decode(value)
                 kind, body = record["event"]
-                source = (partition, record["instance_id"], record["data_parallel_rank"])
+                instance = record["instance_id"]
+                source = (partition, instance, record["data_parallel_rank"])
                 history = histories.get(source)
                 if kind in SOURCE_WIDE_EVENTS:
                     self._source_wide(message, record, kind, source, history, outgoing, changed_histories)
@@ -413,10 +375,19 @@ class Repartitioner:
                     raise DecodeError(f"{kind.rsplit('.', 1)[-1]} without block_hash or tier")
                 key = residency_key(body["ownership"], block_hash)
                 mark = b"\x00" if history is None else history.encoded_mark_before(offset)
-                outgoing[key_partition(key, partitions)].append(encode_keyed_event(key, mark, value))
+                content = None
+                if kind == BLOCK_STORED and ((record["world_size"] or 1) > 1 or instance in aggregation):
+                    if needs_content(kind, (instance, source[2], record["worker_rank"], record["world_size"],
+                                            record["aggregation"]), aggregation.get(instance)):
+                        content = content_digest(body)
+                destination = key_partition(key, partitions)
+                writer = writers.get(destination)
+                if writer is None:
+                    writer = writers[destination] = BlockFieldsWriter()
+                outgoing[destination].append(encode_keyed_event(key, mark, value, writer.block(record, content)))
             except DecodeError as exc:
                 self._dead_letter(message, str(exc))
-        self._produce(outgoing, changed_histories)
+        self._produce(outgoing, writers, changed_histories)
         self._producer.flush()
         if self._delivery_errors:
             errors, self._delivery_errors = self._delivery_errors, []
@@ -429,25 +400,6 @@ class Repartitioner:
             except KafkaException as exc:  # e.g. no partitions assigned any more: they are read again elsewhere
                 log.warning("repartition commit failed (%s); the batch will be redelivered", exc)
         return next_offsets
-
-    def _route(self, message, value: bytes, partition: int) -> tuple[str, ClearHistory | None] | None:
-        """(ownership, the source's clear history) from the ownership header and the record's first fields."""
-        headers = message.headers()
-        if not headers:
-            return None
-        for name, ownership in headers:
-            if name == OWNERSHIP_HEADER:
-                break
-        else:
-            return None
-        source = source_of(value, self._fingerprints)
-        if source is None or ownership is None:
-            return None
-        try:
-            text = ownership.decode()
-        except UnicodeDecodeError:
-            return None
-        return text, self._histories.get((partition, source[0], source[1]))
 
     def _source_wide(self, message, record: dict, kind: str, source: tuple[int, str, int],
                      history: ClearHistory | None, outgoing: dict[int, list[bytes]],
@@ -466,19 +418,22 @@ class Repartitioner:
         outgoing[partition].append(encode_keyed_event(f"{name}/{record['instance_id']}/{record['data_parallel_rank']}",
                                                       encode_clear_mark(mark), message.value()))
 
-    def _produce(self, outgoing: dict[int, list[bytes]], changed: dict[tuple[int, str, int], ClearHistory]) -> None:
+    def _produce(self, outgoing: dict[int, list[bytes]], writers: dict[int, BlockFieldsWriter],
+                 changed: dict[tuple[int, str, int], ClearHistory]) -> None:
         produce = self._producer.produce
         header = self._batch_codec._header
         for partition, items in outgoing.items():
+            writer = writers.get(partition)
+            tables = NO_TABLES if writer is None else writer.tables()  # each message of the partition carries them
             chunk: list[bytes] = []
             size = 0
             for item in items:
                 if chunk and size + len(item) > MAX_BATCH_BYTES:
-                    self._send(produce, self.output_topic, None, encode_ownership_batch(header, chunk), partition)
+                    self._send(produce, self.output_topic, None, encode_ownership_batch(header, chunk, tables), partition)
                     chunk, size = [], 0
                 chunk.append(item)
                 size += len(item)
-            self._send(produce, self.output_topic, None, encode_ownership_batch(header, chunk), partition)
+            self._send(produce, self.output_topic, None, encode_ownership_batch(header, chunk, tables), partition)
         for (partition, instance, dp_rank), history in changed.items():
             self._send(produce, self.clears_topic, f"{partition}/{instance}/{dp_rank}".encode(),
                        self._clears_codec.encode(history.to_record()), partition)
@@ -536,14 +491,14 @@ class RepartitionProcess:
     acknowledged is read again.
 
     Args:
-        bootstrap_servers, topics, partitions, batch_size, within_s, linger_s, agent_progress: as
+        bootstrap_servers, topics, partitions, batch_size, within_s, linger_s, agent_progress, aggregation: as
             :class:`Repartitioner` (``agent_progress`` made by :func:`new_agent_progress`; None: a new one). The child
             inherits the environment (security settings, ``BROKER_SESSION_TIMEOUT``).
     """
 
     def __init__(self, bootstrap_servers: str, topics: TopicNames, partitions: int, *, batch_size: int = 10_000,
                  within_s: float = 0.1, linger_s: float = 0.02, log_format: str = "text",
-                 schema_registry_url: str = "", agent_progress=None) -> None:
+                 schema_registry_url: str = "", agent_progress=None, aggregation: dict | None = None) -> None:
         context = multiprocessing.get_context("spawn")  # the worker has threads; fork would copy their locks
         self._stop = context.Event()
         #: Re-keyed partition -> offset of the last message this worker's agent finished
@@ -557,7 +512,7 @@ class RepartitionProcess:
             args=(bootstrap_servers, topics, partitions, batch_size, within_s, linger_s, self.agent_progress,
                   self._stop, self._values,
                   os.getpid(), logging.getLevelName(logging.getLogger().getEffectiveLevel()), log_format,
-                  schema_registry_url))
+                  schema_registry_url, dict(aggregation or {})))
 
     def start(self) -> None:
         """Spawn the child (it imports the project, then joins its consumer group)."""
@@ -587,7 +542,8 @@ class RepartitionProcess:
 
 
 def _run_child(bootstrap_servers: str, topics: TopicNames, partitions: int, batch_size: int, within_s: float,
-               linger_s: float, agent_progress, stop, values: dict, parent_pid: int, log_level: str, log_format: str, schema_registry_url: str) -> None:
+               linger_s: float, agent_progress, stop, values: dict, parent_pid: int, log_level: str, log_format: str,
+               schema_registry_url: str, aggregation: dict) -> None:
     """The child process of :class:`RepartitionProcess`: run the loop until asked to stop."""
     configure_logging(log_level, log_format)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -602,7 +558,8 @@ def _run_child(bootstrap_servers: str, topics: TopicNames, partitions: int, batc
     threading.Thread(target=watch_parent, name="kvstream-parent-watch", daemon=True).start()
     repartitioner = Repartitioner(bootstrap_servers, topics, partitions, _SharedCounters(values),
                                   batch_size=batch_size, within_s=within_s, linger_s=linger_s, stop_event=stop,
-                                  schema_registry_url=schema_registry_url, agent_progress=agent_progress)
+                                  schema_registry_url=schema_registry_url, agent_progress=agent_progress,
+                                  aggregation=aggregation)
     try:
         repartitioner.run()
     except BaseException:  # noqa: BLE001 - the worker learns it from the exit code
@@ -618,16 +575,16 @@ class RepartitionService(mode.Service):
 
     Args:
         app: the Faust app (its ``crash`` is called when the process exits).
-        bootstrap_servers, topics, partitions, batch_size, within_s, linger_s: as :class:`Repartitioner`.
+        bootstrap_servers, topics, partitions, batch_size, within_s, linger_s, aggregation: as :class:`Repartitioner`.
     """
 
     def __init__(self, app, bootstrap_servers: str, topics: TopicNames, partitions: int, *, batch_size: int,
                  within_s: float, linger_s: float = 0.02, log_format: str = "text", schema_registry_url: str = "",
-                 **kwargs) -> None:
+                 aggregation: dict | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
         self.app = app
         self._arguments = (bootstrap_servers, topics, partitions, batch_size, within_s, linger_s, log_format,
-                           schema_registry_url)
+                           schema_registry_url, aggregation)
         #: What the worker's agent has finished, for the process (:class:`stream_apps.agent_progress.AgentProgress`).
         self.agent_progress = new_agent_progress(partitions)
         self.process: RepartitionProcess | None = None
@@ -635,11 +592,12 @@ class RepartitionService(mode.Service):
 
     async def on_start(self) -> None:
         # built here, not in __init__: the process takes the log level Faust has configured by now
-        bootstrap_servers, topics, partitions, batch_size, within_s, linger_s, log_format, registry_url = self._arguments
+        (bootstrap_servers, topics, partitions, batch_size, within_s, linger_s, log_format, registry_url,
+         aggregation) = self._arguments
         self.process = RepartitionProcess(bootstrap_servers, topics, partitions, batch_size=batch_size,
                                           within_s=within_s, linger_s=linger_s, log_format=log_format,
                                           agent_progress=self.agent_progress,
-                                          schema_registry_url=registry_url)
+                                          schema_registry_url=registry_url, aggregation=aggregation)
         self.process.start()
         self._spawned = True
 

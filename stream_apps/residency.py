@@ -44,6 +44,7 @@ from hashlib import blake2b
 from murmurhash2 import murmurhash2
 
 from schemas import BLOCK_STORED
+from schemas.block_event import block_event_of
 from schemas.clear_position import ClearPosition, clear_mark_record
 
 #: Table-key prefix for ownership null: the serving framework's own tiers.
@@ -195,39 +196,58 @@ def aggregate_copies(workers: list[dict], world_size: int, aggregation: str) -> 
     return min(counts.get(rank, 0) for rank in range(world_size))
 
 
+def needs_content(kind: str, source: tuple, aggregation: tuple[int, str] | None) -> bool:
+    """Whether a ``kind`` event of ``source`` (a :class:`schemas.block_event.Source`) needs its content digest:
+    a store of a source whose world size (declared, else ``aggregation``, the configured (world_size, mode))
+    is above 1 and whose mode is REPLICATED, so that its workers' stores are compared (:data:`AGREEMENT_FIELDS`)."""
+    if kind != BLOCK_STORED:
+        return False
+    configured_size, configured_mode = aggregation or (1, "REPLICATED")
+    return (source[3] or configured_size) > 1 and (source[4] or configured_mode) == "REPLICATED"
+
+
 def apply_block_event(entry: dict | None, record: dict, clear_mark: ClearPosition,
                       clear_watermark: ClearPosition, clear_tiers: frozenset,
                       stats: ApplyStats, aggregation: tuple[int, str] | None = None) -> tuple[dict | None, int, int]:
-    """Apply one BlockStored/BlockRemoved record to a block's residency entry.
+    """:func:`apply_block` for a decoded ``kv_event`` record (a BlockStored or BlockRemoved dict), with its
+    content digest when the source's aggregation needs one (:func:`needs_content`)."""
+    event = block_event_of(record)
+    if needs_content(event.kind, event.source, aggregation):
+        event = event._replace(content=content_digest(record["event"][1]))
+    return apply_block(entry, event, clear_mark, clear_watermark, clear_tiers, stats, aggregation)
+
+
+def apply_block(entry: dict | None, event: tuple, clear_mark: ClearPosition, clear_watermark: ClearPosition,
+                clear_tiers: frozenset, stats: ApplyStats,
+                aggregation: tuple[int, str] | None = None) -> tuple[dict | None, int, int]:
+    """Apply one BlockStored/BlockRemoved to a block's residency entry.
 
     Args:
-        entry: the table value for the record's key, or None when absent.
-        record: a decoded ``kv_event`` record whose event is BlockStored or BlockRemoved.
+        entry: the table value for the event's key, or None when absent.
+        event: a :class:`schemas.block_event.BlockEvent` (or a plain tuple in its field order).
         clear_mark: position (epoch, seq, batch_index) of the source's latest
-            AllBlocksCleared that preceded this record on its upstream partition
+            AllBlocksCleared that preceded the event on its upstream partition
             (:data:`NO_CLEAR` if none).
         clear_watermark: the latest clear of the source already applied on this
             partition (:data:`NO_CLEAR` if none).
         clear_tiers: tiers a clear of this source removes.
         stats: counters to update.
-        aggregation: the source's configured (world_size, mode), used when the record declares none.
+        aggregation: the source's configured (world_size, mode), used when the event declares none.
 
     Returns:
         ``(new entry or None when no row is left, change in resident rows: -1, 0 or +1, the row's copies
         after the event)``.
     """
-    kind, body = record["event"]
-    tier = record["tier"]
+    (kind, source, epoch, seq, batch_index, block_index, ts, block_hash, tier, medium, locality, group, ownership,
+     parent_known, content) = event
     in_clear_scope = tier in clear_tiers
     if in_clear_scope and clear_mark < clear_watermark:
         stats.cleared_late += 1
         return entry, 0, 0
     if tier == "UNKNOWN":
-        medium = body["medium"]
         stats.unknown_media[medium] = stats.unknown_media.get(medium, 0) + 1
 
-    instance, dp_rank = record["instance_id"], record["data_parallel_rank"]
-    locality, group = body["locality"], body["group_idx"]
+    instance, dp_rank, worker_rank, declared_size, declared_mode = source
     rows = entry["rows"] if entry is not None else []
     row = None
     #: The row's copies before this event, and before a clear it accounts for: the delta is against this.
@@ -242,53 +262,57 @@ def apply_block_event(entry: dict | None, record: dict, clear_mark: ClearPositio
         if kind != BLOCK_STORED:
             stats.unknown_removals += 1
             return entry, 0, 0
-        row = {"instance_id": instance, "data_parallel_rank": dp_rank, "tier": tier, "medium": body["medium"],
+        row = {"instance_id": instance, "data_parallel_rank": dp_rank, "tier": tier, "medium": medium,
                "locality": locality, "group_idx": group, "world_size": 1, "aggregation": "REPLICATED",
-               "workers": [], "copies": 0, "since": None, "last_ts": record["ts"], "clear_mark": None}
+               "workers": [], "copies": 0, "since": None, "last_ts": ts, "clear_mark": None}
         if entry is None:
-            entry = {"block_hash": record["block_hash"], "ownership": body["ownership"], "rows": rows}
+            entry = {"block_hash": block_hash, "ownership": ownership, "rows": rows}
         rows.append(row)
     else:
         before = row["copies"]
-    if row["workers"] and in_clear_scope and clear_mark > ClearPosition.of(row["clear_mark"]):
+    workers = row["workers"]
+    if workers and in_clear_scope and clear_mark > ClearPosition.of(row["clear_mark"]):
         # A clear of the source came between the row's last event and this one: it emptied the row. The row's
         # own clear copy will find it newer than the clear and leave it, so the delta reported here covers both
         # (resident before, resident after: 0; the clear's -1 and the store's +1 cancel).
-        for worker in row["workers"]:
+        for worker in workers:
             worker["count"] = 0
         row["copies"] = 0
         row["since"] = None
 
-    worker_rank = record["worker_rank"]
-    worker_rank = -1 if worker_rank is None else worker_rank
-    # loops rather than generator expressions here and below: apply_block_event runs per event, and a
-    # generator over a row's (mostly one) workers cost about as much as the rest of the lookup
+    if worker_rank is None:
+        worker_rank = -1
+    # loops rather than generator expressions here and below: this runs per event, and a generator over a
+    # row's (mostly one) workers cost about as much as the rest of the lookup
     worker = None
-    for candidate in row["workers"]:
+    for candidate in workers:
         if candidate["worker_rank"] == worker_rank:
             worker = candidate
             break
-    position = (record["publisher_epoch"], record["seq"], record["batch_index"], record["block_index"])
     if worker is None:
         worker = {"worker_rank": worker_rank, "count": 0, "publisher_epoch": -1, "seq": -1, "batch_index": -1,
                   "block_index": -1, "content": None}
-        row["workers"].append(worker)
-    elif position <= (worker["publisher_epoch"], worker["seq"], worker["batch_index"], worker["block_index"]):
+        workers.append(worker)
+    elif (epoch, seq, batch_index, block_index) <= (worker["publisher_epoch"], worker["seq"], worker["batch_index"],
+                                                    worker["block_index"]):
         stats.duplicates += 1
         return entry, 0, row["copies"]
-    elif position[0] > worker["publisher_epoch"]:
+    elif epoch > worker["publisher_epoch"]:
         worker["count"] = 0  # a new epoch is a restarted publisher, whose cache started empty
 
-    configured_size, configured_mode = aggregation or (1, "REPLICATED")
-    row["world_size"] = world_size = record["world_size"] or configured_size
-    row["aggregation"] = mode = record["aggregation"] or configured_mode
+    if aggregation is None:
+        world_size, mode = declared_size or 1, declared_mode or "REPLICATED"
+    else:
+        world_size, mode = declared_size or aggregation[0], declared_mode or aggregation[1]
+    row["world_size"] = world_size
+    row["aggregation"] = mode
     if kind == BLOCK_STORED:
         worker["count"] += 1
-        if body.get("parent_known") is False:
+        if parent_known is False:
             stats.unknown_parents += 1
         if world_size > 1 and mode == "REPLICATED":
-            worker["content"] = content = content_digest(body)
-            for other in row["workers"]:
+            worker["content"] = content
+            for other in workers:
                 if other is not worker and other["count"] and other["content"] not in (None, content):
                     stats.replica_disagreements += 1
                     break
@@ -296,12 +320,14 @@ def apply_block_event(entry: dict | None, record: dict, clear_mark: ClearPositio
         worker["count"] -= 1
     else:
         stats.unknown_removals += 1
-    worker["publisher_epoch"], worker["seq"], worker["batch_index"], worker["block_index"] = position
+    worker["publisher_epoch"] = epoch
+    worker["seq"] = seq
+    worker["batch_index"] = batch_index
+    worker["block_index"] = block_index
     stats.applied += 1
-    row["medium"] = body["medium"]
-    row["last_ts"] = record["ts"]
+    row["medium"] = medium
+    row["last_ts"] = ts
     row["clear_mark"] = clear_mark_record(clear_mark)
-    workers = row["workers"]
     if len(workers) == 1 and (world_size <= 1 or mode == "SHARDED"):
         after = worker["count"]  # aggregate_copies' sum, over the one worker the row has
     else:
@@ -309,7 +335,7 @@ def apply_block_event(entry: dict | None, record: dict, clear_mark: ClearPositio
     row["copies"] = after
     delta = 0
     if after > 0 and row["since"] is None:
-        row["since"] = record["ts"]  # resident anew (also after a clear emptied it)
+        row["since"] = ts  # resident anew (also after a clear emptied it)
     if before == 0 and after > 0:
         stats.became_resident += 1
         delta = 1
@@ -317,7 +343,7 @@ def apply_block_event(entry: dict | None, record: dict, clear_mark: ClearPositio
         row["since"] = None
         stats.stopped_resident += 1
         delta = -1
-    for counted in row["workers"]:
+    for counted in workers:
         if counted["count"]:
             break
     else:  # no worker has a count left

@@ -137,7 +137,7 @@ def pipeline(kafka_bootstrap, tmp_path_factory):
     garbage.produce(KV_EVENTS, key=b"no-hash", value=_removal_without_hash(), partition=0)
     garbage.produce(KV_EVENTS, key=LIAR_HASH, value=_primary_store(LIAR_HASH),
                     partition=(murmur2(LIAR_HASH) & 0x7FFFFFFF) % PARTITIONS,
-                    headers={"kvstream-ownership": b"kvcr"})  # routed as kvcr by its header, then caught
+                    headers={"kvstream-ownership": b"kvcr"})  # a header that contradicts the record: the record wins
     garbage.flush(30)
     work = tmp_path_factory.mktemp("worker")
     options = WorkerSettings(bootstrap_servers=kafka_bootstrap, web_port=free_port(), data_dir=work / "data", partitions=PARTITIONS,
@@ -263,7 +263,7 @@ def test_keys_sit_on_the_murmur2_partition_and_clears_on_every_partition(pipelin
                     clears.add(message.partition())
                 else:
                     assert message.key() == record["block_hash"]
-                    # the ownership header the repartition stage routes by (schemas.topics.OWNERSHIP_HEADER)
+                    # the ownership header the producers write for other consumers (schemas.topics.OWNERSHIP_HEADER)
                     assert message.headers() == [("kvstream-ownership",
                                                   (record["event"][1]["ownership"] or "").encode())]
                     assert message.partition() == (murmur2(message.key()) & 0x7FFFFFFF) % PARTITIONS
@@ -276,7 +276,6 @@ def test_keys_sit_on_the_murmur2_partition_and_clears_on_every_partition(pipelin
 
 
 def test_bad_records_go_to_the_dead_letter_topic_with_their_reasons(pipeline, kafka_bootstrap):
-    liar_key = f"kvcr/{LIAR_HASH.hex()}".encode()
     consumer = Consumer(client_config(kafka_bootstrap, **{"group.id": "test-dead-letter",
                                                           "auto.offset.reset": "earliest"}))
     consumer.subscribe([KV_EVENTS_DEAD_LETTER])
@@ -284,22 +283,24 @@ def test_bad_records_go_to_the_dead_letter_topic_with_their_reasons(pipeline, ka
         messages = []
         for _ in range(30):  # other tests of the session dead-letter too: keep this module's records
             messages += [m for m in consumer.consume(100, timeout=1.0)
-                         if not m.error() and m.key() in (b"bad-key", b"no-hash", liar_key)]
-            if len(messages) >= 3:
+                         if not m.error() and m.key() in (b"bad-key", b"no-hash")]
+            if len(messages) >= 2:
                 break
     finally:
         consumer.close()
-    messages.sort(key=lambda m: [b"bad-key", b"no-hash", liar_key].index(m.key()))  # two stages write them
-    assert [m.key() for m in messages] == [b"bad-key", b"no-hash", liar_key]
+    messages.sort(key=lambda m: [b"bad-key", b"no-hash"].index(m.key()))
+    assert [m.key() for m in messages] == [b"bad-key", b"no-hash"]
     assert messages[0].value() == GARBAGE and messages[1].value() == _removal_without_hash()
-    assert messages[2].value() == _primary_store(LIAR_HASH)
     reasons = [dict(m.headers())["kvstream-error"] for m in messages]
     assert b"unknown kv_event schema fingerprint" in reasons[0]
     assert reasons[1] == b"BlockRemoved without block_hash or tier"
-    assert reasons[2] == (f"routed as 'kvcr/{LIAR_HASH.hex()}', but the record's ownership is None and its block "
-                          f"hash {LIAR_HASH.hex()}").encode()
-    assert _get(f"{pipeline['url']}/stats/")["dead_lettered"] == 3
-    assert _rows(pipeline, LIAR_HASH) == []
+    assert _get(f"{pipeline['url']}/stats/")["dead_lettered"] == 2
+
+
+def test_the_record_not_its_ownership_header_decides_the_residency_key(pipeline):
+    """The kvstream-ownership header is a producer's courtesy to other consumers: the repartition stage decodes
+    every record, and a header that says kvcr on a record of ownership null does not move it."""
+    assert _rows(pipeline, LIAR_HASH) == [("liar", 0, "GPU", "GPU", 0, 1)]
 
 
 def test_tail_prints_decoded_json_lines_of_events_changelog_and_dead_letters(pipeline, kafka_bootstrap):

@@ -10,9 +10,11 @@ from hypothesis import strategies as st
 
 from producers.split import Publisher, split_event
 from schemas import AvroCodec, DecodeError
-from schemas.avro_writers import avro_long, encode_clear_mark, encode_keyed_event, encode_ownership_batch
+from schemas.avro_writers import NO_TABLES, avro_long, encode_clear_mark, encode_keyed_event, encode_ownership_batch
+from schemas.block_event import BLOCK_FIELDS, KINDS, PARENT_KNOWN, BlockEvent, BlockFieldsWriter, Source, block_event_of
 from schemas.clear_position import NO_CLEAR, ClearPosition
 from schemas.ownership_batch import OwnershipBatchReader
+from schemas.tiers import TIERS
 
 BATCH = AvroCodec("ownership_batch")
 EVENTS = AvroCodec("kv_event")
@@ -86,7 +88,7 @@ def test_a_message_whose_array_block_gives_its_byte_size_reads_the_same():
     events = [_event(block=b) for b in range(5)]
     block = b"".join(encode_keyed_event(f"primary/{b:016x}", encode_clear_mark((1, 2, 3)), e)
                      for b, e in enumerate(events))
-    message = BATCH.header + avro_long(-5) + avro_long(len(block)) + block + b"\x00"
+    message = BATCH.header + NO_TABLES + avro_long(-5) + avro_long(len(block)) + block + b"\x00"
     assert len(_one_pass(message)) == 5
     _same(_one_pass(message), _item_by_item(message))
 
@@ -141,3 +143,110 @@ def test_the_generated_reader_is_given_only_the_events_own_bytes():
     items = OwnershipBatchReader(codec).read(message)
     assert given == [len(e) for e in events]
     assert [record for *_, record in items] == [EVENTS.decode(e) for e in events]
+
+
+# --------------------------------------------------------------------------- block fields (ownership_batch v2)
+
+def _records(rng: random.Random, count: int) -> list[dict]:
+    """Decoded block-event records with every field the block layout carries set in every way it can be."""
+    records = []
+    for n in range(count):
+        instance = rng.choice(["e1", "engine-é7", "x" * 300])
+        publisher = Publisher(instance, rng.choice([0, 3, 2**31 - 1]), worker_rank=rng.choice([None, 0, 5]),
+                              world_size=rng.choice([None, 1, 4]), aggregation=rng.choice([None, "REPLICATED", "SHARDED"]))
+        kind = rng.choice(["BlockStored", "BlockRemoved"])
+        event = {"type": kind, "block_hashes": [rng.choice([n, 2**64 - 1 - n, bytes(rng.randrange(32) for _ in range(32))])],
+                 "medium": rng.choice([None, "GPU", "cpu", "DISK", "weird-é"]), "group_idx": rng.choice([None, 0, 7, 2**31 - 1]),
+                 "locality": rng.choice([None, "node-1", ""]), "ownership": rng.choice([None, "kvcr", "ö"])}
+        if kind == "BlockStored":
+            event.update(parent_block_hash=None, token_ids=[1, 2], block_size=16, lora_id=None, lora_name=None)
+        record = EVENTS.decode(EVENTS.encode(split_event(publisher, rng.randrange(2**40), rng.random() * 2e9,
+                                                         rng.randrange(100), event)[0]))
+        if kind == "BlockStored":
+            record["event"][1]["parent_known"] = rng.choice([None, False, True])
+        records.append(record)
+    return records
+
+
+def _block_message(records: list[dict], contents: list) -> tuple[bytes, list[bytes | None]]:
+    writer = BlockFieldsWriter()
+    blocks = [writer.block(r, c) for r, c in zip(records, contents)]
+    items = [encode_keyed_event(f"k{n}", encode_clear_mark((1, n, 0)), EVENTS.encode(r), b)
+             for n, (r, b) in enumerate(zip(records, blocks))]
+    return encode_ownership_batch(BATCH.header, items, writer.tables()), blocks
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_block_fields_read_back_as_the_block_event_of_the_record_they_were_written_from(seed):
+    rng = random.Random(seed)
+    records = _records(rng, rng.randrange(1, 80))
+    contents = [rng.choice([None, 0, -2**63, 2**63 - 1]) for _ in records]
+    message, blocks = _block_message(records, contents)
+    assert all(b is not None for b in blocks)
+    items = OwnershipBatchReader(EVENTS).read(message)
+    assert [item[5] for item in items] == [block_event_of(r, c) for r, c in zip(records, contents)]
+    assert all(type(item[5]) is tuple for item in items)
+    # the events themselves still travel, for dead letters and for readers of the topic (fastavro reads it all)
+    decoded = BATCH.decode(message)
+    assert [EVENTS.decode(item["event"]) for item in decoded["events"]] == records
+    assert [item["block"] for item in decoded["events"]] == blocks
+    assert {s["instance_id"] for s in decoded["sources"]} == {r["instance_id"] for r in records}
+
+
+def test_a_field_the_layout_cannot_hold_leaves_the_event_to_be_decoded():
+    record = _records(random.Random(1), 1)[0]
+    record["event"][1]["group_idx"] = -1  # valid Avro, but the layout's 0 means null
+    message, blocks = _block_message([record], [None])
+    assert blocks == [None]
+    (item,) = OwnershipBatchReader(EVENTS).read(message)
+    assert item[5] == record
+
+
+def test_a_source_shared_by_a_messages_events_is_one_object():
+    records = _records(random.Random(2), 40)
+    for r in records:
+        r.update(instance_id="e1", data_parallel_rank=0, worker_rank=None, world_size=None, aggregation=None)
+    message, _ = _block_message(records, [None] * len(records))
+    sources = {id(item[5][1]) for item in OwnershipBatchReader(EVENTS).read(message)}
+    assert len(sources) == 1 and BATCH.decode(message)["sources"] == [
+        {"instance_id": "e1", "data_parallel_rank": 0, "worker_rank": None, "world_size": None, "aggregation": None}]
+
+
+def _reference_block_event(block: bytes, sources: list[dict], strings: list[str]) -> tuple:
+    """The layout read independently of the reader: what schemas/ownership_batch_v2.avsc's doc says."""
+    (kind, source, epoch, seq, batch_index, block_index, ts, tier, medium, locality, group, ownership, known,
+     has_content, content) = BLOCK_FIELDS.unpack_from(block)
+    text = [None, *strings]
+    s = sources[source]
+    return BlockEvent(KINDS[kind], Source(s["instance_id"], s["data_parallel_rank"], s["worker_rank"],
+                                          s["world_size"], s["aggregation"]),
+                      epoch, seq, batch_index, block_index, ts, block[BLOCK_FIELDS.size:], TIERS[tier], text[medium],
+                      text[locality], None if group == 0 else group - 1, text[ownership], PARENT_KNOWN[known],
+                      content if has_content else None)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_corrupted_message_with_block_fields_is_refused_as_the_codec_refuses_it_or_read_as_it_reads_it(data):
+    records = _records(random.Random(3), 4)
+    message, _ = _block_message(records, [None, 5, None, None])
+    message = bytearray(message)
+    position = data.draw(st.integers(min_value=0, max_value=len(message) - 1))
+    message[position] = data.draw(st.integers(min_value=0, max_value=255))
+    message = bytes(message)
+    try:
+        decoded = BATCH.decode(message)
+    except DecodeError as exc:
+        with pytest.raises(DecodeError) as refused:
+            OwnershipBatchReader(EVENTS).read(message)
+        assert str(refused.value) == str(exc)
+        return
+    items = OwnershipBatchReader(EVENTS).read(message)
+    assert [(key, buffer[start:end]) for key, _, buffer, start, end, _ in items] == [
+        (item["key"], item["event"]) for item in decoded["events"]]
+    for (*_, event), item in zip(items, decoded["events"]):
+        if type(event) is tuple:  # read from the block fields: exactly what they say
+            assert repr(event) == repr(tuple(_reference_block_event(item["block"], decoded["sources"],
+                                                                    decoded["strings"])))
+        elif event is not None:  # decoded from the event's bytes
+            assert repr(event) == repr(EVENTS.decode(item["event"]))

@@ -1,4 +1,4 @@
-"""The repartition stage's own code paths, without Kafka: clear history, hand-written Avro, header routing."""
+"""The repartition stage's own code paths, without Kafka: clear history, hand-written Avro, batch reads."""
 
 from __future__ import annotations
 
@@ -7,15 +7,12 @@ import time
 
 import pytest
 
-from producers.split import Publisher, split_event
 from schemas import AvroCodec
 from schemas.avro_writers import encode_clear_mark, encode_keyed_event, encode_ownership_batch
 from schemas.clear_position import NO_CLEAR
-from schemas.codec import schema_versions
-from stream_apps.repartition import ClearHistory, source_of
+from stream_apps.repartition import ClearHistory
 
 BATCH = AvroCodec("ownership_batch")
-FINGERPRINTS = frozenset(v.fingerprint for v in schema_versions("kv_event"))
 
 
 def test_a_replayed_event_gets_the_clear_mark_it_got_the_first_time():
@@ -40,22 +37,12 @@ def test_hand_written_ownership_batch_decodes_to_what_fastavro_writes(seed):
         key = rng.choice(["primary/", "kvcr/", "AllBlocksCleared/ém/"]) + bytes(rng.randrange(8, 33)).hex()
         items.append((key, rng.choice(marks), rng.randbytes(rng.choice([0, 5, 200, 20000]))))
     written = encode_ownership_batch(BATCH._header, [encode_keyed_event(k, encode_clear_mark(m), e) for k, m, e in items])
-    expected = {"events": [{"key": k, "clear_mark": None if m == NO_CLEAR else
-                            {"publisher_epoch": m[0], "seq": m[1], "batch_index": m[2]}, "event": e}
+    expected = {"sources": [], "strings": [],
+                "events": [{"key": k, "clear_mark": None if m == NO_CLEAR else
+                            {"publisher_epoch": m[0], "seq": m[1], "batch_index": m[2]}, "event": e, "block": None}
                            for k, m, e in items]}
     assert BATCH.decode(written) == expected
     assert written == BATCH.encode(expected)
-
-
-def test_source_is_read_from_the_front_of_the_record_without_decoding_it():
-    event = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [], "block_size": 16,
-             "lora_id": None, "medium": "GPU", "lora_name": None}
-    for version in (1, 2):
-        value = AvroCodec("kv_event", version).encode(split_event(Publisher("engine-é7", 300), 5, 1.0, 0, event)[0])
-        assert source_of(value, FINGERPRINTS) == ("engine-é7", 300)
-        assert source_of(value[:12], FINGERPRINTS) is None  # cut short
-    assert source_of(b"\x00\x00\x00\x00\x01rest", FINGERPRINTS) is None  # Confluent framing: decoded instead
-    assert source_of(b"\xc3\x01" + bytes(8) + b"\x02a\x00", FINGERPRINTS) is None  # unknown fingerprint
 
 
 class _Consumer:
