@@ -38,7 +38,11 @@ def _long(data: bytes, pos: int) -> tuple[int, int]:
     """The zig-zag varint at ``pos`` and the position after it."""
     b = data[pos]
     if b & 0x80:
-        return _long_tail(data, pos + 1, b)
+        c = data[pos + 1]
+        if c & 0x80:
+            return _long_tail(data, pos + 1, b)
+        b = (b & 0x7F) | (c << 7)  # two bytes, in line: an event's length and its block fields' (64 to 8191)
+        return (b >> 1) ^ -(b & 1), pos + 2
     return (b >> 1) ^ -(b & 1), pos + 1
 
 

@@ -192,23 +192,24 @@ class BatchApplier:
         self.publishers: dict[str, list] = {}
         #: Touched keys that were absent from the store: deleting one again writes nothing (no tombstone).
         self.new_keys: set[str] = set()
-        self._watermarks: dict[str, ClearPosition] = {}
-        self._epochs: dict[str, int | None] = {}
-        #: Source (:class:`schemas.block_event.Source`) -> (source key, publisher key).
-        self._publisher_keys: dict[tuple, tuple[str, str]] = {}
+        #: Source (:class:`schemas.block_event.Source`) -> what applying its events needs (:meth:`_source_state`).
+        #: Watermarks and retired epochs change only through source-wide events, which empty it.
+        self._sources: dict[tuple, tuple] = {}
 
-    def _watermark(self, source: str) -> ClearPosition:
-        mark = self._watermarks.get(source)
-        if mark is None:
-            mark = self._watermarks[source] = ClearPosition.of(
-                self.m.tables.clear_watermarks.data.lookup(source, self.partition))
-        return mark
-
-    def _retired_epoch(self, publisher: str) -> int | None:
-        if publisher not in self._epochs:
-            known = self.m.tables.publisher_epochs.data.lookup(publisher, self.partition)
-            self._epochs[publisher] = None if known is None else known["publisher_epoch"]
-        return self._epochs[publisher]
+    def _source_state(self, source: tuple) -> tuple:
+        """``(source key, publisher key, clear watermark, retired epoch or None, clear tiers, configured
+        aggregation or None)`` of ``source``, kept for the rest of the batch message. The source key is
+        ``<partition>/<instance>/<dp rank>``, the publisher key the source key + ``/<worker rank or -1>``."""
+        instance, dp_rank, worker, _, _ = source
+        source_key = f"{self.partition}/{instance}/{dp_rank}"
+        publisher = f"{source_key}/{-1 if worker is None else worker}"
+        tables, settings = self.m.tables, self.m.sources
+        known = tables.publisher_epochs.data.lookup(publisher, self.partition)
+        state = self._sources[source] = (
+            source_key, publisher, ClearPosition.of(tables.clear_watermarks.data.lookup(source_key, self.partition)),
+            None if known is None else known["publisher_epoch"], settings.clear_tiers(instance),
+            settings.aggregation.get(instance))
+        return state
 
     def write_back(self) -> None:
         """Write every touched entry to the store (one changelog record per key)."""
@@ -224,14 +225,6 @@ class BatchApplier:
         self.write_back()
         self.m.add_occupancy(self.partition, self.occupancy)
         self.m.note_applied(self.partition, self.publishers)
-
-    def _publisher_keys_of(self, source: tuple) -> tuple[str, str]:
-        """Source key ``<partition>/<instance>/<dp rank>`` and publisher key (source + ``/<worker rank or -1>``)
-        of ``source`` (a :class:`schemas.block_event.Source`), kept for the rest of the batch message."""
-        instance, dp_rank, worker, _, _ = source
-        prefix = f"{self.partition}/{instance}/{dp_rank}"
-        keys = self._publisher_keys[source] = (prefix, f"{prefix}/{-1 if worker is None else worker}")
-        return keys
 
     def apply_record(self, key: str, mark: ClearPosition, record: dict) -> None:
         """Apply one re-keyed event given as a decoded ``kv_event`` record: a source-wide event, or a block
@@ -255,12 +248,10 @@ class BatchApplier:
         m = self.m
         m.materialized += 1
         partition = self.partition
-        source, _ = self._publisher_keys_of((record["instance_id"], record["data_parallel_rank"],
-                                             record["worker_rank"], record["world_size"], record["aggregation"]))
-        watermark = self._watermark(source)
+        watermark = self._source_state((record["instance_id"], record["data_parallel_rank"], record["worker_rank"],
+                                        record["world_size"], record["aggregation"]))[2]
         self.write_back()  # source-wide events scan the stored entries
-        self._watermarks.clear()
-        self._epochs.clear()
+        self._sources.clear()
         if kind == ALL_BLOCKS_CLEARED:
             if mark <= watermark:
                 m.stats.duplicates += 1
@@ -276,11 +267,10 @@ class BatchApplier:
         m = self.m
         m.materialized += 1
         partition = self.partition
-        # a batch message holds many events of few publishers: their keys are formatted once
+        # a batch message holds many events of few publishers: what they need is looked up once
         source = event[1]
-        source_key, publisher = self._publisher_keys.get(source) or self._publisher_keys_of(source)
-        watermark = self._watermark(source_key)
-        retired = self._retired_epoch(publisher)
+        _, publisher, watermark, retired, clear_tiers, aggregation = (self._sources.get(source)
+                                                                        or self._source_state(source))
         if retired is not None and event[2] < retired:
             m.stats.retired_late += 1
             return
@@ -291,11 +281,9 @@ class BatchApplier:
             entry = self.store.entry(partition, key)
             if entry is None:
                 self.new_keys.add(key)
-        instance = source[0]
-        sources, stats = m.sources, m.stats
+        stats = m.stats
         applied_before = stats.applied
-        entry, delta, copies = apply_block(entry, event, mark, watermark, sources.clear_tiers(instance), stats,
-                                           sources.aggregation.get(instance))
+        entry, delta, copies = apply_block(entry, event, mark, watermark, clear_tiers, stats, aggregation)
         touched[key] = entry
         if stats.applied != applied_before:  # a redelivered event is counted as a duplicate only, never applied
             seen = self.publishers.get(publisher)
@@ -306,7 +294,7 @@ class BatchApplier:
                 seen[1] += 1
         if delta:
             (kind, _, _, _, _, _, ts, block_hash, tier, medium, locality, group, ownership, _, _) = event
-            self.occupancy[(ownership, tier, instance)] += delta
+            self.occupancy[(ownership, tier, source[0])] += delta
             if m.outputs.residency_changes:  # change() checks it too; here it spares the call per transition
-                m.outputs.change(block_hash, ownership, instance, source[1], tier, medium, locality, group,
+                m.outputs.change(block_hash, ownership, source[0], source[1], tier, medium, locality, group,
                                  delta > 0, copies, ts, kind.rsplit(".", 1)[-1])

@@ -271,7 +271,9 @@ def apply_block(entry: dict | None, event: tuple, clear_mark: ClearPosition, cle
     else:
         before = row["copies"]
     workers = row["workers"]
-    if workers and in_clear_scope and clear_mark > ClearPosition.of(row["clear_mark"]):
+    mark_record = clear_mark_record(clear_mark)  # shared per position: the same object as the row's when equal
+    if (workers and in_clear_scope and row["clear_mark"] is not mark_record
+            and clear_mark > ClearPosition.of(row["clear_mark"])):
         # A clear of the source came between the row's last event and this one: it emptied the row. The row's
         # own clear copy will find it newer than the clear and leave it, so the delta reported here covers both
         # (resident before, resident after: 0; the clear's -1 and the store's +1 cancel).
@@ -327,7 +329,7 @@ def apply_block(entry: dict | None, event: tuple, clear_mark: ClearPosition, cle
     stats.applied += 1
     row["medium"] = medium
     row["last_ts"] = ts
-    row["clear_mark"] = clear_mark_record(clear_mark)
+    row["clear_mark"] = mark_record
     if len(workers) == 1 and (world_size <= 1 or mode == "SHARDED"):
         after = worker["count"]  # aggregate_copies' sum, over the one worker the row has
     else:
