@@ -65,7 +65,8 @@ class Materializer:
     sources: SourceSettings
     #: Outcome counters of the residency rules (:class:`stream_apps.residency.ApplyStats`).
     stats: ApplyStats = field(default_factory=ApplyStats)
-    #: Events this worker took from the re-keyed topic, redeliveries included.
+    #: Events this worker took from the re-keyed topic, redeliveries included (counted per batch message by
+    #: the agent).
     materialized: int = 0
 
     def write_small_table(self, table, partition: int, key: str, value: dict) -> None:
@@ -246,7 +247,6 @@ class BatchApplier:
             self.apply(key, mark, event)
             return
         m = self.m
-        m.materialized += 1
         partition = self.partition
         watermark = self._source_state((record["instance_id"], record["data_parallel_rank"], record["worker_rank"],
                                         record["world_size"], record["aggregation"]))[2]
@@ -265,7 +265,6 @@ class BatchApplier:
         before it) from its ownership batch item, ``event`` a :class:`schemas.block_event.BlockEvent` (or a
         plain tuple in its field order) whose block hash and ownership the key was made of."""
         m = self.m
-        m.materialized += 1
         partition = self.partition
         # a batch message holds many events of few publishers: what they need is looked up once
         source = event[1]

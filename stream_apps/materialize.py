@@ -42,6 +42,7 @@ def register_agent(app: faust.App, topic: faust.TopicT, materializer: Materializ
             except DecodeError as exc:
                 outputs.dead_letter(message.key, message.value, str(exc), where)
                 continue
+            materializer.materialized += len(items)
             applier = BatchApplier(materializer, message.partition)
             apply, apply_record = applier.apply, applier.apply_record
             for key, mark, buffer, start, end, event in items:

@@ -261,7 +261,9 @@ class RocksDBTableStore(_EntryCache, _BoundStore, faust.stores.rocksdb.Store):
         if key in cache:
             return cache[key]
         raw = self._db_for_partition(partition).get(key.encode())
-        entry = None if raw is None else self.codec.decode(raw)
+        if raw is None:  # not remembered: most absent keys are about to be written, which remembers them
+            return None
+        entry = self.codec.decode(raw)
         self._remember(key, entry)
         return entry
 
