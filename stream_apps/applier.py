@@ -232,15 +232,18 @@ class BatchApplier:
         event the repartition stage wrote without block fields (then checked against the key it was routed by).
 
         Raises:
-            InvalidRecord: the record contradicts the key it was routed by.
+            InvalidRecord: a block event without block hash or tier, or one that contradicts the key it was
+                routed by.
         """
         kind, body = record["event"]
         if kind not in SOURCE_WIDE_EVENTS:
             block_hash = record["block_hash"]
-            if block_hash is None or record["tier"] is None or key != residency_key(body["ownership"], block_hash):
+            if block_hash is None or record["tier"] is None:
+                raise InvalidRecord(f"{kind.rsplit('.', 1)[-1]} without block_hash or tier")
+            if key != residency_key(body["ownership"], block_hash):
                 # an older repartition stage routed by the kvstream-ownership header, which the record may contradict
                 raise InvalidRecord(f"routed as {key!r}, but the record's ownership is {body['ownership']!r} and "
-                                    f"its block hash {None if block_hash is None else block_hash.hex()}")
+                                    f"its block hash {block_hash.hex()}")
             event = block_event_of(record)
             if needs_content(kind, event.source, self.m.sources.aggregation.get(record["instance_id"])):
                 event = event._replace(content=content_digest(body))

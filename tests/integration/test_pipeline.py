@@ -297,6 +297,35 @@ def test_bad_records_go_to_the_dead_letter_topic_with_their_reasons(pipeline, ka
     assert _get(f"{pipeline['url']}/stats/")["dead_lettered"] == 2
 
 
+def test_an_item_of_an_older_repartition_stage_that_contradicts_its_key_is_dead_lettered(pipeline, kafka_bootstrap):
+    """ownership_batch v1 messages, from a repartition stage of before the block fields (a rolling upgrade), are
+    still read; their items were routed by the ownership header, so the agent checks each record against its key."""
+    from stream_apps.residency import key_partition
+
+    app_id = pipeline["options"].app_id
+    key = f"kvcr/{LIAR_HASH.hex()}"
+    value = AvroCodec("ownership_batch", 1).encode({"events": [{"key": key, "clear_mark": None,
+                                                                "event": _primary_store(LIAR_HASH)}]})
+    producer = Producer(client_config(kafka_bootstrap))
+    producer.produce(TopicNames(app_id).by_ownership, value=value, partition=key_partition(key, PARTITIONS))
+    producer.flush(30)
+    consumer = Consumer(client_config(kafka_bootstrap, **{"group.id": "test-dead-letter-v1",
+                                                          "auto.offset.reset": "earliest"}))
+    consumer.subscribe([KV_EVENTS_DEAD_LETTER])
+    try:
+        found = []
+        for _ in range(60):
+            found += [m for m in consumer.consume(100, timeout=1.0) if not m.error() and m.key() == key.encode()]
+            if found:
+                break
+    finally:
+        consumer.close()
+    assert [m.value() for m in found] == [_primary_store(LIAR_HASH)]
+    assert dict(found[0].headers())["kvstream-error"] == (
+        f"routed as {key!r}, but the record's ownership is None and its block hash {LIAR_HASH.hex()}").encode()
+    assert _rows(pipeline, LIAR_HASH) == [("liar", 0, "GPU", "GPU", 0, 1)]  # the record's own row, unchanged
+
+
 def test_the_record_not_its_ownership_header_decides_the_residency_key(pipeline):
     """The kvstream-ownership header is a producer's courtesy to other consumers: the repartition stage decodes
     every record, and a header that says kvcr on a record of ownership null does not move it."""
