@@ -250,26 +250,41 @@ def apply_block(entry: dict | None, event: tuple, clear_mark: ClearPosition, cle
     instance, dp_rank, worker_rank, declared_size, declared_mode = source
     rows = entry["rows"] if entry is not None else []
     row = None
-    #: The row's copies before this event, and before a clear it accounts for: the delta is against this.
-    before = 0
     for candidate in rows:
         if (candidate["instance_id"] == instance and candidate["data_parallel_rank"] == dp_rank
                 and candidate["tier"] == tier and candidate["locality"] == locality
                 and candidate["group_idx"] == group):
             row = candidate
             break
+    if aggregation is None:
+        world_size, mode = declared_size or 1, declared_mode or "REPLICATED"
+    else:
+        world_size, mode = declared_size or aggregation[0], declared_mode or aggregation[1]
     if row is None:
         if kind != BLOCK_STORED:
             stats.unknown_removals += 1
             return entry, 0, 0
-        row = {"instance_id": instance, "data_parallel_rank": dp_rank, "tier": tier, "medium": medium,
-               "locality": locality, "group_idx": group, "world_size": 1, "aggregation": "REPLICATED",
-               "workers": [], "copies": 0, "since": None, "last_ts": ts, "clear_mark": None}
+        # A new row (most events of a trace): its one worker's first store, written once with its final values.
+        # What the general path below would do to it: no clear to account for, no duplicate, no disagreement.
+        replicated = world_size > 1 and mode == "REPLICATED"
+        workers = [{"worker_rank": -1 if worker_rank is None else worker_rank, "count": 1, "publisher_epoch": epoch,
+                    "seq": seq, "batch_index": batch_index, "block_index": block_index,
+                    "content": content if replicated else None}]
+        after = aggregate_copies(workers, world_size, mode) if replicated else 1
+        rows.append({"instance_id": instance, "data_parallel_rank": dp_rank, "tier": tier, "medium": medium,
+                     "locality": locality, "group_idx": group, "world_size": world_size, "aggregation": mode,
+                     "workers": workers, "copies": after, "since": ts if after > 0 else None, "last_ts": ts,
+                     "clear_mark": clear_mark_record(clear_mark)})
+        stats.applied += 1
+        if parent_known is False:
+            stats.unknown_parents += 1
+        if after > 0:
+            stats.became_resident += 1
         if entry is None:
             entry = {"block_hash": block_hash, "ownership": ownership, "rows": rows}
-        rows.append(row)
-    else:
-        before = row["copies"]
+        return entry, (1 if after > 0 else 0), after
+    #: The row's copies before this event, and before a clear it accounts for: the delta is against this.
+    before = row["copies"]
     workers = row["workers"]
     mark_record = clear_mark_record(clear_mark)  # shared per position: the same object as the row's when equal
     if (workers and in_clear_scope and row["clear_mark"] is not mark_record
@@ -302,10 +317,6 @@ def apply_block(entry: dict | None, event: tuple, clear_mark: ClearPosition, cle
     elif epoch > worker["publisher_epoch"]:
         worker["count"] = 0  # a new epoch is a restarted publisher, whose cache started empty
 
-    if aggregation is None:
-        world_size, mode = declared_size or 1, declared_mode or "REPLICATED"
-    else:
-        world_size, mode = declared_size or aggregation[0], declared_mode or aggregation[1]
     row["world_size"] = world_size
     row["aggregation"] = mode
     if kind == BLOCK_STORED:
