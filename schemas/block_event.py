@@ -116,6 +116,8 @@ class BlockFieldsWriter:
     def __init__(self) -> None:
         self._sources: dict[tuple, int] = {}
         self._strings: dict[str, int] = {}
+        #: Bytes of :meth:`tables` so far, or a few more (a message's size counts them).
+        self.table_bytes = 2
 
     def _string(self, value: str | None) -> int:
         if value is None:
@@ -125,6 +127,7 @@ class BlockFieldsWriter:
             if len(self._strings) >= _MAX_TABLE:
                 raise OverflowError("string table full")
             index = self._strings[value] = len(self._strings) + 1
+            self.table_bytes += len(avro_string(value))
         return index
 
     def block(self, record: dict, content: int | None = None) -> bytes | None:
@@ -142,6 +145,7 @@ class BlockFieldsWriter:
                 if len(self._sources) > _MAX_TABLE:
                     return None
                 index = self._sources[source] = len(self._sources)
+                self.table_bytes += len(avro_string(source[0])) + len(source[4] or "") + 40  # ints and unions: at most 40
             fields = BLOCK_FIELDS.pack(
                 _KIND_INDEX[kind], index, record["publisher_epoch"], record["seq"], record["batch_index"],
                 record["block_index"], record["ts"], _TIER_INDEX[record["tier"]], self._string(body["medium"]),

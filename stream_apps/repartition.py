@@ -47,7 +47,6 @@ import os
 import signal
 import threading
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import mode
@@ -58,7 +57,7 @@ from kafka_io.logs import configure_logging
 from kafka_io.produce import produce_waiting
 from kafka_io.schema_registry import reader_codec
 from schemas import ALL_BLOCKS_CLEARED, BLOCK_STORED, SOURCE_WIDE_EVENTS, AvroCodec, DecodeError
-from schemas.avro_writers import NO_TABLES, encode_clear_mark, encode_keyed_event, encode_ownership_batch
+from schemas.avro_writers import encode_clear_mark, encode_keyed_event, encode_ownership_batch
 from schemas.block_event import BlockFieldsWriter
 from schemas.clear_position import NO_CLEAR, ClearPosition
 from schemas.topics import ERROR_HEADER, SOURCE_HEADER, TopicNames
@@ -133,6 +132,44 @@ class ClearHistory:
         """Inverse of :meth:`to_record`."""
         return cls(record["instance_id"], record["data_parallel_rank"], record["partition"],
                    [(c["offset"], (c["publisher_epoch"], c["seq"], c["batch_index"])) for c in record["clears"]])
+
+
+#: Bytes an item adds besides its key, mark and event, and its table entries besides their text, at most:
+#: length varints, the block fields (56 bytes before the block hash, which the event holds too), a source's
+#: ints and unions, the message's framing.
+_ITEM_OVERHEAD = 256
+
+
+class _Outgoing:
+    """The ``ownership_batch`` messages of one destination partition in one batch: each at most
+    :data:`MAX_BATCH_BYTES` with its tables (a message's block fields index its own tables only, so a message
+    starts new ones)."""
+
+    def __init__(self) -> None:
+        self._done: list[tuple[bytes, list[bytes]]] = []
+        self._start()
+
+    def _start(self) -> None:
+        self._writer = BlockFieldsWriter()
+        self._items: list[bytes] = []
+        self._size = 0
+
+    def add(self, key: str, mark: bytes, value: bytes, record: dict | None = None,
+            content: int | None = None) -> None:
+        """One item: ``record`` (a decoded block event) gives its block fields; None, an item without them."""
+        # What the item can add, at most: itself (key, mark, event, block fields with the block hash, framing),
+        # and table entries for strings and a source that all appear in the event's bytes too
+        if self._items and (self._size + self._writer.table_bytes + 2 * len(value) + len(key) + len(mark)
+                            + _ITEM_OVERHEAD > MAX_BATCH_BYTES):
+            self._done.append((self._writer.tables(), self._items))
+            self._start()
+        item = encode_keyed_event(key, mark, value, None if record is None else self._writer.block(record, content))
+        self._items.append(item)
+        self._size += len(item)
+
+    def messages(self) -> list[tuple[bytes, list[bytes]]]:
+        """``(tables, encoded items)`` of each message, in order."""
+        return [*self._done, (self._writer.tables(), self._items)] if self._items else self._done
 
 
 class Repartitioner:
@@ -348,8 +385,7 @@ class Repartitioner:
             RuntimeError: the broker did not acknowledge every output (the offsets are not committed, so the
                 batch is read again after the worker restarts).
         """
-        outgoing: dict[int, list[bytes]] = defaultdict(list)
-        writers: dict[int, BlockFieldsWriter] = {}
+        outgoing: dict[int, _Outgoing] = {}
         changed_histories: dict[tuple[int, str, int], ClearHistory] = {}
         next_offsets: dict[int, int] = {}
         read_own, decode = self._read_own_version, self._event_codec.decode
@@ -381,13 +417,13 @@ class Repartitioner:
                                             record["aggregation"]), aggregation.get(instance)):
                         content = content_digest(body)
                 destination = key_partition(key, partitions)
-                writer = writers.get(destination)
-                if writer is None:
-                    writer = writers[destination] = BlockFieldsWriter()
-                outgoing[destination].append(encode_keyed_event(key, mark, value, writer.block(record, content)))
+                batch = outgoing.get(destination)
+                if batch is None:
+                    batch = outgoing[destination] = _Outgoing()
+                batch.add(key, mark, value, record, content)
             except DecodeError as exc:
                 self._dead_letter(message, str(exc))
-        self._produce(outgoing, writers, changed_histories)
+        self._produce(outgoing, changed_histories)
         self._producer.flush()
         if self._delivery_errors:
             errors, self._delivery_errors = self._delivery_errors, []
@@ -402,7 +438,7 @@ class Repartitioner:
         return next_offsets
 
     def _source_wide(self, message, record: dict, kind: str, source: tuple[int, str, int],
-                     history: ClearHistory | None, outgoing: dict[int, list[bytes]],
+                     history: ClearHistory | None, outgoing: dict[int, "_Outgoing"],
                      changed: dict[tuple[int, str, int], ClearHistory]) -> None:
         """A clear (recorded in the source's history), PublisherRestarted or SourceStale: same partition number."""
         partition, offset = source[0], message.offset()
@@ -415,25 +451,18 @@ class Repartitioner:
         else:
             mark = NO_CLEAR if history is None else history.mark_before(offset)
         name = kind.rsplit(".", 1)[-1]
-        outgoing[partition].append(encode_keyed_event(f"{name}/{record['instance_id']}/{record['data_parallel_rank']}",
-                                                      encode_clear_mark(mark), message.value()))
+        batch = outgoing.get(partition)
+        if batch is None:
+            batch = outgoing[partition] = _Outgoing()
+        batch.add(f"{name}/{record['instance_id']}/{record['data_parallel_rank']}", encode_clear_mark(mark),
+                  message.value())
 
-    def _produce(self, outgoing: dict[int, list[bytes]], writers: dict[int, BlockFieldsWriter],
-                 changed: dict[tuple[int, str, int], ClearHistory]) -> None:
+    def _produce(self, outgoing: dict[int, "_Outgoing"], changed: dict[tuple[int, str, int], ClearHistory]) -> None:
         produce = self._producer.produce
         header = self._batch_codec._header
-        for partition, items in outgoing.items():
-            writer = writers.get(partition)
-            tables = NO_TABLES if writer is None else writer.tables()  # each message of the partition carries them
-            chunk: list[bytes] = []
-            size = 0
-            for item in items:
-                if chunk and size + len(item) > MAX_BATCH_BYTES:
-                    self._send(produce, self.output_topic, None, encode_ownership_batch(header, chunk, tables), partition)
-                    chunk, size = [], 0
-                chunk.append(item)
-                size += len(item)
-            self._send(produce, self.output_topic, None, encode_ownership_batch(header, chunk, tables), partition)
+        for partition, batch in outgoing.items():
+            for tables, items in batch.messages():
+                self._send(produce, self.output_topic, None, encode_ownership_batch(header, items, tables), partition)
         for (partition, instance, dp_rank), history in changed.items():
             self._send(produce, self.clears_topic, f"{partition}/{instance}/{dp_rank}".encode(),
                        self._clears_codec.encode(history.to_record()), partition)

@@ -166,3 +166,28 @@ def test_agent_progress_follows_finished_messages_and_the_assignment():
     assert list(progress) == [-1, 41, NOT_READ_HERE]
     sensor.assigned({1, 2})  # a partition kept keeps its progress; one that left is no longer waited for
     assert list(progress) == [NOT_READ_HERE, 41, -1]
+
+
+def test_each_rekeyed_message_stays_under_the_size_limit_with_the_tables_its_items_index():
+    """A message's block fields index its own sources and strings, and those tables count towards its size:
+    2,000 events with distinct 4 KiB localities once made every message repeat the whole batch's tables."""
+    from producers.split import Publisher, split_event
+    from schemas.avro_writers import encode_clear_mark, encode_ownership_batch
+    from schemas.block_event import block_event_of
+    from schemas.ownership_batch import OwnershipBatchReader
+    from stream_apps.repartition import MAX_BATCH_BYTES, _Outgoing
+
+    events = AvroCodec("kv_event")
+    records, outgoing = [], _Outgoing()
+    for n in range(2000):
+        event = {"type": "BlockStored", "block_hashes": [n], "parent_block_hash": None, "token_ids": [],
+                 "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None,
+                 "locality": f"{n:04d}" * 1024}
+        value = events.encode(split_event(Publisher(f"e{n % 3}"), n, 1.0, 0, event)[0])
+        records.append(events.decode(value))
+        outgoing.add(f"primary/{n:016x}", encode_clear_mark(NO_CLEAR), value, records[-1])
+    messages = [encode_ownership_batch(BATCH.header, items, tables) for tables, items in outgoing.messages()]
+    assert len(messages) > 1 and all(len(m) <= MAX_BATCH_BYTES for m in messages)
+    read = [event for m in messages for *_, event in OwnershipBatchReader(events).read(m)]
+    assert read == [block_event_of(r) for r in records]
+    assert all(type(event) is tuple for event in read)  # every item came with its block fields
