@@ -12,7 +12,7 @@ import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from schemas import ALL_BLOCKS_CLEARED, SOURCE_STALE, SOURCE_WIDE_EVENTS
+from schemas import ALL_BLOCKS_CLEARED, BLOCK_STORED, SOURCE_STALE, SOURCE_WIDE_EVENTS
 from schemas.block_event import block_event_of
 from schemas.clear_position import ClearPosition
 from stream_apps.checkpoint import Checkpoint
@@ -35,6 +35,10 @@ log = logging.getLogger(__name__)
 
 class InvalidRecord(ValueError):
     """A decodable kv_event that cannot be applied as routed (the message says why; it is dead-lettered)."""
+
+
+class NeedsRecord(Exception):
+    """A block event's fields lack what this worker needs to apply it; the caller applies the decoded record."""
 
 
 def occupancy_key(partition: int, ownership: str | None, tier: str, instance_id: str) -> str:
@@ -199,17 +203,19 @@ class BatchApplier:
 
     def _source_state(self, source: tuple) -> tuple:
         """``(source key, publisher key, clear watermark, retired epoch or None, clear tiers, configured
-        aggregation or None)`` of ``source``, kept for the rest of the batch message. The source key is
+        aggregation or None, whether its stores need a content digest)`` of ``source``, kept for the rest of the
+        batch message. The source key is
         ``<partition>/<instance>/<dp rank>``, the publisher key the source key + ``/<worker rank or -1>``."""
         instance, dp_rank, worker, _, _ = source
         source_key = f"{self.partition}/{instance}/{dp_rank}"
         publisher = f"{source_key}/{-1 if worker is None else worker}"
         tables, settings = self.m.tables, self.m.sources
         known = tables.publisher_epochs.data.lookup(publisher, self.partition)
+        aggregation = settings.aggregation.get(instance)
         state = self._sources[source] = (
             source_key, publisher, ClearPosition.of(tables.clear_watermarks.data.lookup(source_key, self.partition)),
-            None if known is None else known["publisher_epoch"], settings.clear_tiers(instance),
-            settings.aggregation.get(instance))
+            None if known is None else known["publisher_epoch"], settings.clear_tiers(instance), aggregation,
+            needs_content(BLOCK_STORED, source, aggregation))
         return state
 
     def write_back(self) -> None:
@@ -236,7 +242,13 @@ class BatchApplier:
                 routed by.
         """
         kind, body = record["event"]
+        source = (record["instance_id"], record["data_parallel_rank"], record["worker_rank"], record["world_size"],
+                  record["aggregation"])
+        state = self._sources.get(source) or self._source_state(source)
         if kind not in SOURCE_WIDE_EVENTS:
+            if state[3] is not None and record["publisher_epoch"] < state[3]:
+                self.m.stats.retired_late += 1  # as before any other check, whatever the record holds
+                return
             block_hash = record["block_hash"]
             if block_hash is None or record["tier"] is None:
                 raise InvalidRecord(f"{kind.rsplit('.', 1)[-1]} without block_hash or tier")
@@ -245,14 +257,13 @@ class BatchApplier:
                 raise InvalidRecord(f"routed as {key!r}, but the record's ownership is {body['ownership']!r} and "
                                     f"its block hash {block_hash.hex()}")
             event = block_event_of(record)
-            if needs_content(kind, event.source, self.m.sources.aggregation.get(record["instance_id"])):
+            if state[6] and kind == BLOCK_STORED:
                 event = event._replace(content=content_digest(body))
             self.apply(key, mark, event)
             return
         m = self.m
         partition = self.partition
-        watermark = self._source_state((record["instance_id"], record["data_parallel_rank"], record["worker_rank"],
-                                        record["world_size"], record["aggregation"]))[2]
+        watermark = state[2]
         self.write_back()  # source-wide events scan the stored entries
         self._sources.clear()
         if kind == ALL_BLOCKS_CLEARED:
@@ -266,13 +277,21 @@ class BatchApplier:
     def apply(self, key: str, mark: ClearPosition, event: tuple) -> None:
         """Apply one re-keyed block event: ``key`` (its residency key) and ``mark`` (its source's latest clear
         before it) from its ownership batch item, ``event`` a :class:`schemas.block_event.BlockEvent` (or a
-        plain tuple in its field order) whose block hash and ownership the key was made of."""
+        plain tuple in its field order) whose block hash and ownership the key was made of.
+
+        Raises:
+            NeedsRecord: the event lacks the content digest this worker's aggregation settings need (nothing
+                was applied; apply the decoded record with :meth:`apply_record`).
+        """
         m = self.m
         partition = self.partition
         # a batch message holds many events of few publishers: what they need is looked up once
         source = event[1]
-        _, publisher, watermark, retired, clear_tiers, aggregation = (self._sources.get(source)
-                                                                        or self._source_state(source))
+        _, publisher, watermark, retired, clear_tiers, aggregation, replicated = (self._sources.get(source)
+                                                                                    or self._source_state(source))
+        if replicated and event[14] is None and event[0] == BLOCK_STORED:
+            # written by a repartition process that did not know this worker's --aggregation for the source
+            raise NeedsRecord(f"{key}: a store of a replicated source without its content digest")
         if retired is not None and event[2] < retired:
             m.stats.retired_late += 1
             return

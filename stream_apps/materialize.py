@@ -16,7 +16,7 @@ import faust
 
 from schemas import AvroCodec, DecodeError
 from schemas.ownership_batch import OwnershipBatchReader
-from stream_apps.applier import BatchApplier, InvalidRecord, Materializer
+from stream_apps.applier import BatchApplier, InvalidRecord, Materializer, NeedsRecord
 from stream_apps.checkpoint import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,10 @@ def register_agent(app: faust.App, topic: faust.TopicT, materializer: Materializ
             for key, mark, buffer, start, end, event in items:
                 try:
                     if type(event) is tuple:  # block fields read by the batch reader: the usual case
-                        apply(key, mark, event)
+                        try:
+                            apply(key, mark, event)
+                        except NeedsRecord:
+                            apply_record(key, mark, decode(buffer[start:end]))
                     else:
                         apply_record(key, mark, decode(buffer[start:end]) if event is None else event)
                 except CheckpointError as exc:  # never dead-letter a clear whose removals may be lost: stop

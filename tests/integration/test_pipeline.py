@@ -141,7 +141,7 @@ def pipeline(kafka_bootstrap, tmp_path_factory):
     garbage.flush(30)
     work = tmp_path_factory.mktemp("worker")
     options = WorkerSettings(bootstrap_servers=kafka_bootstrap, web_port=free_port(), data_dir=work / "data", partitions=PARTITIONS,
-                            app_id="kvstream-test", residency_changes=True)
+                            app_id="kvstream-test", residency_changes=True, aggregation="skew=2:REPLICATED")
     process = spawn_worker(options, work / "worker.log")
     try:
         wait_until_consumed(kafka_bootstrap, options.app_id, process, timeout_s=300)
@@ -324,6 +324,33 @@ def test_an_item_of_an_older_repartition_stage_that_contradicts_its_key_is_dead_
     assert dict(found[0].headers())["kvstream-error"] == (
         f"routed as {key!r}, but the record's ownership is None and its block hash {LIAR_HASH.hex()}").encode()
     assert _rows(pipeline, LIAR_HASH) == [("liar", 0, "GPU", "GPU", 0, 1)]  # the record's own row, unchanged
+
+
+def test_a_replicated_store_without_its_content_digest_is_applied_from_its_record(pipeline, kafka_bootstrap):
+    """A repartition process that did not know this worker's --aggregation (started with other settings, or
+    messages written before a restart that added it) writes a replicated source's stores without their content
+    digest: the agent applies them from their records, so workers that stored different content still disagree."""
+    from schemas.avro_writers import encode_keyed_event, encode_ownership_batch
+    from schemas.block_event import BlockFieldsWriter
+    from stream_apps.residency import key_partition
+
+    block = 0x5C5C
+    key = f"primary/{block:016x}"
+    events, writer, items = AvroCodec("kv_event"), BlockFieldsWriter(), []
+    for worker, tokens in ((0, [1, 2]), (1, [9, 9])):  # "skew" is 2:REPLICATED by the worker's settings only
+        value = events.encode(split_event(Publisher("skew", worker_rank=worker), 0, 1.0, 0,
+                                          {**_gpu(block), "token_ids": tokens})[0])
+        items.append(encode_keyed_event(key, b"\x00", value, writer.block(events.decode(value))))  # no digest
+    before = _get(f"{pipeline['url']}/stats/")["replica_disagreements"]
+    producer = Producer(client_config(kafka_bootstrap))
+    producer.produce(TopicNames(pipeline["options"].app_id).by_ownership, partition=key_partition(key, PARTITIONS),
+                     value=encode_ownership_batch(AvroCodec("ownership_batch").header, items, writer.tables()))
+    producer.flush(30)
+    deadline = time.monotonic() + 60
+    while _get(f"{pipeline['url']}/stats/")["replica_disagreements"] == before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _get(f"{pipeline['url']}/stats/")["replica_disagreements"] == before + 1
+    assert _rows(pipeline, block) == []  # the two workers hold different blocks under one hash: not resident
 
 
 def test_the_record_not_its_ownership_header_decides_the_residency_key(pipeline):
