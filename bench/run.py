@@ -1111,15 +1111,8 @@ class Bench:
                 producer.send_event(batch.publisher, batch.seq, batch.ts, index, event)
         messages = producer.flush().acked
         truth = sum(1 for copies in sim.ground_truth().values() if copies > 0)
-        # One untimed read of the input before the first round: in a run of this step alone, the first
-        # contestant otherwise met a broker whose fetch path the JVM had not compiled yet (its broker CPU per
-        # event about twice the next round's), and the first contestant is always the same one.
-        from kafka_io.reader import messages_to_end
-
-        warm = sum(1 for _ in messages_to_end(self.bootstrap, topic, timeout_s=300))
         self._peer_input_info = {"topic": topic, "events": messages, "requests": len(requests), "truth_rows": truth}
-        _say(f"      {topic}: {messages:,} messages from {len(requests):,} trace requests; truth {truth:,} rows "
-             f"(read once before the rounds: {warm:,})")
+        _say(f"      {topic}: {messages:,} messages from {len(requests):,} trace requests; truth {truth:,} rows")
         return self._peer_input_info
 
     def _peer_round(self, name: str, round_: int, classpath: str | None) -> dict:
