@@ -27,6 +27,7 @@ from stream_apps.residency import (
     needs_content,
     residency_key,
     retire_epoch,
+    source_aggregation,
 )
 from stream_apps.tables import Tables
 
@@ -181,8 +182,9 @@ class Materializer:
 class BatchApplier:
     """Applies one ``ownership_batch`` message (one partition) and writes each touched key once at the end.
 
-    Small per-batch caches spare a table lookup per event: clear watermarks per source and publisher epochs
-    per publisher (both change only through source-wide events, which are applied in order here).
+    A per-source cache (:meth:`_source_state`) spares the table lookups and settings per event: keys, clear
+    watermark, retired epoch, clear tiers and aggregation (watermarks and epochs change only through
+    source-wide events, which are applied in order here and empty it).
     """
 
     def __init__(self, materializer: Materializer, partition: int) -> None:
@@ -202,20 +204,20 @@ class BatchApplier:
         self._sources: dict[tuple, tuple] = {}
 
     def _source_state(self, source: tuple) -> tuple:
-        """``(source key, publisher key, clear watermark, retired epoch or None, clear tiers, configured
-        aggregation or None, whether its stores need a content digest)`` of ``source``, kept for the rest of the
-        batch message. The source key is
-        ``<partition>/<instance>/<dp rank>``, the publisher key the source key + ``/<worker rank or -1>``."""
+        """``(source key, publisher key, clear watermark, retired epoch or None, clear tiers, (world_size, mode),
+        whether its stores need a content digest)`` of ``source``, kept for the rest of the batch message. The
+        source key is ``<partition>/<instance>/<dp rank>``, the publisher key the source key + ``/<worker rank
+        or -1>``."""
         instance, dp_rank, worker, _, _ = source
         source_key = f"{self.partition}/{instance}/{dp_rank}"
         publisher = f"{source_key}/{-1 if worker is None else worker}"
         tables, settings = self.m.tables, self.m.sources
         known = tables.publisher_epochs.data.lookup(publisher, self.partition)
-        aggregation = settings.aggregation.get(instance)
+        aggregation = source_aggregation(source, settings.aggregation.get(instance))
         state = self._sources[source] = (
             source_key, publisher, ClearPosition.of(tables.clear_watermarks.data.lookup(source_key, self.partition)),
             None if known is None else known["publisher_epoch"], settings.clear_tiers(instance), aggregation,
-            needs_content(BLOCK_STORED, source, aggregation))
+            needs_content(BLOCK_STORED, aggregation))
         return state
 
     def write_back(self) -> None:

@@ -196,30 +196,35 @@ def aggregate_copies(workers: list[dict], world_size: int, aggregation: str) -> 
     return min(counts.get(rank, 0) for rank in range(world_size))
 
 
-def needs_content(kind: str, source: tuple, aggregation: tuple[int, str] | None) -> bool:
-    """Whether a ``kind`` event of ``source`` (a :class:`schemas.block_event.Source`) needs its content digest:
-    a store of a source whose world size (declared, else ``aggregation``, the configured (world_size, mode))
-    is above 1 and whose mode is REPLICATED, so that its workers' stores are compared (:data:`AGREEMENT_FIELDS`)."""
-    if kind != BLOCK_STORED:
-        return False
-    configured_size, configured_mode = aggregation or (1, "REPLICATED")
-    return (source[3] or configured_size) > 1 and (source[4] or configured_mode) == "REPLICATED"
+def source_aggregation(source: tuple, configured: tuple[int, str] | None) -> tuple[int, str]:
+    """``(world_size, mode)`` of ``source`` (a :class:`schemas.block_event.Source`): what its events declare,
+    else ``configured`` (the worker's ``--aggregation`` for its instance), else 1 and REPLICATED."""
+    configured_size, configured_mode = configured or (1, "REPLICATED")
+    return source[3] or configured_size, source[4] or configured_mode
+
+
+def needs_content(kind: str, aggregation: tuple[int, str]) -> bool:
+    """Whether a ``kind`` event of a source of ``aggregation`` (:func:`source_aggregation`) needs its content
+    digest: a store of a REPLICATED source with world size above 1, whose workers' stores are compared
+    (:data:`AGREEMENT_FIELDS`)."""
+    return kind == BLOCK_STORED and aggregation[0] > 1 and aggregation[1] == "REPLICATED"
 
 
 def apply_block_event(entry: dict | None, record: dict, clear_mark: ClearPosition,
                       clear_watermark: ClearPosition, clear_tiers: frozenset,
                       stats: ApplyStats, aggregation: tuple[int, str] | None = None) -> tuple[dict | None, int, int]:
     """:func:`apply_block` for a decoded ``kv_event`` record (a BlockStored or BlockRemoved dict), with its
-    content digest when the source's aggregation needs one (:func:`needs_content`)."""
+    content digest when the source's aggregation needs one (:func:`needs_content`); ``aggregation`` is the
+    source's configured (world_size, mode), used when the record declares none."""
     event = block_event_of(record)
-    if needs_content(event.kind, event.source, aggregation):
+    resolved = source_aggregation(event.source, aggregation)
+    if needs_content(event.kind, resolved):
         event = event._replace(content=content_digest(record["event"][1]))
-    return apply_block(entry, event, clear_mark, clear_watermark, clear_tiers, stats, aggregation)
+    return apply_block(entry, event, clear_mark, clear_watermark, clear_tiers, stats, resolved)
 
 
 def apply_block(entry: dict | None, event: tuple, clear_mark: ClearPosition, clear_watermark: ClearPosition,
-                clear_tiers: frozenset, stats: ApplyStats,
-                aggregation: tuple[int, str] | None = None) -> tuple[dict | None, int, int]:
+                clear_tiers: frozenset, stats: ApplyStats, aggregation: tuple[int, str]) -> tuple[dict | None, int, int]:
     """Apply one BlockStored/BlockRemoved to a block's residency entry.
 
     Args:
@@ -232,7 +237,7 @@ def apply_block(entry: dict | None, event: tuple, clear_mark: ClearPosition, cle
             partition (:data:`NO_CLEAR` if none).
         clear_tiers: tiers a clear of this source removes.
         stats: counters to update.
-        aggregation: the source's configured (world_size, mode), used when the event declares none.
+        aggregation: the source's (world_size, mode) (:func:`source_aggregation`).
 
     Returns:
         ``(new entry or None when no row is left, change in resident rows: -1, 0 or +1, the row's copies
@@ -247,7 +252,7 @@ def apply_block(entry: dict | None, event: tuple, clear_mark: ClearPosition, cle
     if tier == "UNKNOWN":
         stats.unknown_media[medium] = stats.unknown_media.get(medium, 0) + 1
 
-    instance, dp_rank, worker_rank, declared_size, declared_mode = source
+    instance, dp_rank, worker_rank, _, _ = source
     rows = entry["rows"] if entry is not None else []
     row = None
     for candidate in rows:
@@ -256,10 +261,7 @@ def apply_block(entry: dict | None, event: tuple, clear_mark: ClearPosition, cle
                 and candidate["group_idx"] == group):
             row = candidate
             break
-    if aggregation is None:
-        world_size, mode = declared_size or 1, declared_mode or "REPLICATED"
-    else:
-        world_size, mode = declared_size or aggregation[0], declared_mode or aggregation[1]
+    world_size, mode = aggregation
     if row is None:
         if kind != BLOCK_STORED:
             stats.unknown_removals += 1
