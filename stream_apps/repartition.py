@@ -47,6 +47,7 @@ import os
 import signal
 import threading
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import mode
@@ -61,7 +62,7 @@ from schemas.avro_writers import encode_clear_mark, encode_keyed_event, encode_o
 from schemas.block_event import BlockFieldsWriter
 from schemas.clear_position import NO_CLEAR, ClearPosition
 from schemas.topics import ERROR_HEADER, SOURCE_HEADER, TopicNames
-from stream_apps.residency import content_digest, key_partition, needs_content, residency_key
+from stream_apps.residency import content_digest, key_partition, needs_content, residency_key, source_aggregation
 
 log = logging.getLogger(__name__)
 
@@ -385,7 +386,7 @@ class Repartitioner:
             RuntimeError: the broker did not acknowledge every output (the offsets are not committed, so the
                 batch is read again after the worker restarts).
         """
-        outgoing: dict[int, _Outgoing] = {}
+        outgoing: dict[int, _Outgoing] = defaultdict(_Outgoing)
         changed_histories: dict[tuple[int, str, int], ClearHistory] = {}
         next_offsets: dict[int, int] = {}
         read_own, decode = self._read_own_version, self._event_codec.decode
@@ -412,15 +413,12 @@ class Repartitioner:
                 key = residency_key(body["ownership"], block_hash)
                 mark = b"\x00" if history is None else history.encoded_mark_before(offset)
                 content = None
-                if kind == BLOCK_STORED and ((record["world_size"] or 1) > 1 or instance in aggregation):
-                    if needs_content(kind, (instance, source[2], record["worker_rank"], record["world_size"],
-                                            record["aggregation"]), aggregation.get(instance)):
+                if kind == BLOCK_STORED and (record["world_size"] or instance in aggregation):  # else: not replicated
+                    resolved = source_aggregation((instance, source[2], record["worker_rank"], record["world_size"],
+                                                   record["aggregation"]), aggregation.get(instance))
+                    if needs_content(kind, resolved):
                         content = content_digest(body)
-                destination = key_partition(key, partitions)
-                batch = outgoing.get(destination)
-                if batch is None:
-                    batch = outgoing[destination] = _Outgoing()
-                batch.add(key, mark, value, record, content)
+                outgoing[key_partition(key, partitions)].add(key, mark, value, record, content)
             except DecodeError as exc:
                 self._dead_letter(message, str(exc))
         self._produce(outgoing, changed_histories)
@@ -438,7 +436,7 @@ class Repartitioner:
         return next_offsets
 
     def _source_wide(self, message, record: dict, kind: str, source: tuple[int, str, int],
-                     history: ClearHistory | None, outgoing: dict[int, "_Outgoing"],
+                     history: ClearHistory | None, outgoing: dict[int, _Outgoing],
                      changed: dict[tuple[int, str, int], ClearHistory]) -> None:
         """A clear (recorded in the source's history), PublisherRestarted or SourceStale: same partition number."""
         partition, offset = source[0], message.offset()
@@ -451,13 +449,10 @@ class Repartitioner:
         else:
             mark = NO_CLEAR if history is None else history.mark_before(offset)
         name = kind.rsplit(".", 1)[-1]
-        batch = outgoing.get(partition)
-        if batch is None:
-            batch = outgoing[partition] = _Outgoing()
-        batch.add(f"{name}/{record['instance_id']}/{record['data_parallel_rank']}", encode_clear_mark(mark),
-                  message.value())
+        outgoing[partition].add(f"{name}/{record['instance_id']}/{record['data_parallel_rank']}",
+                                encode_clear_mark(mark), message.value())
 
-    def _produce(self, outgoing: dict[int, "_Outgoing"], changed: dict[tuple[int, str, int], ClearHistory]) -> None:
+    def _produce(self, outgoing: dict[int, _Outgoing], changed: dict[tuple[int, str, int], ClearHistory]) -> None:
         produce = self._producer.produce
         header = self._batch_codec._header
         for partition, batch in outgoing.items():
