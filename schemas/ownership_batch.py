@@ -23,13 +23,13 @@ import struct
 from schemas.block_event import BLOCK_FIELDS, KINDS, PARENT_KNOWN, BlockEvent, Source
 from schemas.clear_position import NO_CLEAR, ClearPosition
 from schemas.codec import _HEADER_LEN, SINGLE_OBJECT_MAGIC, AvroCodec
-from schemas.fast_reader import _long_tail
+from schemas.fast_reader import _long_tail, compile_reader
 from schemas.tiers import TIERS
 
 #: One item of a batch message: ``(key, clear mark, buffer, start, end, event)``. The event's framed bytes are
 #: ``buffer[start:end]``; ``event`` is a :class:`BlockEvent` tuple (from the item's block fields), a decoded
 #: ``kv_event`` record dict, or None when the caller must decode those bytes with the event codec.
-BatchItem = tuple[str, ClearPosition, bytes, int, int, "BlockEvent | dict | None"]
+BatchItem = tuple[str, ClearPosition, bytes, int, int, BlockEvent | dict | None]
 
 _tuple_new = tuple.__new__
 
@@ -60,6 +60,10 @@ class OwnershipBatchReader:
         self._headers = frozenset(SINGLE_OBJECT_MAGIC + fp for fp, parsed in self._batch_codec._by_fingerprint.items()
                                   if parsed is own)
         self._read_event = event_codec.own_version_reader()
+        # the message's tables are read by generated readers (once per message; the items, per event, in line)
+        fields = {field["name"]: field["type"] for field in own["fields"]}
+        self._read_sources = compile_reader(fields["sources"])
+        self._read_strings = compile_reader(fields["strings"])
 
     def read(self, data: bytes) -> list[BatchItem]:
         """The items of one batch message, in order.
@@ -83,11 +87,14 @@ class OwnershipBatchReader:
     def _walk(self, data: bytes) -> list[BatchItem]:
         # The newest batch schema read in line: the sources and strings tables, then an array of (key: string,
         # clear_mark: [null, ClearMark], event: bytes, block: [null, bytes]). Anything unusual (a long-form union
-        # index, a bad length, a block field's index out of its table) raises IndexError, ValueError or
-        # struct.error, and read() hands the message to the codec, which reads what is valid and names what is not.
+        # index, a bad length, a block field's index out of its table) raises IndexError, ValueError (ReadError
+        # included) or struct.error, and read() hands the message to the codec, which reads what is valid and names what is not.
         read_event, items, size = self._read_event, [], len(data)
-        sources, pos = _read_sources(data, _HEADER_LEN)
-        strings, pos = _read_strings(data, pos)
+        sources, pos = self._read_sources(data, _HEADER_LEN)
+        sources = [_tuple_new(Source, (s["instance_id"], s["data_parallel_rank"], s["worker_rank"], s["world_size"],
+                                       s["aggregation"])) for s in sources]
+        strings, pos = self._read_strings(data, pos)
+        strings = (None, *strings)  # a block field's string index 0 is null
         unpack, fields_size, kinds, tiers, known = BLOCK_FIELDS.unpack_from, BLOCK_FIELDS.size, KINDS, TIERS, PARENT_KNOWN
         while True:
             count, pos = _long(data, pos)
@@ -138,59 +145,3 @@ class OwnershipBatchReader:
             raise ValueError("trailing bytes")
         return items
 
-
-def _string(data: bytes, pos: int) -> tuple[str, int]:
-    n, pos = _long(data, pos)
-    end = pos + n
-    if n < 0 or end > len(data):
-        raise ValueError("bad string length")
-    return data[pos:end].decode(), end
-
-
-def _optional_long(data: bytes, pos: int) -> tuple[int | None, int]:
-    b = data[pos]
-    if b == 0:
-        return None, pos + 1
-    if b != 2:
-        raise ValueError("union index")
-    return _long(data, pos + 1)
-
-
-def _read_sources(data: bytes, pos: int) -> tuple[list, int]:
-    """The message's ``sources`` table: a list of :class:`~schemas.block_event.Source` tuples, and the position after it."""
-    sources = []
-    while True:
-        count, pos = _long(data, pos)
-        if count == 0:
-            return sources, pos
-        if count < 0:
-            count = -count
-            _, pos = _long(data, pos)
-        for _ in range(count):
-            instance, pos = _string(data, pos)
-            dp_rank, pos = _long(data, pos)
-            worker_rank, pos = _optional_long(data, pos)
-            world_size, pos = _optional_long(data, pos)
-            b = data[pos]
-            if b == 0:
-                aggregation, pos = None, pos + 1
-            elif b == 2:
-                aggregation, pos = _string(data, pos + 1)
-            else:
-                raise ValueError("union index")
-            sources.append(_tuple_new(Source, (instance, dp_rank, worker_rank, world_size, aggregation)))
-
-
-def _read_strings(data: bytes, pos: int) -> tuple[tuple, int]:
-    """The message's ``strings`` table as block fields index it (0: None), and the position after it."""
-    strings: list = [None]
-    while True:
-        count, pos = _long(data, pos)
-        if count == 0:
-            return tuple(strings), pos
-        if count < 0:
-            count = -count
-            _, pos = _long(data, pos)
-        for _ in range(count):
-            value, pos = _string(data, pos)
-            strings.append(value)
