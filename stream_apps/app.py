@@ -54,6 +54,7 @@ def broker_credentials():
 #: How often the worker serves its output producer's delivery reports between checkpoints (seconds).
 DELIVERY_REPORTS_EVERY_S = 0.05
 
+
 @dataclass
 class StreamApp:
     """One worker's app and the pieces :func:`create_app` wired into it."""
