@@ -30,7 +30,7 @@ RUN if [ -n "$EXTRA_CA_CERT" ]; then \
 
 WORKDIR /src
 # pyproject.toml names README.md as the package's readme, so the build needs it.
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY schemas/ schemas/
 COPY kafka_io/ kafka_io/
 COPY producers/ producers/

@@ -23,6 +23,7 @@ import struct
 from schemas.block_event import BLOCK_FIELDS, KINDS, PARENT_KNOWN, BlockEvent, Source
 from schemas.clear_position import NO_CLEAR, ClearPosition
 from schemas.codec import _HEADER_LEN, SINGLE_OBJECT_MAGIC, AvroCodec
+from schemas.compiled import choose
 from schemas.fast_reader import _long_tail, compile_reader
 from schemas.tiers import TIERS
 
@@ -52,9 +53,14 @@ class OwnershipBatchReader:
     Args:
         event_codec: the ``kv_event`` codec of the caller (its framing, registry and writer schemas); records
             of its own version are decoded as the items are read.
+        compiled: walk the items with the compiled hot path (:func:`schemas._hotpath.walk_items`): None when it
+            is built (:mod:`schemas.compiled`), True always (ImportError if not built), False never. Both give
+            the same items.
     """
 
-    def __init__(self, event_codec: AvroCodec) -> None:
+    def __init__(self, event_codec: AvroCodec, compiled: bool | None = None) -> None:
+        hotpath = choose(compiled)
+        self._walk_items = None if hotpath is None else hotpath.walk_items
         self._batch_codec = AvroCodec("ownership_batch")
         own = self._batch_codec.schema.parsed
         self._headers = frozenset(SINGLE_OBJECT_MAGIC + fp for fp, parsed in self._batch_codec._by_fingerprint.items()
@@ -95,6 +101,12 @@ class OwnershipBatchReader:
                                        s["aggregation"])) for s in sources]
         strings, pos = self._read_strings(data, pos)
         strings = (None, *strings)  # a block field's string index 0 is null
+        if self._walk_items is not None:
+            pos = self._walk_items(data, pos, items, sources, strings, KINDS, TIERS, PARENT_KNOWN, read_event,
+                                   ClearPosition, NO_CLEAR, BLOCK_FIELDS.size)
+            if pos != size:
+                raise ValueError("trailing bytes")
+            return items
         unpack, fields_size, kinds, tiers, known = BLOCK_FIELDS.unpack_from, BLOCK_FIELDS.size, KINDS, TIERS, PARENT_KNOWN
         while True:
             count, pos = _long(data, pos)

@@ -1,4 +1,36 @@
-"""Shared fixtures: the session's Kafka broker (tests/broker_fixture.py) and schema registry
-(tests/registry_fixture.py)."""
+"""Shared fixtures: the session's Kafka broker (tests/broker_fixture.py), schema registry
+(tests/registry_fixture.py), and `hotpath`, which runs a codec test with each implementation (schemas/compiled.py)."""
+
+import os
+
+import pytest
 
 pytest_plugins = ["tests.broker_fixture", "tests.registry_fixture"]
+
+#: The two implementations of the hot path's codecs (schemas/compiled.py); tests of those codecs run with each.
+HOTPATHS = ("python", "compiled")
+
+
+def hotpath_module(name: str):
+    """The module ``name`` stands for: None for ``python``, schemas._hotpath for ``compiled``. A compiled module
+    that was not built fails the test (a silent fallback would leave it untested), unless
+    ``KVSTREAM_PURE_PYTHON=1`` says to test the pure-Python codecs only."""
+    if name == "python":
+        return None
+    try:
+        from schemas import _hotpath
+    except ImportError:
+        if os.environ.get("KVSTREAM_PURE_PYTHON") == "1":
+            pytest.skip("KVSTREAM_PURE_PYTHON=1 and schemas/_hotpath.pyx not built: pure-Python codecs only")
+        pytest.fail("schemas/_hotpath.pyx is not built (`pip install -e .` builds it with the C compiler); "
+                    "set KVSTREAM_PURE_PYTHON=1 to test the pure-Python codecs only")
+    return _hotpath
+
+
+@pytest.fixture(params=HOTPATHS)
+def hotpath(request, monkeypatch):
+    """Runs a test once per implementation of the hot path's codecs: sets ``schemas.compiled.HOTPATH``, which the
+    codecs pick when not told otherwise. Gives the module (None for pure Python)."""
+    module = hotpath_module(request.param)
+    monkeypatch.setattr("schemas.compiled.HOTPATH", module)
+    return module

@@ -83,7 +83,7 @@ def test_residency_change_writer_accepts_what_fastavro_accepts(field, values):
     (("rows", 0, "instance_id"), STRINGS), (("rows", 0, "workers", 0, "seq"), INTS),
     (("rows", 0, "workers", 0, "count"), INTS), (("rows", 0, "workers", 0, "content"), [*INTS, None]),
     (("ownership",), STRINGS), (("rows",), [[], None])])
-def test_residency_writer_accepts_what_fastavro_accepts(path, values):
+def test_residency_writer_accepts_what_fastavro_accepts(path, values, hotpath):
     codec = AvroCodec("residency")
     writer = ResidencyWriter(codec)
     entry = next(e for e in ENTRIES.values() if e["rows"] and e["rows"][0]["workers"])

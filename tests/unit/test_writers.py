@@ -10,6 +10,7 @@ import pytest
 
 from schemas import BLOCK_REMOVED, BLOCK_STORED, AvroCodec
 from schemas.avro_writers import avro_long
+from tests.conftest import HOTPATHS, hotpath_module
 
 LONG_MIN, LONG_MAX = -(1 << 63), (1 << 63) - 1
 #: Around every power of two, both signs: every varint length from 1 to 10 bytes and its boundaries.
@@ -83,12 +84,13 @@ ENTRIES = {
 }
 
 
-@pytest.fixture(scope="module")
-def residency():
+@pytest.fixture(scope="module", params=HOTPATHS)
+def residency(request):
+    """The residency codec and a writer, once per implementation (tests/conftest.py)."""
     from schemas.avro_writers import ResidencyWriter
 
     codec = AvroCodec("residency")
-    return codec, ResidencyWriter(codec)
+    return codec, ResidencyWriter(codec, compiled=hotpath_module(request.param) is not None)
 
 
 @pytest.mark.parametrize("entry", ENTRIES.values(), ids=ENTRIES.keys())
@@ -325,3 +327,33 @@ def test_stream_app_encodes_with_the_writers_and_falls_back_to_fastavro_when_one
         codec.schema = dataclasses.replace(codec.schema, version=codec.schema.version + 1)
         assert value_encoder(codec) == codec.encode
     assert "encoding residency entries with fastavro" in caplog.text
+
+
+#: Values of other types than the agent writes, where an int or a double belongs: the compiled encoder hands
+#: such entries back to the Python one, so both must give the same bytes or the same refusal.
+odd_numbers = st.sampled_from([True, False, 1.0, 2.5, float("nan"), 1 << 63, -(1 << 63) - 1, 1 << 70, "1", None, b"1"])
+
+
+def _encoded_or_refusal(writer, entry):
+    try:
+        return writer.encode(entry)
+    except Exception as exc:  # noqa: BLE001 - the refusal itself is compared
+        return type(exc).__name__
+
+
+@PROPERTY
+@given(st.fixed_dictionaries({"block_hash": st.binary(max_size=40) | st.sampled_from(["text", None]),
+                              "ownership": st.none() | texts,
+                              "rows": st.lists(one_worker_rows, max_size=2)}),
+       st.lists(st.tuples(st.sampled_from(["copies", "since", "last_ts", "data_parallel_rank", "group_idx",
+                                           "world_size", "medium", "tier", "aggregation", "clear_mark"]),
+                          odd_numbers), max_size=2))
+def test_the_compiled_residency_encoder_agrees_with_the_python_one_on_odd_values(entry, odd):
+    python = AvroCodec("residency")
+    from schemas.avro_writers import ResidencyWriter
+
+    for field, value in odd:
+        for row in entry["rows"]:
+            row[field] = value
+    assert _encoded_or_refusal(ResidencyWriter(python, compiled=True), entry) == _encoded_or_refusal(
+        ResidencyWriter(python, compiled=False), entry)

@@ -1,0 +1,381 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False, cdivision=True
+"""The compiled hot path: the two codecs of the materializing agent that cost the most per event in Python.
+
+- :func:`walk_items`: the item loop of :meth:`schemas.ownership_batch.OwnershipBatchReader._walk`;
+- :func:`encode_residency`: :meth:`schemas.avro_writers.ResidencyWriter.encode`.
+
+Both are optional. ``setup.py`` builds this module with Cython when a C compiler is there; the pure-Python
+versions are used when it is absent, or when ``KVSTREAM_PURE_PYTHON=1`` is set. Each function gives exactly
+what its Python twin gives, and refuses what it refuses (the tests run both and compare them): only the
+faults raised differ where the Python twin's are an accident of its implementation (both raise; the callers
+catch either). Python 3.11's interpreter already runs dict and tuple work at close to C speed, so only the
+byte-level work moved here: varints, the fixed block-field layout, and building the output bytes.
+"""
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
+from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
+from libc.stdint cimport int16_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
+from libc.string cimport memcpy
+
+# ---------------------------------------------------------------------------------------------------------
+# Reading
+
+
+cdef class _Cursor:
+    """A read position in one message's bytes."""
+    cdef const uint8_t* data
+    cdef Py_ssize_t pos
+    cdef Py_ssize_t size
+
+
+cdef inline int64_t _read_long(_Cursor c) except? -1:
+    """The zig-zag varint at the cursor (at most 10 bytes and 64 bits, as schemas.fast_reader reads it)."""
+    cdef uint64_t result = 0
+    cdef uint64_t byte
+    cdef int shift = 0
+    while True:
+        if c.pos >= c.size:
+            raise IndexError("varint past the end of the message")
+        byte = c.data[c.pos]
+        c.pos += 1
+        if shift == 63 and (byte & 0x7E):
+            raise ValueError(f"varint beyond 64 bits before {c.pos}")
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return <int64_t>((result >> 1) ^ (0 - (result & 1)))
+        shift += 7
+        if shift > 63:
+            raise ValueError(f"varint longer than 10 bytes at {c.pos}")
+
+
+cdef inline uint64_t _le(const uint8_t* p, int n):
+    """``n`` bytes at ``p`` as a little-endian unsigned integer (any host byte order)."""
+    cdef uint64_t value = 0
+    cdef int i
+    for i in range(n - 1, -1, -1):
+        value = (value << 8) | p[i]
+    return value
+
+
+def walk_items(bytes data, Py_ssize_t pos, list items, list sources, tuple strings, tuple kinds, tuple tiers,
+               tuple parent_known, read_event, clear_position, no_clear, Py_ssize_t fields_size):
+    """Append the items of an ``ownership_batch`` message's ``events`` array, which starts at ``pos``, to
+    ``items`` (:data:`schemas.ownership_batch.BatchItem` tuples), as ``OwnershipBatchReader._walk`` does.
+
+    ``sources`` and ``strings`` are the message's tables as the walk reads them (``strings`` with None first);
+    ``kinds``, ``tiers`` and ``parent_known`` the layout's symbol tuples (:mod:`schemas.block_event`);
+    ``read_event(data, start, end)`` reads an item without block fields; ``clear_position`` is
+    :class:`schemas.clear_position.ClearPosition` and ``no_clear`` its ``NO_CLEAR``; ``fields_size`` is
+    ``BLOCK_FIELDS.size`` (56).
+
+    Returns:
+        The position after the array (the caller checks it is the message's end).
+
+    Raises:
+        IndexError, ValueError (UnicodeDecodeError included): a message this walk does not read; the caller
+        then decodes it with its codec.
+    """
+    if fields_size != 56:
+        raise ValueError("block field layout changed: rebuild schemas/_hotpath.pyx")
+    cdef _Cursor c = _Cursor()
+    c.data = <const uint8_t*>PyBytes_AS_STRING(data)
+    c.size = PyBytes_GET_SIZE(data)
+    c.pos = pos
+    cdef int64_t count, n, i, epoch, seq, index
+    cdef Py_ssize_t start, end, fields
+    cdef const uint8_t* p
+    cdef uint8_t b
+    cdef int64_t f_epoch, f_seq, content
+    cdef int32_t f_batch, f_block
+    cdef uint32_t group
+    cdef double ts
+    cdef uint64_t bits
+    cdef Py_ssize_t kind, source, tier, medium, locality, ownership, known, n_sources, n_strings
+    cdef object key, mark
+    n_sources = len(sources)
+    n_strings = len(strings)
+    while True:
+        count = _read_long(c)
+        if count == 0:
+            break
+        if count < 0:  # a block that gives its byte size, which a one-pass reader does not need
+            count = -count
+            _read_long(c)
+        for i in range(count):
+            n = _read_long(c)
+            end = c.pos + n
+            if n < 0 or end > c.size:
+                raise ValueError("bad key length")
+            key = PyUnicode_DecodeUTF8(<const char*>c.data + c.pos, n, NULL)
+            if end >= c.size:
+                raise IndexError("clear_mark past the end of the message")
+            b = c.data[end]
+            c.pos = end + 1
+            if b == 0:
+                mark = no_clear
+            elif b == 2:
+                epoch = _read_long(c)
+                seq = _read_long(c)
+                index = _read_long(c)
+                mark = tuple.__new__(clear_position, (epoch, seq, index))
+            else:
+                raise ValueError("clear_mark union index")
+            n = _read_long(c)
+            start = c.pos
+            end = start + n
+            if n < 0 or end > c.size:
+                raise ValueError("bad event length")
+            c.pos = end
+            if c.pos >= c.size:
+                raise IndexError("block past the end of the message")
+            b = c.data[c.pos]
+            c.pos += 1
+            if b == 0:
+                items.append((key, mark, data, start, end, read_event(data, start, end)))
+                continue
+            if b != 2:
+                raise ValueError("block union index")
+            n = _read_long(c)
+            fields = c.pos + fields_size
+            if n < fields_size or c.pos + n > c.size:
+                raise ValueError("bad block length")
+            # BLOCK_FIELDS "<BHqqiidBHHIHBBq": offsets 0, 1, 3, 11, 19, 23, 27, 35, 36, 38, 40, 44, 46, 47, 48
+            p = c.data + c.pos
+            kind = p[0]
+            source = <Py_ssize_t>_le(p + 1, 2)
+            f_epoch = <int64_t>_le(p + 3, 8)
+            f_seq = <int64_t>_le(p + 11, 8)
+            f_batch = <int32_t>_le(p + 19, 4)
+            f_block = <int32_t>_le(p + 23, 4)
+            bits = _le(p + 27, 8)
+            memcpy(&ts, &bits, 8)  # the double's bits, read as the little-endian integer they are
+            tier = p[35]
+            medium = <Py_ssize_t>_le(p + 36, 2)
+            locality = <Py_ssize_t>_le(p + 38, 2)
+            group = <uint32_t>_le(p + 40, 4)
+            ownership = <Py_ssize_t>_le(p + 44, 2)
+            known = p[46]
+            content = <int64_t>_le(p + 48, 8)
+            if (kind >= len(kinds) or source >= n_sources or tier >= len(tiers) or medium >= n_strings
+                    or locality >= n_strings or ownership >= n_strings or known >= len(parent_known)):
+                raise IndexError("a block field's index is outside its table")
+            c.pos += n
+            items.append((key, mark, data, start, end, (
+                kinds[kind], sources[source], f_epoch, f_seq, f_batch, f_block, ts,
+                PyBytes_FromStringAndSize(<const char*>c.data + fields, c.pos - fields),
+                tiers[tier], strings[medium], strings[locality], (group - 1) if group else None, strings[ownership],
+                parent_known[known], content if p[47] else None)))
+    return c.pos
+
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Writing
+
+
+cdef struct _Buffer:
+    char* data
+    Py_ssize_t size
+    Py_ssize_t capacity
+
+
+cdef int _reserve(_Buffer* out, Py_ssize_t extra) except -1:
+    cdef Py_ssize_t capacity
+    cdef char* grown
+    if out.size + extra <= out.capacity:
+        return 0
+    capacity = max(out.capacity * 2, out.size + extra)
+    grown = <char*>PyMem_Realloc(out.data, capacity)
+    if grown == NULL:
+        raise MemoryError()
+    out.data = grown
+    out.capacity = capacity
+    return 0
+
+
+cdef inline int _put(_Buffer* out, const char* data, Py_ssize_t n) except -1:
+    _reserve(out, n)
+    memcpy(out.data + out.size, data, n)
+    out.size += n
+    return 0
+
+
+cdef inline int _put_byte(_Buffer* out, uint8_t byte) except -1:
+    _reserve(out, 1)
+    out.data[out.size] = <char>byte
+    out.size += 1
+    return 0
+
+
+cdef inline int _put_long(_Buffer* out, int64_t value) except -1:
+    """Avro ``long``: zig-zag, then a little-endian base-128 varint (at most 10 bytes)."""
+    cdef uint64_t n = (<uint64_t>value << 1) ^ <uint64_t>(value >> 63)
+    _reserve(out, 10)
+    while n > 0x7F:
+        out.data[out.size] = <char>((n & 0x7F) | 0x80)
+        out.size += 1
+        n >>= 7
+    out.data[out.size] = <char>n
+    out.size += 1
+    return 0
+
+
+cdef inline int _put_double(_Buffer* out, double value) except -1:
+    """Avro ``double``: 8 bytes, little-endian IEEE 754 (any host byte order)."""
+    cdef uint64_t bits
+    cdef int i
+    memcpy(&bits, &value, 8)
+    _reserve(out, 8)
+    for i in range(8):
+        out.data[out.size + i] = <char>((bits >> (8 * i)) & 0xFF)
+    out.size += 8
+    return 0
+
+
+class _Unusual(Exception):
+    """A value outside the shapes :func:`encode_residency` encodes: the Python writer takes the entry."""
+
+
+cdef inline int64_t _long_of(object value) except? -1:
+    if type(value) is not int:
+        raise _Unusual()
+    try:
+        return value
+    except OverflowError:
+        raise _Unusual()
+
+
+cdef inline int _put_string(_Buffer* out, object value) except -1:
+    cdef Py_ssize_t n
+    cdef const char* utf8
+    if type(value) is not str:
+        raise _Unusual()
+    utf8 = PyUnicode_AsUTF8AndSize(value, &n)  # UnicodeEncodeError for a lone surrogate, as str.encode()
+    _put_long(out, n)
+    _put(out, utf8, n)
+    return 0
+
+
+cdef inline int _put_optional_string(_Buffer* out, object value) except -1:
+    if value is None:
+        _put_byte(out, 0)
+    else:
+        _put_byte(out, 2)
+        _put_string(out, value)
+    return 0
+
+
+cdef inline int _put_symbol(_Buffer* out, dict symbols, object symbol) except -1:
+    encoded = symbols.get(symbol) if type(symbol) is str else None
+    if encoded is None:
+        raise _Unusual()
+    _put(out, PyBytes_AS_STRING(encoded), PyBytes_GET_SIZE(encoded))
+    return 0
+
+
+cdef inline dict _dict_of(object value):
+    if type(value) is not dict:
+        raise _Unusual()
+    return <dict>value
+
+
+cdef inline list _list_of(object value):
+    if type(value) is not list:
+        raise _Unusual()
+    return <list>value
+
+
+cdef int _put_entry(_Buffer* out, dict entry, dict tiers, dict aggregations) except -1:
+    cdef dict row, worker, mark
+    cdef list rows, workers
+    block_hash = entry["block_hash"]
+    if type(block_hash) is not bytes:
+        raise _Unusual()
+    _put_long(out, PyBytes_GET_SIZE(block_hash))
+    _put(out, PyBytes_AS_STRING(block_hash), PyBytes_GET_SIZE(block_hash))
+    _put_optional_string(out, entry["ownership"])
+    rows = _list_of(entry["rows"])
+    if rows:
+        _put_long(out, len(rows))
+        for row_object in rows:
+            row = _dict_of(row_object)
+            _put_string(out, row["instance_id"])
+            _put_long(out, _long_of(row["data_parallel_rank"]))
+            _put_symbol(out, tiers, row["tier"])
+            _put_optional_string(out, row["medium"])
+            _put_optional_string(out, row["locality"])
+            group_idx = row["group_idx"]
+            if group_idx is None:
+                _put_byte(out, 0)
+            else:
+                _put_byte(out, 2)
+                _put_long(out, _long_of(group_idx))
+            _put_long(out, _long_of(row["world_size"]))
+            _put_symbol(out, aggregations, row["aggregation"])
+            workers = _list_of(row["workers"])
+            if workers:
+                _put_long(out, len(workers))
+                for worker_object in workers:
+                    worker = _dict_of(worker_object)
+                    _put_long(out, _long_of(worker["worker_rank"]))
+                    _put_long(out, _long_of(worker["count"]))
+                    _put_long(out, _long_of(worker["publisher_epoch"]))
+                    _put_long(out, _long_of(worker["seq"]))
+                    _put_long(out, _long_of(worker["batch_index"]))
+                    _put_long(out, _long_of(worker["block_index"]))
+                    content = worker["content"]
+                    if content is None:
+                        _put_byte(out, 0)
+                    else:
+                        _put_byte(out, 2)
+                        _put_long(out, _long_of(content))
+            _put_byte(out, 0)  # end of workers
+            _put_long(out, _long_of(row["copies"]))
+            since, last_ts = row["since"], row["last_ts"]
+            if type(last_ts) is not float or (since is not None and type(since) is not float):
+                raise _Unusual()
+            if since is None:
+                _put_byte(out, 0)
+            else:
+                _put_byte(out, 2)
+                _put_double(out, since)
+            _put_double(out, last_ts)
+            mark_object = row["clear_mark"]
+            if mark_object is None:
+                _put_byte(out, 0)
+            else:
+                mark = _dict_of(mark_object)
+                _put_byte(out, 2)
+                _put_long(out, _long_of(mark["publisher_epoch"]))
+                _put_long(out, _long_of(mark["seq"]))
+                _put_long(out, _long_of(mark["batch_index"]))
+    _put_byte(out, 0)  # end of rows
+    return 0
+
+
+def encode_residency(entry, bytes header, dict tiers, dict aggregations):
+    """A ``residency`` v2 entry encoded with its framing ``header``, byte for byte as
+    :meth:`schemas.avro_writers.ResidencyWriter.encode`; None when the entry holds a value of another shape
+    than the agent writes (a missing field, a bool or float where an int belongs, an int for a double, an
+    unknown enum symbol, a long out of range): the Python writer then encodes it, or raises what it raises.
+
+    ``tiers`` and ``aggregations``: enum symbol -> its encoded index (``ResidencyWriter.tier`` and
+    ``.aggregation``).
+    """
+    cdef _Buffer out
+    if type(entry) is not dict:
+        return None
+    out.data = <char*>PyMem_Malloc(256)
+    if out.data == NULL:
+        raise MemoryError()
+    out.size = 0
+    out.capacity = 256
+    try:
+        _put(&out, PyBytes_AS_STRING(header), PyBytes_GET_SIZE(header))
+        _put_entry(&out, <dict>entry, tiers, aggregations)
+        return PyBytes_FromStringAndSize(out.data, out.size)
+    except (_Unusual, KeyError, UnicodeEncodeError):
+        return None
+    finally:
+        PyMem_Free(out.data)

@@ -1,0 +1,43 @@
+"""Which implementation of the hot path's codecs runs: the compiled one (``schemas/_hotpath.pyx``) or Python's.
+
+:data:`HOTPATH` is the compiled module, or None when it was not built (no C compiler at install time) or
+when ``KVSTREAM_PURE_PYTHON=1`` is set. Its users (:class:`schemas.ownership_batch.OwnershipBatchReader`,
+:class:`schemas.avro_writers.ResidencyWriter`) take a ``compiled`` argument so the tests run both.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+#: Set to 1 to run the pure-Python codecs even where the compiled module is built.
+PURE_PYTHON_VARIABLE = "KVSTREAM_PURE_PYTHON"
+
+
+def _load() -> ModuleType | None:
+    if os.environ.get(PURE_PYTHON_VARIABLE) == "1":
+        return None
+    try:
+        from schemas import _hotpath
+    except ImportError:
+        return None
+    return _hotpath
+
+
+#: The compiled module, or None.
+HOTPATH = _load()
+
+
+def choose(compiled: bool | None) -> ModuleType | None:
+    """The module a codec uses: ``compiled`` None picks :data:`HOTPATH`; False none; True the compiled one.
+
+    Raises:
+        ImportError: ``compiled`` is True and the module is not built (``pip install -e .`` with a C compiler).
+    """
+    if compiled is None:
+        return HOTPATH
+    if not compiled:
+        return None
+    from schemas import _hotpath
+
+    return _hotpath
