@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="partitions of kv-events and the app's topics (default: %(default)s)")
     p.add_argument("--only", default=None, metavar="STEP[,STEP...]",
                    help="run only these steps (stream-1w is needed for latency)")
-    p.add_argument("--peer-rounds", type=positive_int, default=2, metavar="N",
+    p.add_argument("--peer-rounds", type=positive_int, default=3, metavar="N",
                    help="runs of each contestant of the peers step, medians reported (default: %(default)s; "
                         "--quick: 1)")
     p.add_argument("--output-dir", type=Path, default=Path("bench"), metavar="DIR",

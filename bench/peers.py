@@ -1,6 +1,6 @@
 """The ``peers`` step of ``make bench``: kvstream's worker against the Kafka Streams peer, one at a time.
 
-Contestants, each run ``--peer-rounds`` times (default 2) in turn on one broker and one input topic
+Contestants, each run ``--peer-rounds`` times (default 3) in turn on one broker and one input topic
 (``peers.kv-events``: the simulator's events of ``--stream-requests`` trace requests, written once, untimed),
 medians reported:
 

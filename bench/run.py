@@ -212,8 +212,10 @@ class BenchOptions:
     timeout_s: float = 7200.0
     #: Steps to run (None: all); names as in :data:`STEPS`.
     only: tuple[str, ...] | None = None
-    #: Runs of each contestant of the peers step (medians reported; quick: 1).
-    peer_rounds: int = 2
+    #: Runs of each contestant of the peers step (medians reported; quick: 1). Three, not two: the first
+    #: contestant of a run pays about twice the broker CPU per event of the later rounds (cause unknown; see
+    #: bench/HISTORY.md), and the peer's rate moves by up to 40% between rounds; a median of two is their mean.
+    peer_rounds: int = 3
     #: A schema registry: producers and workers then use the Confluent wire format (registry mode); empty: none.
     schema_registry: str = ""
 
