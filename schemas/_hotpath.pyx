@@ -1,21 +1,24 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False, cdivision=True
-"""The compiled hot path: the two codecs of the materializing agent that cost the most per event in Python.
+"""The compiled hot path: the codecs of the materializing agent that cost the most per event in Python.
 
 - :func:`walk_items`: the item loop of :meth:`schemas.ownership_batch.OwnershipBatchReader._walk`;
-- :func:`encode_residency`: :meth:`schemas.avro_writers.ResidencyWriter.encode`.
+- :func:`encode_residency`: :meth:`schemas.avro_writers.ResidencyWriter.encode`;
+- :func:`decode_residency`: the residency codec's generated reader, for :class:`schemas.avro_writers.ResidencyReader`.
 
-Both are optional. ``setup.py`` builds this module with Cython when a C compiler is there; the pure-Python
+This module is optional. ``setup.py`` builds it with Cython when a C compiler is there; the pure-Python
 versions are used when it is absent, or when ``KVSTREAM_PURE_PYTHON=1`` is set. Each function gives exactly
 what its Python twin gives, and refuses what it refuses (the tests run both and compare them): only the
 faults raised differ where the Python twin's are an accident of its implementation (both raise; the callers
 catch either). Python 3.11's interpreter already runs dict and tuple work at close to C speed, so only the
-byte-level work moved here: varints, the fixed block-field layout, and building the output bytes.
+byte-level work moved here: varints, the fixed block-field layout, building the output bytes and reading
+an entry's fields. ``boundscheck=False``: every index into a tuple or list here is checked against its
+length first, by hand.
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
-from libc.stdint cimport int16_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
 # ---------------------------------------------------------------------------------------------------------
@@ -379,3 +382,132 @@ def encode_residency(entry, bytes header, dict tiers, dict aggregations):
         return None
     finally:
         PyMem_Free(out.data)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reading residency entries
+
+
+cdef inline object _read_string(_Cursor c):
+    cdef int64_t n = _read_long(c)
+    if n < 0 or c.pos + n > c.size:
+        raise ValueError(f"bad length {n} at {c.pos}")
+    value = PyUnicode_DecodeUTF8(<const char*>c.data + c.pos, n, NULL)
+    c.pos += n
+    return value
+
+
+cdef inline object _read_bytes(_Cursor c):
+    cdef int64_t n = _read_long(c)
+    if n < 0 or c.pos + n > c.size:
+        raise ValueError(f"bad length {n} at {c.pos}")
+    value = PyBytes_FromStringAndSize(<const char*>c.data + c.pos, n)
+    c.pos += n
+    return value
+
+
+cdef inline double _read_double(_Cursor c) except? -1.0:
+    cdef uint64_t bits
+    cdef double value
+    if c.pos + 8 > c.size:
+        raise IndexError("double past the end of the record")
+    bits = _le(c.data + c.pos, 8)
+    memcpy(&value, &bits, 8)
+    c.pos += 8
+    return value
+
+
+cdef inline bint _read_branch(_Cursor c) except -1:
+    """A ``["null", X]`` union's index: False for null, True for X."""
+    cdef int64_t index = _read_long(c)
+    if index == 0:
+        return False
+    if index == 1:
+        return True
+    raise ValueError(f"union branch {index} at {c.pos}")
+
+
+cdef inline object _read_symbol(_Cursor c, tuple symbols):
+    cdef int64_t index = _read_long(c)
+    if not 0 <= index < len(symbols):
+        raise ValueError(f"enum index {index} at {c.pos}")
+    return symbols[index]
+
+
+cdef inline int64_t _read_count(_Cursor c) except? -1:
+    """An array block's item count; the block's byte size, when given (a negative count), is skipped."""
+    cdef int64_t count = _read_long(c)
+    if count < 0:
+        count = -count
+        _read_long(c)
+    return count
+
+
+def decode_residency(bytes data, Py_ssize_t pos, tuple tiers, tuple aggregations):
+    """The ``residency`` v2 entry whose body starts at ``pos`` (after its framing), as
+    ``schemas.avro_writers.ResidencyReader``'s Python path (the codec's generated reader) gives it: equal
+    dicts, fields in the schema's order.
+
+    ``tiers`` and ``aggregations``: the Tier and AggregationMode enums' symbols in order.
+
+    Raises:
+        ValueError (UnicodeDecodeError included), IndexError: bytes that are not one such entry, or bytes
+            after it; the caller then hands them to the codec, which names the fault.
+    """
+    cdef _Cursor c = _Cursor()
+    cdef int64_t rows_left, workers_left
+    cdef list rows, workers
+    c.data = <const uint8_t*>PyBytes_AS_STRING(data)
+    c.size = PyBytes_GET_SIZE(data)
+    c.pos = pos
+    block_hash = _read_bytes(c)
+    ownership = _read_string(c) if _read_branch(c) else None
+    rows = []
+    while True:
+        rows_left = _read_count(c)
+        if rows_left == 0:
+            break
+        while rows_left:
+            rows_left -= 1
+            instance_id = _read_string(c)
+            data_parallel_rank = _read_long(c)
+            tier = _read_symbol(c, tiers)
+            medium = _read_string(c) if _read_branch(c) else None
+            locality = _read_string(c) if _read_branch(c) else None
+            group_idx = _read_long(c) if _read_branch(c) else None
+            world_size = _read_long(c)
+            aggregation = _read_symbol(c, aggregations)
+            workers = []
+            while True:
+                workers_left = _read_count(c)
+                if workers_left == 0:
+                    break
+                while workers_left:
+                    workers_left -= 1
+                    worker_rank = _read_long(c)
+                    count = _read_long(c)
+                    publisher_epoch = _read_long(c)
+                    seq = _read_long(c)
+                    batch_index = _read_long(c)
+                    block_index = _read_long(c)
+                    content = _read_long(c) if _read_branch(c) else None
+                    workers.append({"worker_rank": worker_rank, "count": count, "publisher_epoch": publisher_epoch,
+                                    "seq": seq, "batch_index": batch_index, "block_index": block_index,
+                                    "content": content})
+            copies = _read_long(c)
+            since = _read_double(c) if _read_branch(c) else None
+            last_ts = _read_double(c)
+            if _read_branch(c):
+                mark_epoch = _read_long(c)
+                mark_seq = _read_long(c)
+                mark_batch_index = _read_long(c)
+                clear_mark = {"publisher_epoch": mark_epoch, "seq": mark_seq, "batch_index": mark_batch_index}
+            else:
+                clear_mark = None
+            rows.append({"instance_id": instance_id, "data_parallel_rank": data_parallel_rank, "tier": tier,
+                         "medium": medium, "locality": locality, "group_idx": group_idx, "world_size": world_size,
+                         "aggregation": aggregation, "workers": workers, "copies": copies, "since": since,
+                         "last_ts": last_ts, "clear_mark": clear_mark})
+    if c.pos != c.size:
+        raise ValueError(f"{c.size - c.pos} trailing bytes after the entry")
+    return {"block_hash": block_hash, "ownership": ownership, "rows": rows}

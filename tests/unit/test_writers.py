@@ -357,3 +357,50 @@ def test_the_compiled_residency_encoder_agrees_with_the_python_one_on_odd_values
             row[field] = value
     assert _encoded_or_refusal(ResidencyWriter(python, compiled=True), entry) == _encoded_or_refusal(
         ResidencyWriter(python, compiled=False), entry)
+
+
+# --------------------------------------------------------------------------- the residency reader
+
+def _decoded_or_refusal(decode, raw):
+    from schemas import DecodeError
+
+    try:
+        return repr(decode(raw))  # repr: an int read back where the codec gives a float (or the reverse) differs
+    except DecodeError as exc:
+        return f"DecodeError: {exc}"
+
+
+@PROPERTY
+@given(entries)
+def test_the_residency_reader_reads_any_entry_as_the_codec_does(entry):
+    from schemas.avro_writers import ResidencyReader
+
+    codec = AvroCodec("residency")
+    raw = codec.encode(entry)
+    for compiled in (False, True):
+        assert _decoded_or_refusal(ResidencyReader(codec, compiled=compiled).decode, raw) == repr(codec.decode(raw))
+
+
+@PROPERTY
+@given(entries, st.data())
+def test_the_residency_reader_refuses_a_corrupted_entry_as_the_codec_does_or_reads_it_as_it_does(entry, data):
+    from schemas.avro_writers import ResidencyReader
+
+    codec = AvroCodec("residency")
+    raw = bytearray(codec.encode(entry))
+    for _ in range(data.draw(st.integers(1, 3))):
+        raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
+    raw = bytes(raw[:data.draw(st.integers(0, len(raw)))] if data.draw(st.booleans()) else raw)
+    raw += data.draw(st.binary(max_size=3))  # bytes after the entry
+    expected = _decoded_or_refusal(codec.decode, raw)
+    for compiled in (False, True):
+        assert _decoded_or_refusal(ResidencyReader(codec, compiled=compiled).decode, raw) == expected
+
+
+def test_the_stores_read_residency_entries_with_the_residency_reader():
+    from schemas.avro_writers import ResidencyReader
+    from stream_apps.store import value_decoder
+
+    assert isinstance(value_decoder(AvroCodec("residency")).__self__, ResidencyReader)
+    other = AvroCodec("tier_occupancy")
+    assert value_decoder(other) == other.decode
