@@ -3,22 +3,24 @@
 
 - :func:`walk_items`: the item loop of :meth:`schemas.ownership_batch.OwnershipBatchReader._walk`;
 - :func:`encode_residency`: :meth:`schemas.avro_writers.ResidencyWriter.encode`;
-- :func:`decode_residency`: the residency codec's generated reader, for :class:`schemas.avro_writers.ResidencyReader`.
+- :func:`read_program`: any schema's generated reader (:func:`schemas.fast_reader.compile_reader`): the codecs'
+  decode of their own version's records (``kv_event`` in the repartition process, residency entries in the
+  stores, the batch messages' tables).
 
 This module is optional. ``setup.py`` builds it with Cython when a C compiler is there; the pure-Python
 versions are used when it is absent, or when ``KVSTREAM_PURE_PYTHON=1`` is set. Each function gives exactly
-what its Python twin gives, and refuses what it refuses (the tests run both and compare them): only the
-faults raised differ where the Python twin's are an accident of its implementation (both raise; the callers
-catch either). Python 3.11's interpreter already runs dict and tuple work at close to C speed, so only the
-byte-level work moved here: varints, the fixed block-field layout, building the output bytes and reading
-an entry's fields. ``boundscheck=False``: every index into a tuple or list here is checked against its
-length first, by hand.
+what its Python twin gives; where it refuses the bytes or the values, its caller hands them to the Python
+twin, whose result or error is then the answer (the tests run both and compare them). Python 3.11's
+interpreter already runs the residency rules' dict and tuple work at close to C speed, so only byte-level
+work moved here: varints, the fixed block-field layout, building the output bytes, reading a record's
+fields. ``boundscheck=False``: every index into a tuple or list here is checked against its length first,
+by hand, or comes from a program built by schemas.fast_reader.
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdint cimport INT64_MIN, int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
 # ---------------------------------------------------------------------------------------------------------
@@ -84,6 +86,8 @@ def walk_items(bytes data, Py_ssize_t pos, list items, list sources, tuple strin
     cdef _Cursor c = _Cursor()
     c.data = <const uint8_t*>PyBytes_AS_STRING(data)
     c.size = PyBytes_GET_SIZE(data)
+    if pos < 0 or pos > c.size:
+        raise IndexError("start outside the message")
     c.pos = pos
     cdef int64_t count, n, i, epoch, seq, index
     cdef Py_ssize_t start, end, fields
@@ -103,13 +107,15 @@ def walk_items(bytes data, Py_ssize_t pos, list items, list sources, tuple strin
         if count == 0:
             break
         if count < 0:  # a block that gives its byte size, which a one-pass reader does not need
+            if count == INT64_MIN:  # -count would stay negative; Python reads 2**63 items and runs out of bytes
+                raise ValueError("array block count out of range")
             count = -count
             _read_long(c)
         for i in range(count):
             n = _read_long(c)
-            end = c.pos + n
-            if n < 0 or end > c.size:
+            if n < 0 or n > c.size - c.pos:  # not c.pos + n: a length near 2**63 would wrap past the check
                 raise ValueError("bad key length")
+            end = c.pos + n
             key = PyUnicode_DecodeUTF8(<const char*>c.data + c.pos, n, NULL)
             if end >= c.size:
                 raise IndexError("clear_mark past the end of the message")
@@ -126,9 +132,9 @@ def walk_items(bytes data, Py_ssize_t pos, list items, list sources, tuple strin
                 raise ValueError("clear_mark union index")
             n = _read_long(c)
             start = c.pos
-            end = start + n
-            if n < 0 or end > c.size:
+            if n < 0 or n > c.size - start:
                 raise ValueError("bad event length")
+            end = start + n
             c.pos = end
             if c.pos >= c.size:
                 raise IndexError("block past the end of the message")
@@ -141,7 +147,7 @@ def walk_items(bytes data, Py_ssize_t pos, list items, list sources, tuple strin
                 raise ValueError("block union index")
             n = _read_long(c)
             fields = c.pos + fields_size
-            if n < fields_size or c.pos + n > c.size:
+            if n < fields_size or n > c.size - c.pos:
                 raise ValueError("bad block length")
             # BLOCK_FIELDS "<BHqqiidBHHIHBBq": offsets 0, 1, 3, 11, 19, 23, 27, 35, 36, 38, 40, 44, 46, 47, 48
             p = c.data + c.pos
@@ -385,12 +391,12 @@ def encode_residency(entry, bytes header, dict tiers, dict aggregations):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Reading residency entries
+# Reading values of a schema
 
 
 cdef inline object _read_string(_Cursor c):
     cdef int64_t n = _read_long(c)
-    if n < 0 or c.pos + n > c.size:
+    if n < 0 or n > c.size - c.pos:  # not c.pos + n: a length near 2**63 would wrap past the check
         raise ValueError(f"bad length {n} at {c.pos}")
     value = PyUnicode_DecodeUTF8(<const char*>c.data + c.pos, n, NULL)
     c.pos += n
@@ -399,7 +405,7 @@ cdef inline object _read_string(_Cursor c):
 
 cdef inline object _read_bytes(_Cursor c):
     cdef int64_t n = _read_long(c)
-    if n < 0 or c.pos + n > c.size:
+    if n < 0 or n > c.size - c.pos:
         raise ValueError(f"bad length {n} at {c.pos}")
     value = PyBytes_FromStringAndSize(<const char*>c.data + c.pos, n)
     c.pos += n
@@ -417,16 +423,6 @@ cdef inline double _read_double(_Cursor c) except? -1.0:
     return value
 
 
-cdef inline bint _read_branch(_Cursor c) except -1:
-    """A ``["null", X]`` union's index: False for null, True for X."""
-    cdef int64_t index = _read_long(c)
-    if index == 0:
-        return False
-    if index == 1:
-        return True
-    raise ValueError(f"union branch {index} at {c.pos}")
-
-
 cdef inline object _read_symbol(_Cursor c, tuple symbols):
     cdef int64_t index = _read_long(c)
     if not 0 <= index < len(symbols):
@@ -438,76 +434,103 @@ cdef inline int64_t _read_count(_Cursor c) except? -1:
     """An array block's item count; the block's byte size, when given (a negative count), is skipped."""
     cdef int64_t count = _read_long(c)
     if count < 0:
+        if count == INT64_MIN:  # -count would stay negative; Python reads 2**63 items and runs out of bytes
+            raise ValueError("array block count out of range")
         count = -count
         _read_long(c)
     return count
 
 
-def decode_residency(bytes data, Py_ssize_t pos, tuple tiers, tuple aggregations):
-    """The ``residency`` v2 entry whose body starts at ``pos`` (after its framing), as
-    ``schemas.avro_writers.ResidencyReader``'s Python path (the codec's generated reader) gives it: equal
-    dicts, fields in the schema's order.
+# The programs of schemas.fast_reader.compile_program
 
-    ``tiers`` and ``aggregations``: the Tier and AggregationMode enums' symbols in order.
+# the operation numbers of schemas.fast_reader (OP_NULL ... OP_UNION), in its order: OPERATIONS below
+cdef enum:
+    OP_NULL, OP_BOOLEAN, OP_LONG, OP_FLOAT, OP_DOUBLE, OP_STRING, OP_BYTES, OP_ENUM, OP_ARRAY, OP_RECORD, OP_UNION
+
+
+cdef object _run(tuple program, _Cursor c):
+    cdef int op = program[0]
+    cdef int64_t index, count
+    cdef uint32_t bits32
+    cdef float single
+    cdef uint8_t byte
+    cdef tuple symbols, names, fields, branches, branch
+    cdef list items
+    cdef dict record
+    cdef Py_ssize_t i
+    if op == OP_LONG:
+        return _read_long(c)
+    if op == OP_STRING:
+        return _read_string(c)
+    if op == OP_UNION:
+        branches = <tuple>program[1]
+        index = _read_long(c)
+        if not 0 <= index < len(branches):
+            raise ValueError(f"union branch {index} at {c.pos}")
+        branch = <tuple>branches[index]
+        value = _run(<tuple>branch[0], c)
+        name = branch[1]
+        return value if name is None else (name, value)
+    if op == OP_NULL:
+        return None
+    if op == OP_RECORD:
+        names = <tuple>program[1]
+        fields = <tuple>program[2]
+        record = {}
+        for i in range(len(names)):
+            record[names[i]] = _run(<tuple>fields[i], c)
+        return record
+    if op == OP_DOUBLE:
+        return _read_double(c)
+    if op == OP_BYTES:
+        return _read_bytes(c)
+    if op == OP_ENUM:
+        return _read_symbol(c, <tuple>program[1])
+    if op == OP_ARRAY:
+        items = []
+        while True:
+            count = _read_count(c)
+            if count == 0:
+                return items
+            while count:
+                count -= 1
+                items.append(_run(<tuple>program[1], c))
+    if op == OP_BOOLEAN:
+        if c.pos >= c.size:
+            raise IndexError("boolean past the end")
+        byte = c.data[c.pos]
+        c.pos += 1
+        if byte > 1:
+            raise ValueError(f"boolean byte {byte} at {c.pos - 1}")
+        return byte == 1
+    if op == OP_FLOAT:
+        if c.pos + 4 > c.size:
+            raise IndexError("float past the end")
+        bits32 = <uint32_t>_le(c.data + c.pos, 4)
+        memcpy(&single, &bits32, 4)
+        c.pos += 4
+        return <double>single
+    raise ValueError(f"unknown reader operation {op}")
+
+
+def read_program(tuple program, bytes data, Py_ssize_t pos):
+    """``(value, position after it)`` of the value at ``pos`` in ``data``, read by ``program``
+    (:func:`schemas.fast_reader.compile_program`): what the generated reader of the same schema gives.
 
     Raises:
-        ValueError (UnicodeDecodeError included), IndexError: bytes that are not one such entry, or bytes
-            after it; the caller then hands them to the codec, which names the fault.
+        ValueError (UnicodeDecodeError included), IndexError: bytes that are not a value of the schema; the
+        caller then has the generated reader name the fault.
     """
     cdef _Cursor c = _Cursor()
-    cdef int64_t rows_left, workers_left
-    cdef list rows, workers
+    if pos < 0 or pos > PyBytes_GET_SIZE(data):
+        raise IndexError("start outside the data")
     c.data = <const uint8_t*>PyBytes_AS_STRING(data)
     c.size = PyBytes_GET_SIZE(data)
     c.pos = pos
-    block_hash = _read_bytes(c)
-    ownership = _read_string(c) if _read_branch(c) else None
-    rows = []
-    while True:
-        rows_left = _read_count(c)
-        if rows_left == 0:
-            break
-        while rows_left:
-            rows_left -= 1
-            instance_id = _read_string(c)
-            data_parallel_rank = _read_long(c)
-            tier = _read_symbol(c, tiers)
-            medium = _read_string(c) if _read_branch(c) else None
-            locality = _read_string(c) if _read_branch(c) else None
-            group_idx = _read_long(c) if _read_branch(c) else None
-            world_size = _read_long(c)
-            aggregation = _read_symbol(c, aggregations)
-            workers = []
-            while True:
-                workers_left = _read_count(c)
-                if workers_left == 0:
-                    break
-                while workers_left:
-                    workers_left -= 1
-                    worker_rank = _read_long(c)
-                    count = _read_long(c)
-                    publisher_epoch = _read_long(c)
-                    seq = _read_long(c)
-                    batch_index = _read_long(c)
-                    block_index = _read_long(c)
-                    content = _read_long(c) if _read_branch(c) else None
-                    workers.append({"worker_rank": worker_rank, "count": count, "publisher_epoch": publisher_epoch,
-                                    "seq": seq, "batch_index": batch_index, "block_index": block_index,
-                                    "content": content})
-            copies = _read_long(c)
-            since = _read_double(c) if _read_branch(c) else None
-            last_ts = _read_double(c)
-            if _read_branch(c):
-                mark_epoch = _read_long(c)
-                mark_seq = _read_long(c)
-                mark_batch_index = _read_long(c)
-                clear_mark = {"publisher_epoch": mark_epoch, "seq": mark_seq, "batch_index": mark_batch_index}
-            else:
-                clear_mark = None
-            rows.append({"instance_id": instance_id, "data_parallel_rank": data_parallel_rank, "tier": tier,
-                         "medium": medium, "locality": locality, "group_idx": group_idx, "world_size": world_size,
-                         "aggregation": aggregation, "workers": workers, "copies": copies, "since": since,
-                         "last_ts": last_ts, "clear_mark": clear_mark})
-    if c.pos != c.size:
-        raise ValueError(f"{c.size - c.pos} trailing bytes after the entry")
-    return {"block_hash": block_hash, "ownership": ownership, "rows": rows}
+    value = _run(program, c)
+    return value, c.pos
+
+
+#: The operation numbers above, in order, for the test that compares them with schemas.fast_reader's.
+OPERATIONS = (OP_NULL, OP_BOOLEAN, OP_LONG, OP_FLOAT, OP_DOUBLE, OP_STRING, OP_BYTES, OP_ENUM, OP_ARRAY, OP_RECORD,
+              OP_UNION)

@@ -2,8 +2,7 @@
 
 - :class:`KvEventWriter`: ``kv_event`` records (the producers' per-block messages).
 - :class:`ResidencyWriter`, :class:`ResidencyChangeWriter`: the residency table's changelog values and the
-  ``kv-residency-changes`` records (the materializing agent);
-- :class:`ResidencyReader`: the residency table's values read back (the stores), compiled where built.
+  ``kv-residency-changes`` records (the materializing agent).
 
 Each writer refuses any writer schema but the one it encodes (family, version, fingerprint), so a new schema
 version falls back to fastavro rather than writing wrong bytes. The primitives (``avro_long`` and friends)
@@ -17,7 +16,6 @@ import struct
 from schemas.clear_position import NO_CLEAR
 from schemas.codec import AvroCodec, find_named_type
 from schemas.compiled import choose
-
 
 #: Avro ``long``: a signed 64-bit integer.
 LONG_MIN, LONG_MAX = -(1 << 63), (1 << 63) - 1
@@ -471,48 +469,6 @@ class ResidencyWriter(_TableRecordWriter):
                         AVRO_NULL if mark is None else self._mark(mark))
         out.append(b"\x00")  # end of rows
         return b"".join(out)
-
-
-class ResidencyReader:
-    """Decoder of ``residency`` entries: ``codec.decode``, or the compiled reader
-    (:func:`schemas._hotpath.decode_residency`) for the entries in the codec's own framing and version.
-
-    The stores decode an entry at every read that misses their cache; the codec's generated reader builds
-    the three dicts of a one-row entry from about 30 fields, which the compiled reader does several times
-    faster. Anything the compiled reader does not read (another version or framing, a corrupt entry) goes to
-    the codec, which reads it or raises the ``DecodeError`` that says why.
-
-    Args:
-        codec: a ``residency`` codec.
-        compiled: as :func:`schemas.compiled.choose` (None: the compiled reader when it is built).
-
-    Raises:
-        ValueError: the codec writes another family, version or fingerprint than :class:`ResidencyWriter`
-            encodes (the compiled reader would not match); use ``codec.decode`` then.
-    """
-
-    def __init__(self, codec: AvroCodec, compiled: bool | None = None) -> None:
-        _require_writer_schema(ResidencyWriter, codec)
-        self._codec = codec
-        self._header = codec.header
-        hotpath = choose(compiled)
-        #: The compiled reader (schemas/_hotpath.pyx), or None.
-        self._decode_compiled = None if hotpath is None else hotpath.decode_residency
-        self._tiers = tuple(find_named_type(codec.schema.parsed, "kvstream.v1.Tier")["symbols"])
-        self._aggregations = tuple(find_named_type(codec.schema.parsed, "kvstream.v1.AggregationMode")["symbols"])
-
-    def decode(self, data: bytes) -> dict:
-        """The entry ``data`` holds, as ``codec.decode`` gives it.
-
-        Raises:
-            schemas.codec.DecodeError: as ``codec.decode``.
-        """
-        if self._decode_compiled is not None and data is not None and data.startswith(self._header):
-            try:
-                return self._decode_compiled(data, len(self._header), self._tiers, self._aggregations)
-            except (ValueError, IndexError):
-                pass  # the codec reads it, or names the fault
-        return self._codec.decode(data)
 
 
 class ResidencyChangeWriter(_TableRecordWriter):

@@ -25,6 +25,8 @@ from __future__ import annotations
 import struct
 from typing import Any, Callable
 
+from schemas.compiled import choose
+
 _DOUBLE = struct.Struct("<d").unpack_from
 _FLOAT = struct.Struct("<f").unpack_from
 
@@ -196,8 +198,65 @@ def _emit_union(w: _Writer, indent: int, branches: list, target: str, named: dic
     w.emit(indent + 1, f"_fail('union branch ' + str(({index} >> 1) ^ -({index} & 1)) + ' at ' + str(pos))")
 
 
-def compile_reader(schema: dict, override_names: bool = False) -> Callable[[bytes, int], tuple[Any, int]]:
+# Operations of a reader program (:func:`compile_program`), which the compiled module runs
+# (schemas/_hotpath.pyx, ``read_program``): the numbers are shared with it.
+OP_NULL, OP_BOOLEAN, OP_LONG, OP_FLOAT, OP_DOUBLE, OP_STRING, OP_BYTES, OP_ENUM, OP_ARRAY, OP_RECORD, OP_UNION = range(11)
+
+
+def compile_program(schema: Any, override_names: bool = False, named: dict | None = None) -> tuple:
+    """``schema`` as nested tuples for the compiled reader: what :func:`compile_reader`'s generated source
+    does, step for step (same named types, same union and record-name rules).
+
+    Shapes: ``(OP_NULL,)`` and the other primitives; ``(OP_ENUM, symbols)``; ``(OP_ARRAY, item program)``;
+    ``(OP_RECORD, field names, field programs)``; ``(OP_UNION, ((branch program, full name or None), ...))``,
+    the name given where the branch reads as ``(full name, dict)``.
+
+    Raises:
+        NotImplementedError: as :func:`compile_reader`.
+    """
+    if named is None:
+        named = dict(schema.get("__named_schemas", {})) if isinstance(schema, dict) else {}
+    if isinstance(schema, str):
+        if schema in named:
+            return compile_program(named[schema], override_names, named)
+        kind = schema
+    elif isinstance(schema, list):
+        bare = override_names and _record_branches(schema) == 1
+        branches = []
+        for branch in schema:
+            program = compile_program(branch, override_names, named)
+            name = None
+            if not bare and _is_record(branch, named):
+                name = named[branch]["name"] if isinstance(branch, str) else branch["name"]
+            branches.append((program, name))
+        return (OP_UNION, tuple(branches))
+    else:
+        kind = schema["type"]
+        if schema.get("logicalType"):
+            raise NotImplementedError(f"logical type {schema['logicalType']}")
+        if kind in ("record", "enum", "error"):
+            named[schema["name"]] = schema
+    primitive = {"null": OP_NULL, "boolean": OP_BOOLEAN, "int": OP_LONG, "long": OP_LONG, "float": OP_FLOAT,
+                 "double": OP_DOUBLE, "string": OP_STRING, "bytes": OP_BYTES}
+    if kind in primitive:
+        return (primitive[kind],)
+    if kind == "enum":
+        return (OP_ENUM, tuple(schema["symbols"]))
+    if kind == "array":
+        return (OP_ARRAY, compile_program(schema["items"], override_names, named))
+    if kind in ("record", "error"):
+        return (OP_RECORD, tuple(f["name"] for f in schema["fields"]),
+                tuple(compile_program(f["type"], override_names, named) for f in schema["fields"]))
+    raise NotImplementedError(f"Avro type {kind!r}")
+
+
+def compile_reader(schema: dict, override_names: bool = False,
+                   compiled: bool | None = None) -> Callable[[bytes, int], tuple[Any, int]]:
     """A reader of ``schema`` (a fastavro-parsed schema): ``read(data, pos) -> (value, position after it)``.
+
+    ``compiled`` (as :func:`schemas.compiled.choose`; None: when built): the reader runs the schema's program
+    (:func:`compile_program`) in the compiled module, several times faster, and hands any bytes it refuses to
+    the generated one, so the value or the error is always the generated reader's.
 
     ``override_names`` reads as fastavro's ``return_record_name_override=True`` does: a union with exactly one
     record branch (``["null", record]``) gives the record dict itself, not ``(name, dict)``.
@@ -218,5 +277,17 @@ def compile_reader(schema: dict, override_names: bool = False) -> Callable[[byte
     _emit(w, 1, schema, "value", named)
     w.emit(1, "return value, pos")
     namespace = {"_long_tail": _long_tail, "_fail": _fail, "_DOUBLE": _DOUBLE, "_FLOAT": _FLOAT, **w.constants}
-    exec(compile("\n".join(w.lines), f"<avro reader of {schema.get('name', 'schema')}>", "exec"), namespace)
-    return namespace["read"]
+    exec(compile("\n".join(w.lines), f"<avro reader of {schema.get('name', 'schema') if isinstance(schema, dict) else schema}>", "exec"), namespace)
+    read_python = namespace["read"]
+    hotpath = choose(compiled)
+    if hotpath is None:
+        return read_python
+    program, read_program = compile_program(schema, override_names), hotpath.read_program
+
+    def read(data: bytes, pos: int) -> tuple[Any, int]:
+        try:
+            return read_program(program, data, pos)
+        except Exception:  # noqa: BLE001 - whatever the fault, the generated reader names it, or reads the bytes
+            return read_python(data, pos)
+
+    return read

@@ -101,7 +101,7 @@ class OwnershipBatchReader:
                                        s["aggregation"])) for s in sources]
         strings, pos = self._read_strings(data, pos)
         strings = (None, *strings)  # a block field's string index 0 is null
-        if self._walk_items is not None:
+        if self._walk_items is not None and type(data) is bytes:  # the compiled walk takes bytes, not a subclass
             pos = self._walk_items(data, pos, items, sources, strings, KINDS, TIERS, PARENT_KNOWN, read_event,
                                    ClearPosition, NO_CLEAR, BLOCK_FIELDS.size)
             if pos != size:

@@ -42,7 +42,7 @@ import faust.stores.rocksdb
 from faust.types import TP
 
 from schemas import AvroCodec
-from schemas.avro_writers import ResidencyReader, ResidencyWriter
+from schemas.avro_writers import ResidencyWriter
 from stream_apps import changelog_recovery
 from stream_apps.residency import key_partition
 from stream_apps.store_settings import ResidencyRocksDBOptions
@@ -67,24 +67,12 @@ def value_encoder(codec: AvroCodec) -> Callable[[dict], bytes]:
     return codec.encode
 
 
-def value_decoder(codec: AvroCodec) -> Callable[[bytes], dict]:
-    """The fastest decoder of a table's values: the residency reader (compiled where built,
-    :class:`schemas.avro_writers.ResidencyReader`) where it knows the codec's schema, the codec otherwise."""
-    if codec.family == "residency":
-        try:
-            return ResidencyReader(codec).decode
-        except ValueError:  # a schema version the reader does not know: value_encoder has said so
-            pass
-    return codec.decode
-
-
 class _BoundStore:
     """What both store classes need from the worker, given once by :meth:`bind` after the app is built."""
 
     outputs: OutputTopics
     codec: AvroCodec
     encode: Callable[[dict], bytes]
-    decode: Callable[[bytes], dict]
     changelog: str
 
     def bind(self, outputs: OutputTopics, *, bootstrap_servers: str, cache_entries: int = 0,
@@ -93,7 +81,6 @@ class _BoundStore:
         self.outputs = outputs
         self.codec = AvroCodec(self.table.value_type.family)
         self.encode = value_encoder(self.codec)
-        self.decode = value_decoder(self.codec)
         self.changelog = self.table.changelog_topic.get_topic_name()
         self.bootstrap_servers = bootstrap_servers
         self.cache_entries = cache_entries
@@ -206,7 +193,7 @@ class CompactMemoryTableStore(_EntryCache, MemoryTableStore):
             cache.move_to_end(key)
             return cache[key]
         raw = self.data.get(key)
-        entry = None if raw is None else self.decode(raw)
+        entry = None if raw is None else self.codec.decode(raw)
         self._remember(key, entry)
         return entry
 
@@ -215,7 +202,7 @@ class CompactMemoryTableStore(_EntryCache, MemoryTableStore):
         if key in self._cache:
             return self._cache[key]
         raw = self.data.get(key)
-        return None if raw is None else self.decode(raw)
+        return None if raw is None else self.codec.decode(raw)
 
     def write(self, partition: int, key: str, value: dict | None) -> None:
         """Store ``value`` (None: delete) as its Avro bytes and produce them as its changelog record to
@@ -276,7 +263,7 @@ class RocksDBTableStore(_EntryCache, _BoundStore, faust.stores.rocksdb.Store):
         raw = self._db_for_partition(partition).get(key.encode())
         if raw is None:  # not remembered: most absent keys are about to be written, which remembers them
             return None
-        entry = self.decode(raw)
+        entry = self.codec.decode(raw)
         self._remember(key, entry)
         return entry
 
@@ -293,7 +280,7 @@ class RocksDBTableStore(_EntryCache, _BoundStore, faust.stores.rocksdb.Store):
             return self._cache[key]
         db = self._dbs.get(partition)
         raw = None if db is None else db.get(key.encode())
-        return None if raw is None else self.decode(raw)
+        return None if raw is None else self.codec.decode(raw)
 
     def write(self, partition: int, key: str, entry: dict | None) -> None:
         """Produce ``entry``'s changelog record (None: a tombstone) to ``partition``; it reaches the disk at

@@ -272,3 +272,35 @@ def test_the_compiled_walk_reads_any_message_exactly_as_the_python_walk(data):
     for _ in range(data.draw(st.integers(0, 3))):
         message[data.draw(st.integers(0, len(message) - 1))] = data.draw(st.integers(0, 255))
     assert _outcome(bytes(message), compiled=True) == _outcome(bytes(message), compiled=False)
+
+
+#: Messages found by an adversarial review of the compiled walk (schemas/_hotpath.pyx): a length near 2**63 in
+#: an item's event (the compiled walk's end position wrapped around: a read before the buffer, a crash) and key
+#: (MemoryError), and an array block count of -2**63 (accepted where the Python walk refuses it).
+REVIEWED = {
+    "event length near 2**63": b"\xc3\x01\xd7e\x8dM\x18\xf7\x9a\xdb\x00\x00\x02\x02k\x00\xfa\xff\xff\xff\xff\xff\xff\xff"
+                               b"\xff\x01xyz\x00\x00",
+    "key length near 2**63": b"\xc3\x01\xd7e\x8dM\x18\xf7\x9a\xdb\x00\x00\x02\xfa\xff\xff\xff\xff\xff\xff\xff\xff\x01abc"
+                             b"\x00",
+    "block count -2**63": b"\xc3\x01\xd7e\x8dM\x18\xf7\x9a\xdb\x00\x00\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01\x00\x02"
+                          b"\x02k\x00\n\x00\x00\x00\x00\x07\x00\x00",
+}
+
+
+@pytest.mark.parametrize("message", REVIEWED.values(), ids=REVIEWED.keys())
+def test_messages_that_broke_the_compiled_walk_are_refused_as_the_python_walk_refuses_them(message):
+    assert message[:10] == BATCH.header  # still the current version's framing: the walk reads them
+    outcome = _outcome(message, compiled=True)
+    assert outcome.startswith("DecodeError") and outcome == _outcome(message, compiled=False)
+
+
+def test_a_length_near_2_63_in_a_block_field_is_refused_as_the_python_walk_refuses_it():
+    records = _records(random.Random(4), 2)
+    message, _ = _block_message(records, [None, None])
+    block = BlockFieldsWriter().block(records[0])
+    start = message.index(block)  # the first item's block field, after its length varint
+    length = avro_long(len(block))
+    assert message[start - len(length):start] == length
+    broken = message[:start - len(length)] + avro_long(2**63 - 2) + message[start:]
+    assert _outcome(broken, compiled=True) == _outcome(broken, compiled=False)
+    assert _outcome(broken, compiled=True).startswith("DecodeError")
