@@ -17,6 +17,7 @@ fields. ``boundscheck=False``: every index into a tuple or list here is checked 
 by hand, or comes from a program built by schemas.fast_reader.
 """
 
+cimport cython
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
@@ -63,8 +64,9 @@ cdef inline uint64_t _le(const uint8_t* p, int n):
     return value
 
 
-def walk_items(bytes data, Py_ssize_t pos, list items, list sources, tuple strings, tuple kinds, tuple tiers,
-               tuple parent_known, read_event, clear_position, no_clear, Py_ssize_t fields_size):
+def walk_items(bytes data not None, Py_ssize_t pos, list items not None, list sources not None,
+               tuple strings not None, tuple kinds not None, tuple tiers not None, tuple parent_known not None,
+               read_event, clear_position, no_clear, Py_ssize_t fields_size):
     """Append the items of an ``ownership_batch`` message's ``events`` array, which starts at ``pos``, to
     ``items`` (:data:`schemas.ownership_batch.BatchItem` tuples), as ``OwnershipBatchReader._walk`` does.
 
@@ -363,7 +365,7 @@ cdef int _put_entry(_Buffer* out, dict entry, dict tiers, dict aggregations) exc
     return 0
 
 
-def encode_residency(entry, bytes header, dict tiers, dict aggregations):
+def encode_residency(entry, bytes header not None, dict tiers not None, dict aggregations not None):
     """A ``residency`` v2 entry encoded with its framing ``header``, byte for byte as
     :meth:`schemas.avro_writers.ResidencyWriter.encode`; None when the entry holds a value of another shape
     than the agent writes (a missing field, a bool or float where an int belongs, an int for a double, an
@@ -448,6 +450,7 @@ cdef enum:
     OP_NULL, OP_BOOLEAN, OP_LONG, OP_FLOAT, OP_DOUBLE, OP_STRING, OP_BYTES, OP_ENUM, OP_ARRAY, OP_RECORD, OP_UNION
 
 
+@cython.boundscheck(True)  # a program is trusted (compile_program builds it), but read_program is public
 cdef object _run(tuple program, _Cursor c):
     cdef int op = program[0]
     cdef int64_t index, count
@@ -463,29 +466,29 @@ cdef object _run(tuple program, _Cursor c):
     if op == OP_STRING:
         return _read_string(c)
     if op == OP_UNION:
-        branches = <tuple>program[1]
+        branches = <tuple?>program[1]
         index = _read_long(c)
         if not 0 <= index < len(branches):
             raise ValueError(f"union branch {index} at {c.pos}")
-        branch = <tuple>branches[index]
-        value = _run(<tuple>branch[0], c)
+        branch = <tuple?>branches[index]
+        value = _run(<tuple?>branch[0], c)
         name = branch[1]
         return value if name is None else (name, value)
     if op == OP_NULL:
         return None
     if op == OP_RECORD:
-        names = <tuple>program[1]
-        fields = <tuple>program[2]
+        names = <tuple?>program[1]
+        fields = <tuple?>program[2]
         record = {}
         for i in range(len(names)):
-            record[names[i]] = _run(<tuple>fields[i], c)
+            record[names[i]] = _run(<tuple?>fields[i], c)
         return record
     if op == OP_DOUBLE:
         return _read_double(c)
     if op == OP_BYTES:
         return _read_bytes(c)
     if op == OP_ENUM:
-        return _read_symbol(c, <tuple>program[1])
+        return _read_symbol(c, <tuple?>program[1])
     if op == OP_ARRAY:
         items = []
         while True:
@@ -494,7 +497,7 @@ cdef object _run(tuple program, _Cursor c):
                 return items
             while count:
                 count -= 1
-                items.append(_run(<tuple>program[1], c))
+                items.append(_run(<tuple?>program[1], c))
     if op == OP_BOOLEAN:
         if c.pos >= c.size:
             raise IndexError("boolean past the end")
@@ -513,7 +516,7 @@ cdef object _run(tuple program, _Cursor c):
     raise ValueError(f"unknown reader operation {op}")
 
 
-def read_program(tuple program, bytes data, Py_ssize_t pos):
+def read_program(tuple program not None, bytes data not None, Py_ssize_t pos):
     """``(value, position after it)`` of the value at ``pos`` in ``data``, read by ``program``
     (:func:`schemas.fast_reader.compile_program`): what the generated reader of the same schema gives.
 

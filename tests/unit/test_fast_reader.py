@@ -237,3 +237,17 @@ def test_the_compiled_program_reads_edge_bytes_of_every_shape_as_the_generated_r
         data = b"\x00" * 10 + raw  # read from 10, as the codecs do after a single-object header
         assert _read_or_refusal(lambda d, p: compiled.read_program(program, d, p), data) == _read_or_refusal(
             generated, data), (shape, raw)
+
+
+@pytest.mark.parametrize("program", [(9, ("a", "b"), ((2,),)), (7, ["x", "y"]), (), ("x",), (99,)])
+def test_a_malformed_program_is_an_error_not_a_crash(program):
+    """read_program is public; programs from compile_program are well formed, but others must fail cleanly (a
+    second review crashed the process with these before the checks)."""
+    with pytest.raises((IndexError, TypeError, ValueError)):
+        hotpath_module("compiled").read_program(program, b"\x02\x00\x00\x00", 0)
+
+
+def test_none_is_refused_where_bytes_are_read():
+    compiled = hotpath_module("compiled")
+    with pytest.raises(TypeError):
+        compiled.read_program(compile_program("string"), None, 0)
