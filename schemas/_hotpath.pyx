@@ -277,6 +277,15 @@ cdef inline int _put_optional_string(_Buffer* out, object value) except -1:
     return 0
 
 
+cdef inline int _put_optional_long(_Buffer* out, object value) except -1:
+    if value is None:
+        _put_byte(out, 0)
+    else:
+        _put_byte(out, 2)
+        _put_long(out, _long_of(value))
+    return 0
+
+
 cdef inline int _put_symbol(_Buffer* out, dict symbols, object symbol) except -1:
     encoded = symbols.get(symbol) if type(symbol) is str else None
     if encoded is None:
@@ -316,12 +325,7 @@ cdef int _put_entry(_Buffer* out, dict entry, dict tiers, dict aggregations) exc
             _put_symbol(out, tiers, row["tier"])
             _put_optional_string(out, row["medium"])
             _put_optional_string(out, row["locality"])
-            group_idx = row["group_idx"]
-            if group_idx is None:
-                _put_byte(out, 0)
-            else:
-                _put_byte(out, 2)
-                _put_long(out, _long_of(group_idx))
+            _put_optional_long(out, row["group_idx"])
             _put_long(out, _long_of(row["world_size"]))
             _put_symbol(out, aggregations, row["aggregation"])
             workers = _list_of(row["workers"])
@@ -335,12 +339,7 @@ cdef int _put_entry(_Buffer* out, dict entry, dict tiers, dict aggregations) exc
                     _put_long(out, _long_of(worker["seq"]))
                     _put_long(out, _long_of(worker["batch_index"]))
                     _put_long(out, _long_of(worker["block_index"]))
-                    content = worker["content"]
-                    if content is None:
-                        _put_byte(out, 0)
-                    else:
-                        _put_byte(out, 2)
-                        _put_long(out, _long_of(content))
+                    _put_optional_long(out, worker["content"])
             _put_byte(out, 0)  # end of workers
             _put_long(out, _long_of(row["copies"]))
             since, last_ts = row["since"], row["last_ts"]

@@ -95,6 +95,20 @@ def _emit_sized(w: _Writer, indent: int, target: str, decode: bool) -> None:
     w.emit(indent, f"{target} = data[pos:end]{'.decode()' if decode else ''}; pos = end")
 
 
+def _type_of(schema: dict, named: dict) -> str:
+    """The ``type`` of a schema written as a dict, its named type (record, enum) registered in ``named``.
+
+    Raises:
+        NotImplementedError: a logical type (the readers keep fastavro for those).
+    """
+    kind = schema["type"]
+    if schema.get("logicalType"):
+        raise NotImplementedError(f"logical type {schema['logicalType']}")
+    if kind in ("record", "enum", "error"):
+        named[schema["name"]] = schema
+    return kind
+
+
 def _emit(w: _Writer, indent: int, schema: Any, target: str, named: dict) -> None:
     """Lines that read one value of ``schema`` at ``pos`` into the local ``target``."""
     if isinstance(schema, str):
@@ -104,11 +118,7 @@ def _emit(w: _Writer, indent: int, schema: Any, target: str, named: dict) -> Non
     elif isinstance(schema, list):
         return _emit_union(w, indent, schema, target, named)
     else:
-        kind = schema["type"]
-        if schema.get("logicalType"):
-            raise NotImplementedError(f"logical type {schema['logicalType']}")
-        if kind in ("record", "enum", "error"):
-            named[schema["name"]] = schema
+        kind = _type_of(schema, named)
     if kind == "null":
         w.emit(indent, f"{target} = None")
     elif kind == "boolean":
@@ -231,11 +241,7 @@ def compile_program(schema: Any, override_names: bool = False, named: dict | Non
             branches.append((program, name))
         return (OP_UNION, tuple(branches))
     else:
-        kind = schema["type"]
-        if schema.get("logicalType"):
-            raise NotImplementedError(f"logical type {schema['logicalType']}")
-        if kind in ("record", "enum", "error"):
-            named[schema["name"]] = schema
+        kind = _type_of(schema, named)
     primitive = {"null": OP_NULL, "boolean": OP_BOOLEAN, "int": OP_LONG, "long": OP_LONG, "float": OP_FLOAT,
                  "double": OP_DOUBLE, "string": OP_STRING, "bytes": OP_BYTES}
     if kind in primitive:
