@@ -1,5 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False, cdivision=True
-"""The compiled hot path: the codecs of the materializing agent that cost the most per event in Python.
+"""The compiled hot path: the worker's codecs that cost the most per event in Python.
 
 - :func:`walk_items`: the item loop of :meth:`schemas.ownership_batch.OwnershipBatchReader._walk`;
 - :func:`encode_residency`: :meth:`schemas.avro_writers.ResidencyWriter.encode`;
@@ -178,7 +178,6 @@ def walk_items(bytes data not None, Py_ssize_t pos, list items not None, list so
                 tiers[tier], strings[medium], strings[locality], (group - 1) if group else None, strings[ownership],
                 parent_known[known], content if p[47] else None)))
     return c.pos
-
 
 
 # ---------------------------------------------------------------------------------------------------------

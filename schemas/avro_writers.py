@@ -328,7 +328,7 @@ class ResidencyWriter(_TableRecordWriter):
     Every field must be present in the dicts (fastavro would write a missing optional field's default;
     here it is a KeyError). ``clear_mark`` is the ClearMark dict or None, as the codec decodes it.
     Construction as :class:`_TableRecordWriter` (a ``residency`` v2 codec, or ValueError); ``compiled`` picks
-    the compiled encoder (:func:`schemas._hotpath.encode_residency`) as :class:`schemas.compiled.choose` does
+    the compiled encoder (:func:`schemas._hotpath.encode_residency`) as :func:`schemas.compiled.choose` does
     (None: when built). The compiled one gives the same bytes; an entry of an unusual shape (a float where an
     int belongs, and the like) it hands back to the Python code here.
     """

@@ -210,7 +210,8 @@ def _emit_union(w: _Writer, indent: int, branches: list, target: str, named: dic
 
 # Operations of a reader program (:func:`compile_program`), which the compiled module runs
 # (schemas/_hotpath.pyx, ``read_program``): the numbers are shared with it.
-OP_NULL, OP_BOOLEAN, OP_LONG, OP_FLOAT, OP_DOUBLE, OP_STRING, OP_BYTES, OP_ENUM, OP_ARRAY, OP_RECORD, OP_UNION = range(11)
+(OP_NULL, OP_BOOLEAN, OP_LONG, OP_FLOAT, OP_DOUBLE, OP_STRING, OP_BYTES, OP_ENUM, OP_ARRAY, OP_RECORD,
+ OP_UNION) = range(11)
 
 
 def compile_program(schema: Any, override_names: bool = False, named: dict | None = None) -> tuple:
@@ -283,7 +284,8 @@ def compile_reader(schema: dict, override_names: bool = False,
     _emit(w, 1, schema, "value", named)
     w.emit(1, "return value, pos")
     namespace = {"_long_tail": _long_tail, "_fail": _fail, "_DOUBLE": _DOUBLE, "_FLOAT": _FLOAT, **w.constants}
-    exec(compile("\n".join(w.lines), f"<avro reader of {schema.get('name', 'schema') if isinstance(schema, dict) else schema}>", "exec"), namespace)
+    title = schema.get("name", "schema") if isinstance(schema, dict) else schema
+    exec(compile("\n".join(w.lines), f"<avro reader of {title}>", "exec"), namespace)
     read_python = namespace["read"]
     hotpath = choose(compiled)
     if hotpath is None:

@@ -349,11 +349,11 @@ def _encoded_or_refusal(writer, entry):
                                            "world_size", "medium", "tier", "aggregation", "clear_mark"]),
                           odd_numbers), max_size=2))
 def test_the_compiled_residency_encoder_agrees_with_the_python_one_on_odd_values(entry, odd):
-    python = AvroCodec("residency")
     from schemas.avro_writers import ResidencyWriter
 
+    codec = AvroCodec("residency")
     for field, value in odd:
         for row in entry["rows"]:
             row[field] = value
-    assert _encoded_or_refusal(ResidencyWriter(python, compiled=True), entry) == _encoded_or_refusal(
-        ResidencyWriter(python, compiled=False), entry)
+    assert _encoded_or_refusal(ResidencyWriter(codec, compiled=True), entry) == _encoded_or_refusal(
+        ResidencyWriter(codec, compiled=False), entry)
