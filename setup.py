@@ -2,7 +2,8 @@
 
 The extension is compiled with Cython (a build requirement, fetched by pip) and the machine's C compiler.
 Without a compiler, or when its build fails, the package installs without it and runs the pure-Python
-versions of the same functions (docs/architecture.md, "The compiled hot path").
+versions of the same functions (docs/architecture.md, "The compiled hot path"); so does an install with
+``KVSTREAM_PURE_PYTHON=1`` set.
 """
 
 import os

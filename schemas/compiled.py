@@ -2,7 +2,8 @@
 
 :data:`HOTPATH` is the compiled module, or None when it was not built (no C compiler at install time) or
 when ``KVSTREAM_PURE_PYTHON=1`` is set. Its users (:class:`schemas.ownership_batch.OwnershipBatchReader`,
-:class:`schemas.avro_writers.ResidencyWriter`) take a ``compiled`` argument so the tests run both.
+:class:`schemas.avro_writers.ResidencyWriter`, :func:`schemas.fast_reader.compile_reader`) take a
+``compiled`` argument so the tests run both.
 """
 
 from __future__ import annotations
