@@ -267,22 +267,10 @@ cdef inline int _put_string(_Buffer* out, object value) except -1:
     return 0
 
 
-cdef inline int _put_optional_string(_Buffer* out, object value) except -1:
-    if value is None:
-        _put_byte(out, 0)
-    else:
-        _put_byte(out, 2)
-        _put_string(out, value)
-    return 0
-
-
-cdef inline int _put_optional_long(_Buffer* out, object value) except -1:
-    if value is None:
-        _put_byte(out, 0)
-    else:
-        _put_byte(out, 2)
-        _put_long(out, _long_of(value))
-    return 0
+cdef inline bint _put_branch(_Buffer* out, object value) except -1:
+    """A ``["null", X]`` union's branch index: 0 for None, else 2 (branch 1, zig-zag); True when X follows."""
+    _put_byte(out, 0 if value is None else 2)
+    return value is not None
 
 
 cdef inline int _put_symbol(_Buffer* out, dict symbols, object symbol) except -1:
@@ -313,7 +301,8 @@ cdef int _put_entry(_Buffer* out, dict entry, dict tiers, dict aggregations) exc
         raise _Unusual()
     _put_long(out, PyBytes_GET_SIZE(block_hash))
     _put(out, PyBytes_AS_STRING(block_hash), PyBytes_GET_SIZE(block_hash))
-    _put_optional_string(out, entry["ownership"])
+    if _put_branch(out, entry["ownership"]):
+        _put_string(out, entry["ownership"])
     rows = _list_of(entry["rows"])
     if rows:
         _put_long(out, len(rows))
@@ -322,9 +311,14 @@ cdef int _put_entry(_Buffer* out, dict entry, dict tiers, dict aggregations) exc
             _put_string(out, row["instance_id"])
             _put_long(out, _long_of(row["data_parallel_rank"]))
             _put_symbol(out, tiers, row["tier"])
-            _put_optional_string(out, row["medium"])
-            _put_optional_string(out, row["locality"])
-            _put_optional_long(out, row["group_idx"])
+            medium, locality = row["medium"], row["locality"]
+            if _put_branch(out, medium):
+                _put_string(out, medium)
+            if _put_branch(out, locality):
+                _put_string(out, locality)
+            group_idx = row["group_idx"]
+            if _put_branch(out, group_idx):
+                _put_long(out, _long_of(group_idx))
             _put_long(out, _long_of(row["world_size"]))
             _put_symbol(out, aggregations, row["aggregation"])
             workers = _list_of(row["workers"])
@@ -338,24 +332,20 @@ cdef int _put_entry(_Buffer* out, dict entry, dict tiers, dict aggregations) exc
                     _put_long(out, _long_of(worker["seq"]))
                     _put_long(out, _long_of(worker["batch_index"]))
                     _put_long(out, _long_of(worker["block_index"]))
-                    _put_optional_long(out, worker["content"])
+                    content = worker["content"]
+                    if _put_branch(out, content):
+                        _put_long(out, _long_of(content))
             _put_byte(out, 0)  # end of workers
             _put_long(out, _long_of(row["copies"]))
             since, last_ts = row["since"], row["last_ts"]
             if type(last_ts) is not float or (since is not None and type(since) is not float):
                 raise _Unusual()
-            if since is None:
-                _put_byte(out, 0)
-            else:
-                _put_byte(out, 2)
+            if _put_branch(out, since):
                 _put_double(out, since)
             _put_double(out, last_ts)
             mark_object = row["clear_mark"]
-            if mark_object is None:
-                _put_byte(out, 0)
-            else:
+            if _put_branch(out, mark_object):
                 mark = _dict_of(mark_object)
-                _put_byte(out, 2)
                 _put_long(out, _long_of(mark["publisher_epoch"]))
                 _put_long(out, _long_of(mark["seq"]))
                 _put_long(out, _long_of(mark["batch_index"]))
