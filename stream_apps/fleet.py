@@ -176,9 +176,11 @@ class ChangelogFollowerService(mode.Service):
 class FleetTables:
     """Every partition of ``tier-occupancy`` and ``sources`` for one worker's views.
 
-    A partition this worker's table holds (it applies it, or keeps a standby of it) comes from the table; the
-    others from a :class:`ChangelogFollower` of the two changelogs, which lags the workers that write them by
-    their producer's linger and a fetch.
+    A partition this worker applies comes from its table, as fresh as its last write; every other partition
+    from a :class:`ChangelogFollower` of the two changelogs, which lags the workers that write them by their
+    producer's linger and a fetch. Standby partitions come from the follower too (Faust applies a standby's
+    records in batches of ``standby_buffer_size``, so its copy lags), and so does everything while the app
+    recovers its tables (a partition being recovered is incomplete in the table).
 
     Args:
         tables: the worker's :class:`stream_apps.tables.Tables`.
@@ -195,8 +197,14 @@ class FleetTables:
 
     def items(self, table) -> list[tuple[str, dict]]:
         """``(key, value)`` of every partition of ``table`` (``tier_occupancy`` or ``sources``)."""
-        local = table.data.items_by_partition()
-        theirs = self.follower.partition_rows(table.changelog_topic.get_topic_name(), skip=set(local))
+        changelog = table.changelog_topic.get_topic_name()
+        app = table.app
+        if app.in_recovery or not app.tables.recovery.completed.is_set():
+            return self.follower.partition_rows(changelog)
+        standbys = {tp.partition for tp in app.assignor.assigned_standbys() if tp.topic == changelog}
+        local = {partition: items for partition, items in table.data.items_by_partition().items()
+                 if partition not in standbys}
+        theirs = self.follower.partition_rows(changelog, skip=set(local))
         return [item for items in local.values() for item in items] + theirs
 
     def not_ready(self) -> str | None:

@@ -115,8 +115,8 @@ class MemoryTableStore(_BoundStore, faust.stores.memory.Store):
     """
 
     def items_by_partition(self) -> dict[int, list[tuple[str, dict]]]:
-        """Partition -> ``(key, value)`` of every key held here (the partitions this worker applies or keeps a
-        standby of)."""
+        """Partition -> ``(key, value)`` of every key held here (the partitions this worker applies, and its
+        standbys)."""
         held: dict[int, list[tuple[str, dict]]] = defaultdict(list)
         partition_of = self._key_partition
         for key, value in self.data.items():
