@@ -70,6 +70,8 @@ class StreamApp:
     repartition: RepartitionService
     readiness: Readiness
     metrics: WorkerMetrics
+    #: The fleet-wide views' tables, with the changelog follower (:mod:`stream_apps.fleet`).
+    fleet: FleetTables
 
     def counters(self) -> dict[str, int]:
         """This worker's event counters: the agent's and the repartition process's."""
@@ -154,7 +156,8 @@ def create_app(settings: WorkerSettings) -> StreamApp:
     app.service(ChangelogFollowerService(fleet.follower))
     readiness = Readiness(app, lambda: repartition.alive, extra=[fleet.not_ready])
     metrics = WorkerMetrics(settings, materializer, checkpoint, repartition, readiness, lambda: app.in_recovery, fleet)
-    stream_app = StreamApp(settings, app, tables, outputs, checkpoint, materializer, repartition, readiness, metrics)
+    stream_app = StreamApp(settings, app, tables, outputs, checkpoint, materializer, repartition, readiness, metrics,
+                           fleet)
     register_views(app, tables, fleet, materializer, settings.weights, stream_app.counters, readiness, metrics)
 
     store = tables.residency_store

@@ -63,7 +63,9 @@ class ChangelogFollower:
         self.records = 0
 
     def start(self) -> None:
-        """Start the thread (it reads every partition from its beginning)."""
+        """Start the thread (it reads every partition from its beginning); nothing if it runs already."""
+        if self._thread is not None:
+            return
         self._thread = threading.Thread(target=self._run, name="kvstream-changelog-follower", daemon=True)
         self._thread.start()
 
@@ -102,8 +104,11 @@ class ChangelogFollower:
             "group.id": self.group_id, "enable.auto.commit": False, "enable.partition.eof": False,
             "client.id": "kvstream-changelog-follower"}))
         try:
+            started = time.monotonic()
             ends = self._assign(consumer)
             self.error = None
+            log.info("changelog follower reading %s from their beginning (%d partitions hold records)",
+                     ", ".join(self.codecs), len(ends))
             while not self._stop.is_set():
                 messages = consumer.consume(1000, 0.2)
                 if messages:
@@ -115,6 +120,8 @@ class ChangelogFollower:
                             del ends[(tp.topic, tp.partition)]
                     if not ends:
                         self._caught_up.set()
+                        log.info("changelog follower caught up: %d records in %.1f s", self.records,
+                                 time.monotonic() - started)
         finally:
             consumer.close()
 
@@ -160,7 +167,9 @@ class ChangelogFollower:
 
 
 class ChangelogFollowerService(mode.Service):
-    """Runs a :class:`ChangelogFollower` for the worker's lifetime (started and stopped with the Faust app)."""
+    """Runs a :class:`ChangelogFollower` for the worker's lifetime: stops it with the Faust app, and starts it
+    with the app unless it runs already (``kvstream worker`` starts it before Faust, whose services start only
+    after the tables are recovered: the follower would then hold ``/ready`` back after Faust says it is ready)."""
 
     def __init__(self, follower: ChangelogFollower, **kwargs) -> None:
         super().__init__(**kwargs)
