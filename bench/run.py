@@ -82,7 +82,8 @@ DEFINITIONS: dict[str, dict] = {
                       "blocks, ts = wall clock at produce) and one caught-up worker runs: for every record of "
                       "kv-residency-changes caused by those events, its Kafka timestamp (set when the worker "
                       "produced it, right after applying the event to the table) minus the event's ts. Includes "
-                      "the producer's linger and the worker's batching."},
+                      "the producer's linger and the worker's batching. details: p99 per 5 s, and the two "
+                      "halves' [p50, p99] split at the repartition topic."},
     "latency_p99_ms": {
         "unit": "ms", "target": 100, "better": "lower", "baseline": None,
         "definition": "99th percentile of the delays of latency_p50_ms."},

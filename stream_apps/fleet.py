@@ -59,7 +59,7 @@ class ChangelogFollower:
         self._thread: threading.Thread | None = None
         self._caught_up = threading.Event()
         self.error: str | None = None
-        #: Records applied since the start (for tests and ``/stats/``-style checks).
+        #: Records applied since the thread started (the catch-up's log line gives it).
         self.records = 0
 
     def start(self) -> None:
