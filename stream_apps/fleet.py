@@ -29,8 +29,9 @@ from schemas import AvroCodec, DecodeError
 
 log = logging.getLogger(__name__)
 
-#: Seconds before a :class:`ChangelogFollower` whose start failed tries again.
-RETRY_S = 5.0
+#: Seconds before a :class:`ChangelogFollower` whose start failed tries again: the first wait, doubled after each
+#: failure up to the second (a topic just created may not have its leader yet; a broker outage may last).
+RETRY_S = (0.5, 5.0)
 
 
 class ChangelogFollower:
@@ -41,7 +42,8 @@ class ChangelogFollower:
     with the topic's codec; a tombstone deletes its key; a record the codec refuses is logged and skipped
     (the table that wrote it holds the same schema, so this means a foreign writer). If the start fails
     (a topic is missing, the broker does not answer), :attr:`error` says why and the thread starts over
-    after :data:`RETRY_S`, reading everything again.
+    after a wait (:data:`RETRY_S`), reading everything again; meanwhile it keeps what it had read (the
+    tables never delete a key, so a re-read only brings values up to date).
 
     Args:
         bootstrap_servers: Kafka bootstrap servers.
@@ -59,7 +61,7 @@ class ChangelogFollower:
         self._thread: threading.Thread | None = None
         self._caught_up = threading.Event()
         self.error: str | None = None
-        #: Records applied since the thread started (the catch-up's log line gives it).
+        #: Records applied since the latest (re)start of the read (the catch-up's log line gives it).
         self.records = 0
 
     def start(self) -> None:
@@ -87,24 +89,23 @@ class ChangelogFollower:
                     for item in rows.items()]
 
     def _run(self) -> None:
+        wait_s = RETRY_S[0]
         while not self._stop.is_set():
             try:
                 self._follow()
             except Exception as exc:  # noqa: BLE001 - the worker's readiness names it, and the thread starts over
                 self.error = f"{type(exc).__name__}: {exc}"
-                log.warning("the changelog follower stopped (%s); starting over in %.0f s", self.error, RETRY_S)
+                log.warning("the changelog follower stopped (%s); starting over in %.1f s", self.error, wait_s)
                 self._caught_up.clear()
-                with self._lock:
-                    for rows in self._rows.values():
-                        rows.clear()
-                self._stop.wait(RETRY_S)
+                self._stop.wait(wait_s)
+                wait_s = min(wait_s * 2, RETRY_S[1])
 
     def _follow(self) -> None:
         consumer = Consumer(client_config(self.bootstrap_servers, **{
             "group.id": self.group_id, "enable.auto.commit": False, "enable.partition.eof": False,
             "client.id": "kvstream-changelog-follower"}))
         try:
-            started = time.monotonic()
+            started, self.records = time.monotonic(), 0
             ends = self._assign(consumer)
             self.error = None
             log.info("changelog follower reading %s from their beginning (%d partitions hold records)",
@@ -114,7 +115,8 @@ class ChangelogFollower:
                 if messages:
                     self._apply(messages)
                 if ends:
-                    # by position, not by the last record seen: compaction may have removed the records at the end
+                    # librdkafka's position: the offset after the last record delivered (the small tables write no
+                    # tombstones and no transactions, so each partition's last record survives compaction)
                     for tp in consumer.position([TopicPartition(t, p) for t, p in ends]):
                         if tp.offset >= ends[(tp.topic, tp.partition)]:
                             del ends[(tp.topic, tp.partition)]
@@ -188,8 +190,9 @@ class FleetTables:
     A partition this worker applies comes from its table, as fresh as its last write; every other partition
     from a :class:`ChangelogFollower` of the two changelogs, which lags the workers that write them by their
     producer's linger and a fetch. Standby partitions come from the follower too (Faust applies a standby's
-    records in batches of ``standby_buffer_size``, so its copy lags), and so does everything while the app
-    recovers its tables (a partition being recovered is incomplete in the table).
+    records in batches of ``standby_buffer_size``, so its copy lags), and so does everything while the group
+    rebalances or the app recovers its tables: a partition that moved away stays in the table until Faust's
+    recovery ends, and one being recovered is incomplete there.
 
     Args:
         tables: the worker's :class:`stream_apps.tables.Tables`.
@@ -208,7 +211,7 @@ class FleetTables:
         """``(key, value)`` of every partition of ``table`` (``tier_occupancy`` or ``sources``)."""
         changelog = table.changelog_topic.get_topic_name()
         app = table.app
-        if app.in_recovery or not app.tables.recovery.completed.is_set():
+        if app.rebalancing or app.in_recovery or not app.tables.recovery.completed.is_set():
             return self.follower.partition_rows(changelog)
         standbys = {tp.partition for tp in app.assignor.assigned_standbys() if tp.topic == changelog}
         local = {partition: items for partition, items in table.data.items_by_partition().items()

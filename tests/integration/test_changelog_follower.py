@@ -87,7 +87,7 @@ def test_it_is_caught_up_at_once_on_empty_topics_and_names_a_missing_one(kafka_b
     try:
         _wait(lambda: follower.error is not None, "an error for a missing topic", timeout_s=60)
         assert missing in follower.error and not follower.caught_up
-        ensure_topics(kafka_bootstrap, {missing: 1})  # the next try, RETRY_S later, finds it
+        ensure_topics(kafka_bootstrap, {missing: 1})  # a later try finds it
         _wait(lambda: follower.caught_up, "caught up once the topic exists", timeout_s=60)
         assert follower.error is None
     finally:
