@@ -1109,8 +1109,8 @@ def _http_agrees(answers: dict, truth: dict) -> int:
 
 def _fleet_views(workers: list, truth: dict, settle_s: float = 20.0) -> dict:
     """Each worker's ``/occupancy/`` against the truth's resident rows per (ownership, tier, instance), and
-    ``/sources/`` compared across workers (without ``lag_s``), retried for ``settle_s`` while the small
-    tables' changelogs reach every worker. Returns each worker's occupancy total, the truth's, and whether all agree."""
+    ``/sources/`` compared across workers (without ``lag_s``), retried for ``settle_s`` while the global
+    tables reach every worker. Returns each worker's occupancy total, the truth's, and whether all agree."""
     expected = Counter((own, tier, inst) for (inst, _, tier, own, _, _, _) in truth)
     deadline = time.monotonic() + settle_s
     while True:

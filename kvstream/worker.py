@@ -41,7 +41,6 @@ def run_worker(settings: WorkerSettings) -> int:
     topics = stream_app.declared_topics()
     ensure_topics(settings.bootstrap_servers, {name: p for name, (p, _) in topics.items()},
                   configs={name: config for name, (_, config) in topics.items()})
-    stream_app.fleet.follower.start()  # now: it reads while Faust recovers the tables
     worker = stream_app.app.Worker(loglevel=settings.log_level,
                                    logging_config=logging_config(settings.log_level, settings.log_format))
     worker.execute_from_commandline()  # raises SystemExit with the worker's exit code

@@ -10,8 +10,7 @@
   ``<app id>-kv-tier-occupancy``, dead letters);
 - :mod:`stream_apps.checkpoint`: the commit protocol;
 - :mod:`stream_apps.views`, :mod:`stream_apps.fleet`, :mod:`stream_apps.health`, :mod:`stream_apps.metrics`:
-  the HTTP views, the fleet-wide views they share (with the follower of the small tables' changelogs),
-  readiness and Prometheus metrics;
+  the HTTP views, the fleet-wide views they share, readiness and Prometheus metrics;
 - :mod:`stream_apps.consumer_fixes`: two corrections to faust-streaming's aiokafka driver.
 """
 
@@ -28,7 +27,6 @@ from stream_apps import consumer_fixes
 from stream_apps.agent_progress import AgentProgress
 from stream_apps.applier import Materializer
 from stream_apps.checkpoint import Checkpoint, CommitSensor, tune_gc, warn_on_long_gc_pauses
-from stream_apps.fleet import ChangelogFollowerService, FleetTables
 from stream_apps.health import Readiness
 from stream_apps.materialize import register_agent
 from stream_apps.metrics import WorkerMetrics
@@ -70,8 +68,6 @@ class StreamApp:
     repartition: RepartitionService
     readiness: Readiness
     metrics: WorkerMetrics
-    #: The fleet-wide views' tables, with the changelog follower (:mod:`stream_apps.fleet`).
-    fleet: FleetTables
 
     def counters(self) -> dict[str, int]:
         """This worker's event counters: the agent's and the repartition process's."""
@@ -83,8 +79,8 @@ class StreamApp:
         """Every topic this app reads or writes: name -> (partitions, topic configs).
 
         ``kvstream worker`` creates them before Faust starts: a topic that Faust creates while the consumer
-        group forms is left out of the first assignment (seen with the re-keyed topic and the changelogs
-        of what were then global tables: their agents stayed idle until the next rebalance).
+        group forms is left out of the first assignment (seen with the re-keyed topic and the global tables'
+        changelogs: their agents stayed idle until the next rebalance).
         """
         partitions, names = self.settings.partitions, self.settings.topics
         compacted = {"cleanup.policy": "compact"}
@@ -152,13 +148,10 @@ def create_app(settings: WorkerSettings) -> StreamApp:
     app.service(repartition)
     agent_progress = AgentProgress(topics.by_ownership, repartition.agent_progress)
     app.sensors.add(agent_progress)
-    fleet = FleetTables(tables, settings.bootstrap_servers, group_id=f"{topics.scoped_app_id}-changelog-follower")
-    app.service(ChangelogFollowerService(fleet.follower))
-    readiness = Readiness(app, lambda: repartition.alive, extra=[fleet.not_ready])
-    metrics = WorkerMetrics(settings, materializer, checkpoint, repartition, readiness, lambda: app.in_recovery, fleet)
-    stream_app = StreamApp(settings, app, tables, outputs, checkpoint, materializer, repartition, readiness, metrics,
-                           fleet)
-    register_views(app, tables, fleet, materializer, settings.weights, stream_app.counters, readiness, metrics)
+    readiness = Readiness(app, lambda: repartition.alive)
+    metrics = WorkerMetrics(settings, materializer, checkpoint, repartition, readiness, lambda: app.in_recovery)
+    stream_app = StreamApp(settings, app, tables, outputs, checkpoint, materializer, repartition, readiness, metrics)
+    register_views(app, tables, materializer, settings.weights, stream_app.counters, readiness, metrics)
 
     store = tables.residency_store
 

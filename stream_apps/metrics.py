@@ -22,7 +22,7 @@ from prometheus_client.registry import Collector
 from kafka_io.admin import partition_progress
 from stream_apps.applier import Materializer
 from stream_apps.checkpoint import Checkpoint
-from stream_apps.fleet import FleetTables, occupancy_rows
+from stream_apps.fleet import occupancy_rows
 from stream_apps.health import Readiness
 from stream_apps.repartition import RepartitionService, repartition_group
 from stream_apps.settings import WorkerSettings
@@ -46,14 +46,11 @@ class WorkerMetrics(Collector):
         repartition: the repartition process (its counters).
         readiness: the readiness conditions.
         recovering: True while Faust recovers tables.
-        fleet: every partition of ``tier-occupancy`` (``kvstream_resident_blocks``).
     """
 
     def __init__(self, settings: WorkerSettings, materializer: Materializer, checkpoint: Checkpoint,
-                 repartition: RepartitionService, readiness: Readiness, recovering: Callable[[], bool],
-                 fleet: FleetTables) -> None:
+                 repartition: RepartitionService, readiness: Readiness, recovering: Callable[[], bool]) -> None:
         self.settings = settings
-        self.fleet = fleet
         self.materializer = materializer
         self.checkpoint = checkpoint
         self.repartition = repartition
@@ -134,7 +131,7 @@ class WorkerMetrics(Collector):
                                 self.readiness.reasons() else 1)
         blocks = GaugeMetricFamily("kvstream_resident_blocks", "Resident blocks in the fleet, per ownership, tier "
                                    "and instance (the occupancy view)", labels=["ownership", "tier", "instance"])
-        for row in occupancy_rows(self.fleet):
+        for row in occupancy_rows(self.materializer.tables):
             blocks.add_metric([row["ownership"] or "primary", row["tier"], row["instance_id"]], row["resident_blocks"])
         yield blocks
         yield GaugeMetricFamily("kvstream_store_bytes", "Bytes of the worker's data directory on disk (RocksDB)",

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import faust.stores.memory
 import faust.stores.rocksdb
+from faust.types import TP
 
 from schemas import AvroCodec
 from schemas.avro_writers import ResidencyWriter
@@ -114,14 +115,17 @@ class MemoryTableStore(_BoundStore, faust.stores.memory.Store):
     :class:`CompactMemoryTableStore` instead.
     """
 
-    def items_by_partition(self) -> dict[int, list[tuple[str, dict]]]:
-        """Partition -> ``(key, value)`` of every key held here (the partitions this worker applies, and its
-        standbys)."""
-        held: dict[int, list[tuple[str, dict]]] = defaultdict(list)
-        partition_of = self._key_partition
-        for key, value in self.data.items():
-            held[partition_of[key]].append((key, value))
-        return held
+    def apply_changelog_batch(self, batch, to_key, to_value) -> None:
+        """Faust's apply of changelog records, except for a global table outside recovery: there the records of
+        the partitions this worker applies itself are echoes of its own writes, possibly older than what the
+        agent has written since, and are skipped. The other workers' partitions (standbys to this worker) are
+        applied as they arrive, so every worker holds the whole table."""
+        if self.table.is_global and not self.app.in_recovery:
+            is_standby = self.app.assignor.is_standby
+            batch = [event for event in batch if is_standby(TP(self.changelog, event.message.partition))]
+            if not batch:
+                return
+        super().apply_changelog_batch(batch, to_key, to_value)
 
     def entry(self, partition: int, key: str) -> dict | None:
         """The value under ``key`` (the agent applying ``partition``)."""

@@ -5,13 +5,11 @@
 | ``residency`` | ``<ownership or primary>/<block hash hex>`` | ``residency`` | ``--store`` (RocksDB by default) |
 | ``clear-watermarks`` | ``<partition>/<instance>/<dp rank>`` | ``clear_watermark`` | memory |
 | ``publisher-epochs`` | ``<partition>/<instance>/<dp rank>/<worker rank or -1>`` | ``clear_watermark`` | memory |
-| ``tier-occupancy`` | ``<partition>/<ownership or primary>/<tier>/<instance>`` | ``tier_occupancy`` | memory |
-| ``sources`` | ``<partition>/<instance>/<dp rank>/<worker rank or -1>`` | ``source_status`` | memory |
+| ``tier-occupancy`` (global) | ``<partition>/<ownership or primary>/<tier>/<instance>`` | ``tier_occupancy`` | memory |
+| ``sources`` (global) | ``<partition>/<instance>/<dp rank>/<worker rank or -1>`` | ``source_status`` | memory |
 
 Each has a compacted changelog topic ``<app id>-<table>-changelog``; the stores are
-:mod:`stream_apps.store`'s. docs/residency.md says what the values mean. A worker holds the partitions it
-applies (and its standbys); the fleet-wide views read the other partitions of ``tier-occupancy`` and
-``sources`` from their changelogs (:class:`stream_apps.fleet.FleetTables`).
+:mod:`stream_apps.store`'s. docs/residency.md says what the values mean.
 """
 
 from __future__ import annotations
@@ -90,10 +88,10 @@ class Tables:
     clear_watermarks: faust.Table
     #: ``<partition>/<instance>/<dp rank>/<worker rank or -1>`` -> the latest ``PublisherRestarted`` applied there.
     publisher_epochs: faust.Table
-    #: ``<partition>/<ownership or primary>/<tier>/<instance>`` -> resident blocks (the fleet's: :mod:`stream_apps.fleet`).
-    tier_occupancy: faust.Table
-    #: ``<partition>/<instance>/<dp rank>/<worker rank or -1>`` -> publisher status (the fleet's: :mod:`stream_apps.fleet`).
-    sources: faust.Table
+    #: ``<partition>/<ownership or primary>/<tier>/<instance>`` -> resident blocks (global: every worker reads all).
+    tier_occupancy: faust.GlobalTable
+    #: ``<partition>/<instance>/<dp rank>/<worker rank or -1>`` -> publisher status (global).
+    sources: faust.GlobalTable
 
     @property
     def residency_store(self) -> RocksDBTableStore | MemoryTableStore:
@@ -120,6 +118,10 @@ def define_tables(app: faust.App, settings: WorkerSettings) -> Tables:
                         if settings.store == "rocksdb://" else None),
         clear_watermarks=table("clear-watermarks", "Latest AllBlocksCleared applied per source and partition."),
         publisher_epochs=table("publisher-epochs", "Latest publisher epoch started per publisher and partition."),
-        tier_occupancy=table("tier-occupancy", "Resident blocks per partition, ownership, tier, instance."),
-        sources=table("sources", "Epoch and staleness per publisher, from the bridge's events."),
+        # recovery_buffer_size=1: Faust applies the other workers' records of a global table as they arrive, not
+        # once 1,000 have piled up (its default), which left each worker's fleet-wide views a partial picture
+        tier_occupancy=table("tier-occupancy", "Resident blocks per partition, ownership, tier, instance.",
+                             factory=app.GlobalTable, recovery_buffer_size=1),
+        sources=table("sources", "Epoch and staleness per publisher, from the bridge's events.",
+                      factory=app.GlobalTable, recovery_buffer_size=1),
     )

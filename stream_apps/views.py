@@ -17,7 +17,7 @@ import faust
 
 from schemas import InvalidBlockHash, parse_block_hash
 from stream_apps.applier import Materializer
-from stream_apps.fleet import FleetTables, known_ownerships, occupancy_rows, source_rows
+from stream_apps.fleet import known_ownerships, occupancy_rows, source_rows
 from stream_apps.health import Readiness
 from stream_apps.metrics import WorkerMetrics
 from stream_apps.residency import key_partition, prefix_match, residency_key
@@ -71,13 +71,11 @@ async def _read_body(request, limit: int) -> bytes:
     return bytes(body)
 
 
-def register_views(app: faust.App, tables: Tables, fleet: FleetTables, materializer: Materializer,
-                   weights: dict[str, float], counters: Callable[[], dict[str, int]], readiness: Readiness,
-                   metrics: WorkerMetrics) -> None:
+def register_views(app: faust.App, tables: Tables, materializer: Materializer, weights: dict[str, float],
+                   counters: Callable[[], dict[str, int]], readiness: Readiness, metrics: WorkerMetrics) -> None:
     """Declare the HTTP views on ``app``.
 
     Args:
-        fleet: every partition of ``tier-occupancy`` and ``sources`` (the fleet-wide views).
         weights: tier weights of the prefix match.
         counters: this worker's event counters (``/stats/``), including the repartition process's.
         readiness: the conditions of ``GET /ready``; lookups answer 503 until they hold.
@@ -122,7 +120,7 @@ def register_views(app: faust.App, tables: Tables, fleet: FleetTables, materiali
 
     async def block_rows(block_hash: bytes) -> list[dict]:
         """Resident rows of one block over all ownerships, from whichever workers hold them."""
-        keys = [residency_key(own, block_hash) for own in sorted(known_ownerships(fleet), key=lambda o: o or "")]
+        keys = [residency_key(own, block_hash) for own in sorted(known_ownerships(tables), key=lambda o: o or "")]
         parts = await asyncio.gather(*(lookup(key) for key in keys))
         return [row for part in parts for row in part]
 
@@ -151,7 +149,7 @@ def register_views(app: faust.App, tables: Tables, fleet: FleetTables, materiali
         holders = {(row["instance_id"], row["data_parallel_rank"]) for row in rows}
         freshness = [{name: source[name] for name in ("instance_id", "data_parallel_rank", "worker_rank",
                                                       "publisher_epoch", "last_event_ts", "lag_s", "stale")}
-                     for source in source_rows(fleet)
+                     for source in source_rows(tables)
                      if (source["instance_id"], source["data_parallel_rank"]) in holders]
         return web.json({"block_hash": block_hash.hex(), "rows": rows, "sources": freshness})
 
@@ -181,13 +179,13 @@ def register_views(app: faust.App, tables: Tables, fleet: FleetTables, materiali
     @counted("occupancy")
     async def occupancy_view(web, request):
         """Resident blocks per (ownership, tier, instance): ``{"occupancy": [...]}``."""
-        return web.json({"occupancy": occupancy_rows(fleet)})
+        return web.json({"occupancy": occupancy_rows(tables)})
 
     @app.page("/sources/")
     @counted("sources")
     async def sources_view(web, request):
         """Per publisher: epoch, restarts, stale and the last lost seqs: ``{"sources": [...]}``."""
-        return web.json({"sources": source_rows(fleet)})
+        return web.json({"sources": source_rows(tables)})
 
     @app.page("/stats/")
     @counted("stats")

@@ -120,8 +120,8 @@ def _rows(url: str, block: bytes) -> dict[tuple, int]:
 
 def _assert_every_worker_answers_the_truth(fleet: Fleet, truth: dict, blocks: list[bytes]) -> None:
     """Every view on every worker equals the ground truth (occupancy, residency, prefix match), and the views
-    without a truth of their own (sources, prefix match) are equal on all workers. The other workers' partitions of
-    tier-occupancy and sources reach a worker a moment after the agents wrote them, so the comparison is retried for a few seconds."""
+    without a truth of their own (sources, prefix match) are equal on all workers. The global tables reach a
+    worker a moment after the agents wrote them, so the comparison is retried for a few seconds."""
     expected_occupancy = Counter((own, tier, inst) for (inst, _, tier, own, _, _, _) in truth)
     by_block: dict[bytes, dict] = {}
     for identity, copies in truth.items():
