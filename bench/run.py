@@ -854,6 +854,7 @@ class Bench:
         from confluent_kafka import Consumer
 
         from kafka_io.config import client_config
+        from kafka_io.reader import messages_to_end
         from schemas import AvroCodec
         from schemas.topics import KV_EVENTS, TopicNames
 
@@ -870,6 +871,7 @@ class Bench:
                                                              "enable.auto.commit": False}))
         topics = TopicNames(group.app_id)
         starts = {topic: _high_watermarks(consumer, topic) for topic in (topics.residency_changes, topics.by_ownership)}
+        consumer.close()
         producer = self._kv_producer(KV_EVENTS)
         sent = 0
         t0 = time.perf_counter()
@@ -894,7 +896,8 @@ class Bench:
         # event's (block hash, instance, ts): the delay's two halves, before and after the repartition topic
         batch_codec, event_codec = AvroCodec("ownership_batch"), AvroCodec("kv_event")
         rekeyed: dict[tuple, float] = {}
-        for message in _read_range(consumer, topics.by_ownership, starts[topics.by_ownership]):
+        for message in messages_to_end(self.bootstrap, topics.by_ownership, self.o.timeout_s,
+                                       starts[topics.by_ownership]):
             for item in batch_codec.decode(message.value())["events"]:
                 event = event_codec.decode(item["event"])
                 if event["ts"] >= began and event["block_hash"] is not None:
@@ -902,7 +905,8 @@ class Bench:
         codec = AvroCodec("residency_change")
         delays, to_batch, after_batch = [], [], []
         windows: dict[int, list[float]] = defaultdict(list)  # 5 s windows of event time -> delays
-        for message in _read_range(consumer, topics.residency_changes, starts[topics.residency_changes]):
+        for message in messages_to_end(self.bootstrap, topics.residency_changes, self.o.timeout_s,
+                                       starts[topics.residency_changes]):
             change = codec.decode(message.value())
             if change["ts"] < began:
                 continue
@@ -915,16 +919,16 @@ class Bench:
                 if batch_ms is not None:
                     to_batch.append(batch_ms - event_ms)
                     after_batch.append(changed_ms - batch_ms)
-        consumer.close()
         if not delays:
             raise RuntimeError("no kv-residency-changes records from the steady-rate events")
+        delays.sort()
         p50, p99 = _percentile(delays, 0.5), _percentile(delays, 0.99)
         details = {"samples": len(delays), "events": sent, "seconds": round(produced_s, 2),
-                   "achieved_rate": round(sent / produced_s), "max_ms": round(max(delays), 1),
+                   "achieved_rate": round(sent / produced_s), "max_ms": round(delays[-1], 1),
                    "mean_ms": round(statistics.fmean(delays), 1),
                    "warmup_s": LATENCY_WARMUP_S,
                    # per 5 s of event time, the warm-up's first: the transient and the steady state apart
-                   "p99_ms_per_5s": [round(_percentile(w, 0.99)) for _, w in sorted(windows.items())],
+                   "p99_ms_per_5s": [round(_percentile(sorted(w), 0.99)) for _, w in sorted(windows.items())],
                    # event ts -> its ownership_batch message written (producer linger, broker, the repartition
                    # process's read, batching, re-keying), then -> its table change produced (the batch's
                    # flush, the agent's fetch and queue, the apply); p50 and p99 of each, in ms
@@ -933,7 +937,7 @@ class Bench:
         self._set("latency_p50_ms", p50, **details)
         self._set("latency_p99_ms", p99, **details)
         _say(f"      {sent:,} events at {sent / produced_s:,.0f}/s; {len(delays):,} table changes: "
-             f"p50 {p50:,.0f} ms, p99 {p99:,.0f} ms, max {max(delays):,.0f} ms; p50/p99 to the repartition "
+             f"p50 {p50:,.0f} ms, p99 {p99:,.0f} ms, max {delays[-1]:,.0f} ms; p50/p99 to the repartition "
              f"topic {details['to_repartition_topic_ms']}, from there to the table "
              f"{details['repartition_topic_to_table_ms']}")
 
@@ -1316,41 +1320,25 @@ class Bench:
         return 1 if failed else 0
 
 
-def _percentile(values: list[float], q: float) -> float:
-    """The ``q`` quantile (0 to 1) of ``values`` by the nearest-rank rule; ``values`` is not changed."""
-    ordered = sorted(values)
+def _percentile(ordered: list[float], q: float) -> float:
+    """The ``q`` quantile (0 to 1) of the sorted list ``ordered``, by the nearest-rank rule."""
     return ordered[min(len(ordered) - 1, max(0, math.ceil(len(ordered) * q) - 1))]
 
 
 def _quantiles(values: list[float]) -> list[float] | None:
     """``[p50, p99]`` of ``values`` in ms, rounded to 0.1; None without values."""
-    return [round(_percentile(values, 0.5), 1), round(_percentile(values, 0.99), 1)] if values else None
+    if not values:
+        return None
+    ordered = sorted(values)
+    return [round(_percentile(ordered, 0.5), 1), round(_percentile(ordered, 0.99), 1)]
 
 
 def _high_watermarks(consumer, topic: str) -> dict[int, int]:
-    """Partition -> high watermark of ``topic`` now (an offset range's start)."""
+    """Partition -> high watermark of ``topic`` now (where a later read of what is written from now starts)."""
     from confluent_kafka import TopicPartition
 
     partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
     return {p: consumer.get_watermark_offsets(TopicPartition(topic, p))[1] for p in partitions}
-
-
-def _read_range(consumer, topic: str, starts: dict[int, int]) -> Iterator:
-    """The messages of ``topic`` from ``starts`` (partition -> offset) to the high watermarks of now, by
-    ``consumer`` (assigned here; its read errors skipped)."""
-    from confluent_kafka import TopicPartition
-
-    ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p))[1] for p in starts}
-    ends = {p: end for p, end in ends.items() if end > starts[p]}
-    consumer.assign([TopicPartition(topic, p, starts[p]) for p in ends])
-    while ends:
-        for message in consumer.consume(10_000, timeout=2.0):
-            if message.error():
-                continue
-            yield message
-            if message.offset() + 1 >= ends.get(message.partition(), 0):
-                ends.pop(message.partition(), None)
-    consumer.unassign()
 
 
 #: Seconds of the steady rate before the latency step measures: the producer's first connection and the
