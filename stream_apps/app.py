@@ -159,6 +159,10 @@ def create_app(settings: WorkerSettings) -> StreamApp:
     async def _serve_delivery_reports() -> None:
         outputs.serve_delivery_reports()
 
+    @app.timer(settings.changelog_interval_s)
+    async def _produce_changelogs() -> None:
+        checkpoint.produce_changelogs()
+
     @app.on_partitions_revoked.connect
     async def _checkpoint_on_revoke(app, revoked, **kwargs) -> None:
         checkpoint.commit()  # pending RocksDB entries of revoked partitions reach the disk before their DBs close

@@ -75,7 +75,7 @@ class Materializer:
     materialized: int = 0
 
     def write_small_table(self, table, partition: int, key: str, value: dict) -> None:
-        """``table[key] = value`` for one of the small tables, with its changelog record to ``partition``."""
+        """``table[key] = value`` for one of the small tables, its changelog record buffered for ``partition``."""
         table.data.write(partition, key, value)
 
     def add_occupancy(self, partition: int, deltas: dict[tuple, int]) -> None:
@@ -221,7 +221,7 @@ class BatchApplier:
         return state
 
     def write_back(self) -> None:
-        """Write every touched entry to the store (one changelog record per key)."""
+        """Write every touched entry to the store (each key's changelog record is buffered by the store)."""
         new_keys, write, partition = self.new_keys, self.store.write, self.partition
         for key, entry in self.touched.items():
             if entry is not None or key not in new_keys:

@@ -30,20 +30,25 @@ class Checkpoint:
 
     :meth:`commit` runs these steps, in this order:
 
-    1. **Flush the output producer** and wait for every acknowledgement: the tables' changelog records, the
+    1. **Produce the buffered changelog records** of every store (:meth:`produce_changelogs`).
+    2. **Flush the output producer** and wait for every acknowledgement: the tables' changelog records, the
        ``kv-residency-changes`` and ``kv-tier-occupancy`` records and the dead letters of every message the
        agent has finished. A refused or unacknowledged record raises: nothing may be committed then.
-    2. **Persist the stores**: each RocksDB store writes its pending entries and the changelog offset they
+    3. **Persist the stores**: each RocksDB store writes its pending entries and the changelog offset they
        reach, one atomic batch per partition. Only acknowledged records reach the disk, so a crash leaves
        every database equal to a prefix of its changelog.
-    3. **Freeze Python's garbage collector** on what exists now (see :meth:`_freeze_gc`).
-    4. Return. Faust then commits the offsets of the acknowledged messages (its ``on_commit_initiated``
+    4. **Freeze Python's garbage collector** on what exists now (see :meth:`_freeze_gc`).
+    5. Return. Faust then commits the offsets of the acknowledged messages (its ``on_commit_initiated``
        hook runs this synchronously before it picks them).
 
     Outside offset commits, the same order holds a source-wide event's effects in place: a clear's row
-    removals (and a publisher restart's retired rows) go through steps 1-2 before the record that marks the
+    removals (and a publisher restart's retired rows) go through steps 1-3 before the record that marks the
     event applied is written, or a worker restarted after a crash could skip the redelivered clear as a
     duplicate while some of its removals never reached the changelog.
+
+    Between checkpoints the worker calls :meth:`produce_changelogs` every ``--changelog-interval-s``, so
+    that the changelogs (and what reads them: the other workers' copies of the global tables, standby
+    replicas) follow the tables within that interval.
 
     Args:
         outputs: the worker's output producer.
@@ -64,6 +69,7 @@ class Checkpoint:
             CheckpointError: as :meth:`stream_apps.outputs.OutputTopics.flush`.
         """
         started = time.perf_counter()
+        self.produce_changelogs()
         try:
             self.outputs.flush()
         except RuntimeError as exc:
@@ -73,6 +79,11 @@ class Checkpoint:
         self._freeze_gc()
         self.total_seconds += time.perf_counter() - started
         self.commits += 1
+
+    def produce_changelogs(self) -> int:
+        """Produce every store's buffered changelog records, all stores in one go (so the records of one
+        message reach the broker together, as they did when each write produced its own); returns how many."""
+        return sum(store.produce_changelog() for store in self.stores)
 
     @staticmethod
     def _freeze_gc() -> None:

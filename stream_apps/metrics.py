@@ -136,6 +136,11 @@ class WorkerMetrics(Collector):
         yield blocks
         yield GaugeMetricFamily("kvstream_store_bytes", "Bytes of the worker's data directory on disk (RocksDB)",
                                 value=directory_bytes(self.settings.data_dir))
+        changelogs = CounterMetricFamily("kvstream_changelog_records", "Table changelog records produced (one per "
+                                         "key written in each --changelog-interval-s)", labels=["table"])
+        for table in self.materializer.tables.all():
+            changelogs.add_metric([table.name], table.data.changelog_records)
+        yield changelogs
         flush = SummaryMetricFamily("kvstream_checkpoint_seconds", "Duration of checkpoints: output flush and "
                                     "store persist before an offset commit")
         flush.add_metric([], count_value=self.checkpoint.commits, sum_value=self.checkpoint.total_seconds)

@@ -80,6 +80,13 @@ class WorkerSettings(BaseSettings):
     repartition_linger_s: float = Field(0.02, ge=0, description="a repartition batch that is not backlogged takes "
                                                                 "what arrived within this many seconds of the "
                                                                 "previous one, seconds")
+    #: Each table write is buffered, and every this many seconds the latest value of each key written is
+    #: produced to the table's changelog (and at every checkpoint). The other workers' copies of the global
+    #: tables (their fleet views) and standby replicas follow within it; lower costs more records and CPU
+    #: (docs/residency.md, "Changelogs and fleet views").
+    changelog_interval_s: float = Field(0.25, ge=0.01, le=60, description="produce each table key's latest "
+                                                                          "value to its changelog this often, "
+                                                                          "seconds")
     #: Decoded residency entries cached in front of the store's encoded ones (a block's events come close
     #: together); none: 100,000 with ``rocksdb://``, 10,000 with ``memory://``, whose point is a small footprint.
     residency_cache: int | None = Field(None, ge=0, description="decoded residency entries cached in front of the "

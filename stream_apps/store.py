@@ -11,10 +11,13 @@ entry point extends; ``pyproject.toml`` registers the two classes here:
 Both add the same few methods, which the agent uses instead of ``table[key] = value``:
 
 - :meth:`~RocksDBTableStore.entry` / :meth:`~RocksDBTableStore.lookup` read a value for the agent or a query;
-- :meth:`~RocksDBTableStore.write` stores a value and produces its changelog record (same key bytes, same
-  Avro value bytes, the partition being applied) through the worker's output producer
-  (:class:`stream_apps.outputs.OutputTopics`). Faust's own write sends each changelog record through its
-  producer, which costs more per key than applying the event;
+- :meth:`~RocksDBTableStore.write` stores a value, where reads find it at once, and buffers its changelog
+  record (same key bytes, same Avro value bytes, the partition being applied). Faust's own write sends each
+  changelog record through its producer, which costs more per key than applying the event;
+- :meth:`~RocksDBTableStore.produce_changelog` produces the buffered records, the latest value of each key
+  written since the last call, through the worker's output producer
+  (:class:`stream_apps.outputs.OutputTopics`). The checkpoint calls it first, and the worker every
+  ``--changelog-interval-s`` (see below);
 - :meth:`~RocksDBTableStore.persist` runs at each checkpoint (:class:`stream_apps.checkpoint.Checkpoint`),
   after every changelog record was acknowledged.
 
@@ -24,6 +27,16 @@ then writes it, with the changelog offset it reaches, in one atomic batch per pa
 mid-batch restarts from the disk plus whatever changelog records did arrive, and the redelivered events
 redo the rest. (Writing the disk first, as Faust does, loses an update for good: the restarted worker keeps
 the newer value, ignores the redelivered event as a duplicate, and the changelog never gets it.)
+
+Why the changelog records are buffered: a key written by several messages within an interval gets one
+record, the last value, as Kafka Streams' record cache does between commits. The two global tables are
+written by every batch message (a count per tier and instance, an activity row per publisher) and every
+worker consumes every record of their changelogs through Faust, its own writes included: per message,
+that consumption cost more than applying the message's events (bench/PROFILE.md, "Latency at 10,000
+events/s"). Buffered, they are written a few times per interval instead of several times per message. The
+records of all tables are produced together, as one message's were before: a crash leaves the changelogs
+as consistent with each other as it did. What waits longer is what only the changelogs carry: the other
+workers' copies of the global tables (their fleet views) and standby replicas, by up to the interval.
 
 On each rebalance the RocksDB store also copies the changelog of its newly assigned partitions straight
 into their databases before Faust's recovery starts (:mod:`stream_apps.changelog_recovery`).
@@ -85,6 +98,33 @@ class _BoundStore:
         self.bootstrap_servers = bootstrap_servers
         self.cache_entries = cache_entries
         self.recovery_timeout_s = recovery_timeout_s
+        #: Changelog records written and not yet produced: (partition, key) -> the key's latest value, in
+        #: the form :meth:`_changelog_value` turns into the record's bytes (None: a tombstone).
+        self._unproduced: dict[tuple[int, str], Any] = {}
+        #: Changelog records produced, in all (``kvstream_changelog_records_total``).
+        self.changelog_records = 0
+
+    def _changelog_value(self, value: Any) -> bytes | None:
+        """The changelog record's value bytes of a buffered value (these stores buffer the bytes)."""
+        return value
+
+    #: Delivery callback of this store's changelog records (None: the output producer's own).
+    _changelog_delivery: Callable | None = None
+
+    def produce_changelog(self) -> int:
+        """Produce one changelog record per key written since the last call, with its latest value, to the
+        partition it was written for; returns how many. Nothing waits for the broker: the checkpoint's flush
+        does (:class:`stream_apps.checkpoint.Checkpoint`)."""
+        unproduced = self._unproduced
+        if not unproduced:
+            return 0
+        self._unproduced = {}
+        produce, changelog, delivery, value_bytes = (self.outputs.produce, self.changelog, self._changelog_delivery,
+                                                     self._changelog_value)
+        for (partition, key), value in unproduced.items():
+            produce(changelog, key.encode(), value_bytes(value), partition, delivery)
+        self.changelog_records += len(unproduced)
+        return len(unproduced)
 
 
 class _EntryCache:
@@ -136,13 +176,18 @@ class MemoryTableStore(_BoundStore, faust.stores.memory.Store):
         return self.data.get(key)
 
     def write(self, partition: int, key: str, value: dict | None) -> None:
-        """Store ``value`` (None: delete) and produce its changelog record to ``partition``."""
+        """Store ``value`` (None: delete) and buffer its changelog record to ``partition``
+        (:meth:`produce_changelog` encodes the key's value as it is then)."""
         if value is None:
             self.data.pop(key, None)
         else:
             self.data[key] = value
         self._key_partition[key] = partition
-        self.outputs.produce(self.changelog, key.encode(), None if value is None else self.encode(value), partition)
+        self._unproduced[(partition, key)] = value
+
+    def _changelog_value(self, value: dict | None) -> bytes | None:
+        """These values are buffered as dicts: encoded once per record produced, not once per write."""
+        return None if value is None else self.encode(value)
 
     def persist(self) -> None:
         """Nothing to persist: the changelog is this store's only durable copy."""
@@ -205,7 +250,7 @@ class CompactMemoryTableStore(_EntryCache, MemoryTableStore):
         return None if raw is None else self.codec.decode(raw)
 
     def write(self, partition: int, key: str, value: dict | None) -> None:
-        """Store ``value`` (None: delete) as its Avro bytes and produce them as its changelog record to
+        """Store ``value`` (None: delete) as its Avro bytes and buffer them as its changelog record to
         ``partition``."""
         encoded = None if value is None else self.encode(value)
         if encoded is None:
@@ -213,7 +258,11 @@ class CompactMemoryTableStore(_EntryCache, MemoryTableStore):
         else:
             self.data[key] = encoded
         self._remember(key, value)
-        self.outputs.produce(self.changelog, key.encode(), encoded, partition)
+        self._unproduced[(partition, key)] = encoded
+
+    def _changelog_value(self, value: bytes | None) -> bytes | None:
+        """Buffered as the bytes it stores: already encoded."""
+        return value
 
     def partition_keys(self, partition: int) -> list[str]:
         """Keys of ``partition`` held here (a scan computing each key's partition, for rare source-wide events)."""
@@ -248,6 +297,8 @@ class RocksDBTableStore(_EntryCache, _BoundStore, faust.stores.rocksdb.Store):
         self._cache: OrderedDict[str, dict | None] = OrderedDict()
         #: Partition -> key -> (entry or None, Avro bytes or None): written, not yet acknowledged nor on disk.
         self._pending: dict[int, dict[str, tuple[dict | None, bytes | None]]] = defaultdict(dict)
+        # each acknowledged changelog record moves its partition's persisted offset
+        self._changelog_delivery = self._on_delivery
         #: Changelog records copied into the databases at rebalances, and the seconds it took (for the metrics).
         self.recovered_records = 0
         self.recovered_seconds = 0.0
@@ -283,12 +334,12 @@ class RocksDBTableStore(_EntryCache, _BoundStore, faust.stores.rocksdb.Store):
         return None if raw is None else self.codec.decode(raw)
 
     def write(self, partition: int, key: str, entry: dict | None) -> None:
-        """Produce ``entry``'s changelog record (None: a tombstone) to ``partition``; it reaches the disk at
-        the first :meth:`persist` after the record is acknowledged."""
+        """Buffer ``entry``'s changelog record (None: a tombstone) to ``partition``; it reaches the disk at
+        the first :meth:`persist` after the record is produced and acknowledged."""
         value = None if entry is None else self.encode(entry)
         self._pending[partition][key] = (entry, value)
         self._remember(key, entry)
-        self.outputs.produce(self.changelog, key.encode(), value, partition, self._on_delivery)
+        self._unproduced[(partition, key)] = value
 
     def _on_delivery(self, error, message) -> None:
         if error is None:
@@ -300,9 +351,17 @@ class RocksDBTableStore(_EntryCache, _BoundStore, faust.stores.rocksdb.Store):
     def persist(self) -> None:
         """Write the pending entries and the changelog offset they reach, atomically per partition.
 
-        Call only after a flush that acknowledged every changelog record (:class:`stream_apps.checkpoint.Checkpoint`).
+        Call only after :meth:`produce_changelog` and a flush that acknowledged every changelog record
+        (:class:`stream_apps.checkpoint.Checkpoint`).
+
+        Raises:
+            RuntimeError: changelog records are still buffered (the disk would run ahead of the changelog).
         """
         from rocksdict import WriteBatch
+
+        if self._unproduced:
+            raise RuntimeError(f"{self.changelog}: persist() with {len(self._unproduced)} changelog records not "
+                               "produced")
 
         for partition, entries in self._pending.items():
             if not entries:

@@ -1,0 +1,120 @@
+"""The tables' buffered changelog writes (stream_apps/store.py, stream_apps/checkpoint.py) on a real broker.
+
+A worker's app is built (``create_app``) but not started, so no timer produces anything: each test decides
+when the buffered records go out (``produce_changelogs`` or a checkpoint) and reads the changelog topics back.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from kafka_io.admin import ensure_topics
+from producers.split import Publisher, split_event
+from schemas.clear_position import NO_CLEAR
+from kafka_io.reader import messages_to_end
+from schemas import AvroCodec
+from stream_apps.app import create_app
+from stream_apps.residency import DEFAULT_CLEAR_TIERS, ApplyStats, apply_block_event
+from stream_apps.settings import WorkerSettings
+
+pytestmark = pytest.mark.integration
+
+_app_ids = itertools.count()
+
+
+def _app(bootstrap: str, tmp_path, store: str):
+    settings = WorkerSettings(bootstrap_servers=bootstrap, app_id=f"changelog-buffer-{next(_app_ids)}",
+                              store=store, data_dir=tmp_path / "worker", partitions=4)
+    stream_app = create_app(settings)
+    ensure_topics(bootstrap, {name: partitions for name, (partitions, _) in stream_app.declared_topics().items()})
+    return stream_app
+
+
+def _records(bootstrap: str, topic: str) -> list[tuple[int, int, str, bytes | None]]:
+    """Every record of ``topic``: (partition, offset, key, value)."""
+    return sorted((m.partition(), m.offset(), m.key().decode(), m.value()) for m in messages_to_end(bootstrap, topic, 30))
+
+
+def _status(instance: str, events_applied: int) -> dict:
+    return {"instance_id": instance, "data_parallel_rank": 0, "worker_rank": -1, "publisher_epoch": 1,
+            "stale": False, "first_lost_seq": None, "last_lost_seq": None, "gaps": 0, "restarts": 0,
+            "last_seq": events_applied, "last_event_ts": 1767230000.0 + events_applied,
+            "events_applied": events_applied, "changed_ts": 1767230000.0}
+
+
+def _entry(block: int, medium: str) -> dict:
+    """A residency entry as the rules make it: ``block`` stored on ``medium`` by one engine."""
+    event = {"type": "BlockStored", "block_hashes": [block], "parent_block_hash": None, "token_ids": [],
+             "block_size": 16, "lora_id": None, "medium": medium, "lora_name": None, "group_idx": 0}
+    record = split_event(Publisher("engine-a"), 1, 1767230000.0, 0, event)[0]
+    entry, _, _ = apply_block_event(None, record, NO_CLEAR, NO_CLEAR, DEFAULT_CLEAR_TIERS, ApplyStats())
+    return entry
+
+
+def test_a_small_table_key_written_several_times_gets_one_record_with_its_latest_value(kafka_bootstrap, tmp_path):
+    stream_app = _app(kafka_bootstrap, tmp_path, "memory://")
+    store = stream_app.tables.sources.data
+    topic = store.changelog
+    status = _status("engine-a", 1)
+    store.write(2, "2/engine-a/0/-1", status)
+    status.update(events_applied=2, last_seq=2)  # what note_applied does: the row read back, updated, written
+    store.write(2, "2/engine-a/0/-1", status)
+    store.write(3, "3/engine-b/0/-1", _status("engine-b", 7))
+    store.write(3, "3/engine-b/0/-1", None)
+
+    assert store.lookup("2/engine-a/0/-1", 2)["events_applied"] == 2  # reads find a write at once
+    stream_app.outputs.flush()
+    assert _records(kafka_bootstrap, topic) == []  # nothing produced before produce_changelogs
+
+    assert stream_app.checkpoint.produce_changelogs() == 2
+    stream_app.outputs.flush()
+    records = _records(kafka_bootstrap, topic)
+    assert [(p, key) for p, _, key, _ in records] == [(2, "2/engine-a/0/-1"), (3, "3/engine-b/0/-1")]
+    assert AvroCodec("source_status").decode(records[0][3]) == status
+    assert records[1][3] is None  # the last write deleted the key: a tombstone
+    assert stream_app.checkpoint.produce_changelogs() == 0  # produced once
+
+
+def test_a_checkpoint_produces_the_buffered_records_of_every_table_before_it_persists(kafka_bootstrap, tmp_path):
+    stream_app = _app(kafka_bootstrap, tmp_path, "rocksdb://")
+    tables, checkpoint = stream_app.tables, stream_app.checkpoint
+    residency = tables.residency_store
+    first, last = _entry(1, "GPU"), _entry(1, "CPU")
+    residency.write(1, "primary/01", first)
+    residency.write(1, "primary/01", last)
+    occupancy = {"ownership": None, "tier": "CPU", "instance_id": "engine-a", "resident_blocks": 1}
+    tables.tier_occupancy.data.write(1, "1/primary/CPU/engine-a", occupancy)
+
+    with pytest.raises(RuntimeError, match="not produced"):
+        residency.persist()  # the disk must never run ahead of the changelog
+    checkpoint.commit()
+
+    records = _records(kafka_bootstrap, residency.changelog)
+    assert [(p, key) for p, _, key, _ in records] == [(1, "primary/01")]
+    assert records[0][3] == residency.encode(last)
+    # persisted with the offset of the record it reaches: a restart reads the changelog from there
+    db = residency._db_for_partition(1)
+    assert db.get(b"primary/01") == residency.encode(last)
+    assert int(db.get(residency.offset_key)) == records[0][1]
+    occupancy_records = _records(kafka_bootstrap, tables.tier_occupancy.data.changelog)
+    assert [(p, key) for p, _, key, _ in occupancy_records] == [(1, "1/primary/CPU/engine-a")]
+    assert AvroCodec("tier_occupancy").decode(occupancy_records[0][3]) == occupancy
+
+
+def test_the_compact_memory_store_produces_the_bytes_it_holds(kafka_bootstrap, tmp_path):
+    stream_app = _app(kafka_bootstrap, tmp_path, "memory://")
+    residency = stream_app.tables.residency_store
+    entry = _entry(2, "GPU")
+    residency.write(0, "primary/02", _entry(2, "CPU"))
+    residency.write(0, "primary/02", entry)
+    residency.write(0, "primary/03", _entry(3, "GPU"))
+    residency.write(0, "primary/03", None)
+
+    assert stream_app.checkpoint.produce_changelogs() == 2
+    stream_app.outputs.flush()
+
+    records = {key: value for _, _, key, value in _records(kafka_bootstrap, residency.changelog)}
+    assert records == {"primary/02": residency.data["primary/02"], "primary/03": None}
+    assert records["primary/02"] == residency.encode(entry)
