@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import faust
@@ -26,7 +27,7 @@ from schemas.topics import DEAD_LETTER_TOPIC_CONFIG
 from stream_apps import consumer_fixes
 from stream_apps.agent_progress import AgentProgress
 from stream_apps.applier import Materializer
-from stream_apps.checkpoint import Checkpoint, CommitSensor, tune_gc, warn_on_long_gc_pauses
+from stream_apps.checkpoint import Checkpoint, CheckpointError, CommitSensor, tune_gc, warn_on_long_gc_pauses
 from stream_apps.health import Readiness
 from stream_apps.materialize import register_agent
 from stream_apps.metrics import WorkerMetrics
@@ -36,6 +37,8 @@ from stream_apps.settings import WorkerSettings
 from stream_apps.store import STORE_SCHEMES
 from stream_apps.tables import Tables, define_tables
 from stream_apps.views import register_views
+
+log = logging.getLogger(__name__)
 
 
 def broker_credentials():
@@ -161,7 +164,11 @@ def create_app(settings: WorkerSettings) -> StreamApp:
 
     @app.timer(settings.changelog_interval_s)
     async def _produce_changelogs() -> None:
-        checkpoint.produce_changelogs()
+        try:
+            checkpoint.produce_changelogs()
+        except CheckpointError as exc:
+            log.error("stopping the worker: %s", exc)
+            await app.crash(exc)
 
     @app.on_partitions_revoked.connect
     async def _checkpoint_on_revoke(app, revoked, **kwargs) -> None:

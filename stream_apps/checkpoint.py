@@ -61,29 +61,49 @@ class Checkpoint:
         #: How many commits ran, and their seconds in all (``kvstream_checkpoint_seconds``).
         self.commits = 0
         self.total_seconds = 0.0
+        #: Why a checkpoint failed, if one did: every later one fails too (see :meth:`commit`).
+        self.failure: str | None = None
 
     def commit(self) -> None:
         """Run the steps above.
 
+        Once a checkpoint failed, every later one fails at once. The worker is stopping then, and Faust's
+        shutdown commits offsets once more: a second flush would pass (the refused records are no longer
+        queued), so the offsets of messages whose outputs never reached the broker would be committed.
+
         Raises:
-            CheckpointError: as :meth:`stream_apps.outputs.OutputTopics.flush`.
+            CheckpointError: a changelog record could not be produced, an output was refused or not
+                acknowledged (:meth:`stream_apps.outputs.OutputTopics.flush`), a store could not persist, or
+                an earlier checkpoint failed. Nothing may be committed; the worker must stop.
         """
+        if self.failure is not None:
+            raise CheckpointError(f"an earlier checkpoint failed, nothing more is committed: {self.failure}")
         started = time.perf_counter()
         self.produce_changelogs()
         try:
             self.outputs.flush()
-        except RuntimeError as exc:
+            for store in self.stores:
+                store.persist()
+        except Exception as exc:
+            self.failure = f"{type(exc).__name__}: {exc}"
             raise CheckpointError(str(exc)) from exc
-        for store in self.stores:
-            store.persist()
         self._freeze_gc()
         self.total_seconds += time.perf_counter() - started
         self.commits += 1
 
     def produce_changelogs(self) -> int:
         """Produce every store's buffered changelog records, all stores in one go (so the records of one
-        message reach the broker together, as they did when each write produced its own); returns how many."""
-        return sum(store.produce_changelog() for store in self.stores)
+        message reach the broker together, as they did when each write produced its own); returns how many.
+
+        Raises:
+            CheckpointError: a record could not be encoded or enqueued; it and the records after it stay
+                buffered (so every later checkpoint fails too: the worker must stop).
+        """
+        try:
+            return sum(store.produce_changelog() for store in self.stores)
+        except Exception as exc:
+            self.failure = f"{type(exc).__name__}: {exc}"
+            raise CheckpointError(f"a changelog record could not be produced: {self.failure}") from exc
 
     @staticmethod
     def _freeze_gc() -> None:

@@ -48,6 +48,7 @@ import asyncio
 import logging
 import threading
 from collections import OrderedDict, defaultdict
+from itertools import islice
 from typing import TYPE_CHECKING, Any, Callable
 
 import faust.stores.memory
@@ -114,17 +115,32 @@ class _BoundStore:
     def produce_changelog(self) -> int:
         """Produce one changelog record per key written since the last call, with its latest value, to the
         partition it was written for; returns how many. Nothing waits for the broker: the checkpoint's flush
-        does (:class:`stream_apps.checkpoint.Checkpoint`)."""
+        does (:class:`stream_apps.checkpoint.Checkpoint`).
+
+        Raises:
+            Exception: a value could not be encoded, or librdkafka refused to enqueue a record (e.g. too
+                large). That record and the ones after it stay buffered: a RocksDB store then refuses to
+                persist, and nothing written is dropped unseen.
+        """
         unproduced = self._unproduced
         if not unproduced:
             return 0
         self._unproduced = {}
         produce, changelog, delivery, value_bytes = (self.outputs.produce, self.changelog, self._changelog_delivery,
                                                      self._changelog_value)
-        for (partition, key), value in unproduced.items():
-            produce(changelog, key.encode(), value_bytes(value), partition, delivery)
-        self.changelog_records += len(unproduced)
-        return len(unproduced)
+        produced = 0
+        try:
+            for (partition, key), value in unproduced.items():
+                produce(changelog, key.encode(), value_bytes(value), partition, delivery)
+                produced += 1
+        except BaseException:
+            left = dict(islice(unproduced.items(), produced, None))
+            left.update(self._unproduced)
+            self._unproduced = left
+            raise
+        finally:
+            self.changelog_records += produced
+        return produced
 
 
 class _EntryCache:

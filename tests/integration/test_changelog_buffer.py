@@ -7,6 +7,7 @@ when the buffered records go out (``produce_changelogs`` or a checkpoint) and re
 from __future__ import annotations
 
 import itertools
+import secrets
 
 import pytest
 
@@ -16,6 +17,7 @@ from schemas.clear_position import NO_CLEAR
 from kafka_io.reader import messages_to_end
 from schemas import AvroCodec
 from stream_apps.app import create_app
+from stream_apps.checkpoint import CheckpointError
 from stream_apps.residency import DEFAULT_CLEAR_TIERS, ApplyStats, apply_block_event
 from stream_apps.settings import WorkerSettings
 
@@ -118,3 +120,43 @@ def test_the_compact_memory_store_produces_the_bytes_it_holds(kafka_bootstrap, t
     records = {key: value for _, _, key, value in _records(kafka_bootstrap, residency.changelog)}
     assert records == {"primary/02": residency.data["primary/02"], "primary/03": None}
     assert records["primary/02"] == residency.encode(entry)
+
+
+def test_a_record_that_cannot_be_produced_stays_buffered_and_every_checkpoint_fails(kafka_bootstrap, tmp_path):
+    stream_app = _app(kafka_bootstrap, tmp_path, "rocksdb://")
+    tables, checkpoint = stream_app.tables, stream_app.checkpoint
+    sources = tables.sources.data
+    sources.write(0, "0/engine-a/0/-1", _status("engine-a", 1))
+    sources.write(0, "0/engine-b/0/-1", {"instance_id": "engine-b"})  # not a source_status: cannot be encoded
+    tables.residency_store.write(0, "primary/04", _entry(4, "GPU"))
+
+    with pytest.raises(CheckpointError, match="could not be produced"):
+        checkpoint.commit()
+
+    stream_app.outputs.flush()
+    # the stores go in order, residency first: what came before the bad record went out, the bad one did not
+    assert [key for _, _, key, _ in _records(kafka_bootstrap, tables.residency_store.changelog)] == ["primary/04"]
+    assert [key for _, _, key, _ in _records(kafka_bootstrap, sources.changelog)] == ["0/engine-a/0/-1"]
+    assert tables.residency_store._db_for_partition(0).get(b"primary/04") is None  # nothing persisted
+    with pytest.raises(CheckpointError, match="earlier checkpoint failed"):
+        checkpoint.commit()  # e.g. Faust's commit at shutdown: nothing may be committed now
+    assert list(sources._unproduced) == [(0, "0/engine-b/0/-1")]
+
+
+def test_after_the_broker_refused_a_record_every_later_checkpoint_fails(kafka_bootstrap, tmp_path):
+    app_id = f"changelog-buffer-{next(_app_ids)}"
+    changelog = f"{app_id}-sources-changelog"
+    ensure_topics(kafka_bootstrap, {changelog: 4},
+                  configs={changelog: {"cleanup.policy": "compact", "max.message.bytes": "300"}})
+    settings = WorkerSettings(bootstrap_servers=kafka_bootstrap, app_id=app_id, store="memory://",
+                              data_dir=tmp_path / "worker", partitions=4)
+    stream_app = create_app(settings)
+    ensure_topics(kafka_bootstrap, {name: partitions for name, (partitions, _) in stream_app.declared_topics().items()})
+    # over the topic's limit even lz4-compressed (random hex)
+    stream_app.tables.sources.data.write(1, "1/big/0/-1", _status(secrets.token_hex(2000), 1))
+
+    with pytest.raises(CheckpointError, match="refused"):
+        stream_app.checkpoint.commit()
+    # the refused record is no longer queued, so a second flush would pass: the checkpoint must not
+    with pytest.raises(CheckpointError, match="earlier checkpoint failed"):
+        stream_app.checkpoint.commit()
