@@ -122,9 +122,9 @@ class KafkaStreamsPeer:
             self.process.wait()
 
 
-def topic_end_offsets(bootstrap: str) -> dict[str, int]:
-    """Every topic's end offsets summed over its partitions: messages ever written to it (compaction and
-    retention do not lower them)."""
+def partition_end_offsets(bootstrap: str, topics: list[str] | None = None) -> dict[tuple[str, int], int]:
+    """(topic, partition) -> end offset (high watermark) now, for ``topics`` (None: every topic); where a
+    read of what is written from now on starts."""
     from confluent_kafka.admin import AdminClient, OffsetSpec
     from confluent_kafka import TopicPartition
 
@@ -132,11 +132,18 @@ def topic_end_offsets(bootstrap: str) -> dict[str, int]:
 
     admin = AdminClient(client_config(bootstrap))
     metadata = admin.list_topics(timeout=10)
-    partitions = [TopicPartition(t, p) for t, m in metadata.topics.items() for p in m.partitions]
+    partitions = [TopicPartition(t, p) for t, m in metadata.topics.items() if topics is None or t in topics
+                  for p in m.partitions]
     latest = admin.list_offsets({tp: OffsetSpec.latest() for tp in partitions}, request_timeout=30)
+    return {(tp.topic, tp.partition): future.result().offset for tp, future in latest.items()}
+
+
+def topic_end_offsets(bootstrap: str) -> dict[str, int]:
+    """Every topic's end offsets summed over its partitions: messages ever written to it (compaction and
+    retention do not lower them)."""
     ends: dict[str, int] = {}
-    for tp, future in latest.items():
-        ends[tp.topic] = ends.get(tp.topic, 0) + future.result().offset
+    for (topic, _), offset in partition_end_offsets(bootstrap).items():
+        ends[topic] = ends.get(topic, 0) + offset
     return ends
 
 

@@ -851,9 +851,7 @@ class Bench:
     def _latency(self, group: _Workers) -> None:
         """Steady produce of fresh blocks at ``latency_rate``; delays from kv-residency-changes, split at the
         repartition topic (the ``ownership_batch`` message that carried each event)."""
-        from confluent_kafka import Consumer
-
-        from kafka_io.config import client_config
+        from bench.peers import partition_end_offsets
         from kafka_io.reader import messages_to_end
         from schemas import AvroCodec
         from schemas.topics import KV_EVENTS, TopicNames
@@ -867,11 +865,10 @@ class Bench:
             batches, _ = _fleet_batches(_shifted(self._trace_requests(), repetition), None, repetition)
             events += [(b.publisher, b.seq, i, e) for b in batches for i, e in enumerate(b.events)]
             repetition += 1
-        consumer = Consumer(client_config(self.bootstrap, **{"group.id": "bench-latency",
-                                                             "enable.auto.commit": False}))
         topics = TopicNames(group.app_id)
-        starts = {topic: _high_watermarks(consumer, topic) for topic in (topics.residency_changes, topics.by_ownership)}
-        consumer.close()
+        ends = partition_end_offsets(self.bootstrap, [topics.residency_changes, topics.by_ownership])
+        starts = {topic: {p: offset for (t, p), offset in ends.items() if t == topic}
+                  for topic in (topics.residency_changes, topics.by_ownership)}
         producer = self._kv_producer(KV_EVENTS)
         sent = 0
         t0 = time.perf_counter()
@@ -1331,14 +1328,6 @@ def _quantiles(values: list[float]) -> list[float] | None:
         return None
     ordered = sorted(values)
     return [round(_percentile(ordered, 0.5), 1), round(_percentile(ordered, 0.99), 1)]
-
-
-def _high_watermarks(consumer, topic: str) -> dict[int, int]:
-    """Partition -> high watermark of ``topic`` now (where a later read of what is written from now starts)."""
-    from confluent_kafka import TopicPartition
-
-    partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
-    return {p: consumer.get_watermark_offsets(TopicPartition(topic, p))[1] for p in partitions}
 
 
 #: Seconds of the steady rate before the latency step measures: the producer's first connection and the

@@ -12,10 +12,10 @@ import secrets
 import pytest
 
 from kafka_io.admin import ensure_topics
-from producers.split import Publisher, split_event
-from schemas.clear_position import NO_CLEAR
 from kafka_io.reader import messages_to_end
+from producers.split import Publisher, split_event
 from schemas import AvroCodec
+from schemas.clear_position import NO_CLEAR
 from stream_apps.app import create_app
 from stream_apps.checkpoint import CheckpointError
 from stream_apps.residency import DEFAULT_CLEAR_TIERS, ApplyStats, apply_block_event
@@ -26,8 +26,9 @@ pytestmark = pytest.mark.integration
 _app_ids = itertools.count()
 
 
-def _app(bootstrap: str, tmp_path, store: str):
-    settings = WorkerSettings(bootstrap_servers=bootstrap, app_id=f"changelog-buffer-{next(_app_ids)}",
+def _app(bootstrap: str, tmp_path, store: str, app_id: str | None = None):
+    """A worker's app, not started, with its topics created (those that exist already are kept)."""
+    settings = WorkerSettings(bootstrap_servers=bootstrap, app_id=app_id or f"changelog-buffer-{next(_app_ids)}",
                               store=store, data_dir=tmp_path / "worker", partitions=4)
     stream_app = create_app(settings)
     ensure_topics(bootstrap, {name: partitions for name, (partitions, _) in stream_app.declared_topics().items()})
@@ -148,10 +149,7 @@ def test_after_the_broker_refused_a_record_every_later_checkpoint_fails(kafka_bo
     changelog = f"{app_id}-sources-changelog"
     ensure_topics(kafka_bootstrap, {changelog: 4},
                   configs={changelog: {"cleanup.policy": "compact", "max.message.bytes": "300"}})
-    settings = WorkerSettings(bootstrap_servers=kafka_bootstrap, app_id=app_id, store="memory://",
-                              data_dir=tmp_path / "worker", partitions=4)
-    stream_app = create_app(settings)
-    ensure_topics(kafka_bootstrap, {name: partitions for name, (partitions, _) in stream_app.declared_topics().items()})
+    stream_app = _app(kafka_bootstrap, tmp_path, "memory://", app_id)
     # over the topic's limit even lz4-compressed (random hex)
     stream_app.tables.sources.data.write(1, "1/big/0/-1", _status(secrets.token_hex(2000), 1))
 
