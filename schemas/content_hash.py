@@ -1,0 +1,107 @@
+"""Content hashes of KV blocks: a key of a block's own tokens that does not depend on the engine's hash seed.
+
+An engine's block hashes are seeded and salted (vLLM's ``NONE_HASH`` comes from ``PYTHONHASHSEED`` and is random
+when it is unset; its default ``sha256`` hashes pickled tuples, which only Python reproduces), so a router that
+has token ids cannot compute them. The read path therefore keeps a *dual key* (docs/querying.md, "For router
+authors"), as llm-d, Dynamo and Mooncake's indexer do:
+
+* each stored block gets a **content hash** here, from its own tokens and extra keys alone (stateless, so every
+  producer computes it per event): XXH3-64, seed 0, over the block's token ids as little-endian u32, followed by
+  the msgpack encoding of the block's extra keys when it has any. It is Mooncake's and Dynamo's "local hash";
+* the index chains content hashes along the engine's parent hashes, so a prefix of token blocks is found whatever
+  seed the engines run with (``stream_apps.index``).
+
+Extra keys are what vLLM 0.33 puts in each block's ``extra_keys`` entry: ``[lora_name]`` on every block of a LoRA
+request, then ``cache_salt`` on block 0 of a salted request (``vllm/v1/core/kv_cache_utils.py``). A query with
+``token_ids``, ``lora_name`` and ``cache_salt`` builds the same keys with :func:`query_extra_keys`, so the same
+tokens under another salt, or without it, match nothing salted.
+
+The value is a signed 64-bit int (Avro ``long``): the digest's bits as two's complement.
+"""
+
+from __future__ import annotations
+
+import array
+import sys
+from collections.abc import Sequence
+
+import msgspec
+import xxhash
+
+_ENCODE_MSGPACK = msgspec.msgpack.Encoder().encode
+_XXH3 = xxhash.xxh3_64_intdigest
+_LITTLE_ENDIAN = sys.byteorder == "little"
+_SIGN = 1 << 63
+_U64 = 1 << 64
+_U32 = (1 << 32) - 1
+
+
+def _signed(digest: int) -> int:
+    return digest - _U64 if digest >= _SIGN else digest
+
+
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    """``token_ids`` as little-endian u32, the bytes a content hash covers (a negative id wraps to its u32 bits,
+    as the engines' int32 ids do).
+
+    Raises:
+        OverflowError: a token id outside the 32-bit range.
+    """
+    try:
+        packed = array.array("I", token_ids)
+    except OverflowError:
+        packed = array.array("I", [t & _U32 if -(1 << 31) <= t < 0 else t for t in token_ids])
+    if not _LITTLE_ENDIAN:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def content_hash(token_ids: Sequence[int] | bytes, extra_keys: Sequence | None = None) -> int:
+    """The content hash of one block: XXH3-64 (seed 0) over its tokens as little-endian u32, then the msgpack
+    encoding of ``extra_keys`` when it is not empty.
+
+    Args:
+        token_ids: the block's token ids, or their little-endian u32 bytes (:func:`token_bytes`).
+        extra_keys: the block's extra keys as vLLM orders them (LoRA name, multimodal identifiers, cache salt);
+            None or empty for a block without any.
+
+    Returns:
+        A signed 64-bit int.
+    """
+    data = token_ids if isinstance(token_ids, bytes) else token_bytes(token_ids)
+    if extra_keys:
+        data += _ENCODE_MSGPACK(list(extra_keys))
+    return _signed(_XXH3(data))
+
+
+def query_extra_keys(block_index: int, lora_name: str | None = None, cache_salt: str | None = None) -> list | None:
+    """The extra keys vLLM 0.33 gives block ``block_index`` of a request (``_gen_lora_extra_hash_keys`` and
+    ``_gen_cache_salt_extra_hash_keys``): ``[lora_name]`` on every block of a LoRA request, then ``cache_salt``
+    on block 0. None when there are none."""
+    keys = []
+    if lora_name:
+        keys.append(lora_name)
+    if cache_salt and block_index == 0:
+        keys.append(cache_salt)
+    return keys or None
+
+
+def block_content_hashes(token_ids: Sequence[int] | bytes, block_size: int, lora_name: str | None = None,
+                         cache_salt: str | None = None) -> list[int]:
+    """The content hashes of a request's full blocks, as a query computes them.
+
+    Args:
+        token_ids: the prompt's token ids, or their little-endian u32 bytes (as Mooncake's proxy sends them).
+        block_size: tokens per block; a trailing partial block is not hashed (engines publish full blocks only).
+
+    Raises:
+        ValueError: ``block_size`` below 1, or bytes whose length is not a multiple of 4.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be at least 1, not {block_size}")
+    data = token_ids if isinstance(token_ids, bytes) else token_bytes(token_ids)
+    if len(data) % 4:
+        raise ValueError(f"token bytes of length {len(data)}: expected little-endian u32, 4 bytes per token")
+    step = 4 * block_size
+    return [content_hash(data[i * step:(i + 1) * step], query_extra_keys(i, lora_name, cache_salt))
+            for i in range(len(data) // step)]
