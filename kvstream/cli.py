@@ -80,12 +80,58 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     return run_worker(settings_from_args(WorkerSettings, args))
 
 
+def _cmd_index(args: argparse.Namespace) -> int:
+    from kvstream.options import settings_from_args
+    from stream_apps.index.server import run_index
+    from stream_apps.index.settings import IndexSettings
+
+    settings = settings_from_args(IndexSettings, args)
+    configure_logging(settings.log_level, settings.log_format)
+    return run_index(settings)
+
+
+def _query_tokens(args: argparse.Namespace, settings) -> int:
+    """``kvstream query tokens``: ``POST /query`` with the token ids given, printed as JSON."""
+    from kvstream.client import IndexClient, IndexQueryError
+
+    try:
+        tokens = [int(t) for t in args.block_hash]
+    except ValueError:
+        print("error: query tokens takes token ids (integers), e.g. 'kvstream query tokens 1 2 3'", file=sys.stderr)
+        return 2
+    if args.token_file is not None:
+        try:
+            tokens += [int(t) for t in json.loads(Path(args.token_file).read_text())]
+        except (OSError, ValueError, TypeError) as exc:
+            print(f"error: --token-file {args.token_file}: expected a JSON list of token ids ({exc})",
+                  file=sys.stderr)
+            return 2
+    if not tokens:
+        print("error: query tokens needs token ids, as arguments or with --token-file", file=sys.stderr)
+        return 2
+    options = {"model_name": args.model, "lora_name": args.lora_name, "cache_salt": args.cache_salt,
+               "block_size": args.block_size}
+    try:
+        with IndexClient(settings.worker_url, timeout_s=settings.request_timeout_s) as client:
+            answer = client.query(tokens, **options)
+    except IndexQueryError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"error: no index or worker answered at {settings.worker_url}: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(answer, indent=2))
+    return 0
+
+
 def _cmd_query(args: argparse.Namespace) -> int:
     from kvstream.options import settings_from_args
     from kvstream.settings import QuerySettings
     from schemas import InvalidBlockHash, parse_block_hash
 
     settings = settings_from_args(QuerySettings, args)
+    if args.what == "tokens":
+        return _query_tokens(args, settings)
     data = None
     try:  # refused here, with the accepted forms, rather than by the worker
         hashes = [parse_block_hash(text).hex() for text in args.block_hash]
@@ -107,7 +153,7 @@ def _cmd_query(args: argparse.Namespace) -> int:
         print(f"error: query {args.what} takes no block hash", file=sys.stderr)
         return 2
     else:
-        path = f"/{args.what}/"
+        path = "/workers" if args.what == "workers" else f"/{args.what}/"
     request = urllib.request.Request(settings.worker_url + path, data=data,
                                      headers={"Content-Type": "application/json"} if data else {})
     try:
@@ -287,6 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     from producers.settings import BridgeSettings, CaptureSettings, ProduceSettings, SimulateSettings
     from producers.simulator import DEFAULT_TRACE, FleetConfig
     from stream_apps.settings import WorkerSettings
+    from stream_apps.index.settings import IndexSettings
 
     parser = argparse.ArgumentParser(
         prog="kvstream",
@@ -338,6 +385,16 @@ def build_parser() -> argparse.ArgumentParser:
                                    "from its flag, else its KVSTREAM_* variable, else its default.")
     add_settings_arguments(p, WorkerSettings)
     p.set_defaults(func=_cmd_worker)
+
+    p = sub.add_parser("index", help="run a query-only replica of the fleet index (router APIs; no partitions, "
+                                     "no writes)",
+                       description="Read the workers' residency changelog into a compact in-memory index of the "
+                                   "whole fleet and serve the router APIs on it: POST /query (token ids, Mooncake's "
+                                   "and Dynamo's API), /query_by_hash, /prefix-match/, /register, GET /workers, "
+                                   "/dump. It joins no consumer group and writes nothing: add replicas to scale "
+                                   "reads. Answers 503 until it has read the changelog to its end as of its start.")
+    add_settings_arguments(p, IndexSettings)
+    p.set_defaults(func=_cmd_index)
 
     p = sub.add_parser("bridge", help="subscribe to running vLLM/SGLang KV event publishers (ZMQ) and produce to "
                                       "kv-events",
@@ -420,15 +477,29 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_arguments(p, ReportSettings)
     p.set_defaults(func=_cmd_report)
 
-    p = sub.add_parser("query", help="ask a running worker: residency of a block, prefix match, occupancy, "
-                                     "sources, stats",
-                       description="Query a stream-app worker's HTTP views and print the JSON answer. Any worker "
-                                   "answers: lookups of keys held by another worker are forwarded to it.")
-    p.add_argument("what", choices=["residency", "prefix-match", "occupancy", "sources", "stats"],
-                   help="which view")
+    p = sub.add_parser("query", help="ask a running worker or index: residency of a block, prefix match, a "
+                                     "prompt's tokens, occupancy, sources, workers, stats",
+                       description="Query a stream-app worker's HTTP views (or a 'kvstream index' replica's: "
+                                   "prefix-match, tokens, workers) and print the JSON answer. Any worker answers "
+                                   "for the whole fleet.",
+                       epilog="examples:\n"
+                              "  kvstream query residency e220a8397b1dcdaf\n"
+                              "  kvstream query prefix-match e220a8397b1dcdaf 5c1a5e1f3a0b7c44\n"
+                              "  kvstream query tokens --token-file prompt.json --block-size 16 --model llama\n"
+                              "  kvstream query workers --worker-url http://127.0.0.1:6080",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=["residency", "prefix-match", "tokens", "occupancy", "sources", "workers",
+                                    "stats"], help="which view")
     p.add_argument("block_hash", nargs="*", help="block hash: 16 or 64 hex digits, or a decimal integer as vLLM or "
                                                  "SGLang logs it (residency: one; prefix-match: the "
-                                                 "request's blocks in prefix order)")
+                                                 "request's blocks in prefix order); for tokens: token ids")
+    p.add_argument("--token-file", default=None, help="tokens: a JSON list of token ids (added after any given "
+                                                      "as arguments)")
+    p.add_argument("--model", default=None, help="tokens: only instances serving this model (default: any)")
+    p.add_argument("--lora-name", default=None, help="tokens: the request's LoRA adapter")
+    p.add_argument("--cache-salt", default=None, help="tokens: the request's cache salt")
+    p.add_argument("--block-size", type=positive_int, default=None,
+                   help="tokens: tokens per block (default: each instance's registered block size)")
     add_settings_arguments(p, QuerySettings)
     p.set_defaults(func=_cmd_query)
     return parser

@@ -29,6 +29,8 @@ from stream_apps.agent_progress import AgentProgress
 from stream_apps.applier import Materializer
 from stream_apps.checkpoint import Checkpoint, CheckpointError, CommitSensor, tune_gc, warn_on_long_gc_pauses
 from stream_apps.health import Readiness
+from stream_apps.index.fleet_index import FleetIndex
+from stream_apps.index.server import open_feed
 from stream_apps.materialize import register_agent
 from stream_apps.metrics import WorkerMetrics
 from stream_apps.outputs import OutputTopics
@@ -71,6 +73,9 @@ class StreamApp:
     repartition: RepartitionService
     readiness: Readiness
     metrics: WorkerMetrics
+    #: The worker's fleet index and its feed from the residency changelog (set by :func:`create_app`).
+    index: FleetIndex | None = None
+    index_feed: object | None = None
 
     def counters(self) -> dict[str, int]:
         """This worker's event counters: the agent's and the repartition process's."""
@@ -154,7 +159,16 @@ def create_app(settings: WorkerSettings) -> StreamApp:
     readiness = Readiness(app, lambda: repartition.alive)
     metrics = WorkerMetrics(settings, materializer, checkpoint, repartition, readiness, lambda: app.in_recovery)
     stream_app = StreamApp(settings, app, tables, outputs, checkpoint, materializer, repartition, readiness, metrics)
-    register_views(app, tables, materializer, settings.weights, stream_app.counters, readiness, metrics)
+    # The fleet index: every worker reads the whole residency changelog into its own compact index, which the
+    # prefix matches and the router APIs answer from (stream_apps/index/).
+    index = FleetIndex(settings.weights)
+    index_feed = open_feed(index, settings.bootstrap_servers, topics, settings.schema_registry_url)
+    stream_app.index, stream_app.index_feed = index, index_feed
+    register_views(app, tables, materializer, index, index_feed.not_ready, stream_app.counters, readiness, metrics)
+
+    @app.task
+    async def _feed_index() -> None:
+        await index_feed.run()
 
     store = tables.residency_store
 

@@ -422,9 +422,9 @@ def apply_clear(entry: dict, instance_id: str, data_parallel_rank: int, mark: Cl
     return (entry if kept else None), removed, True
 
 
-#: Default tier weights of :func:`prefix_match` (llm-d's defaults for GPU and CPU); other tiers 0.25.
+#: Default tier weights of the prefix-match score (llm-d's defaults for GPU and CPU); tiers not named weigh
+#: ``stream_apps.index.scoring.OTHER_TIER_WEIGHT`` (0.25).
 DEFAULT_TIER_WEIGHTS = {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5}
-OTHER_TIER_WEIGHT = 0.25
 
 
 def parse_tier_weights(text: str) -> dict[str, float]:
@@ -442,45 +442,3 @@ def parse_tier_weights(text: str) -> dict[str, float]:
             raise ValueError(f"unknown tier {tier!r} in tier weights (tiers: {', '.join(TIERS)})")
         weights[tier.upper()] = float(number)
     return weights
-
-
-def prefix_match(rows_per_block: list[list[dict]], weights: dict[str, float]) -> list[dict]:
-    """Score each (instance, dp rank) by the request's blocks it holds, from the first block on.
-
-    Args:
-        rows_per_block: for each block of the request in prefix order, its resident rows (dicts with
-            ``instance_id``, ``data_parallel_rank``, ``tier``, as the residency view returns them).
-        weights: tier -> weight (others :data:`OTHER_TIER_WEIGHT`).
-
-    Returns:
-        Best first: ``{"instance_id", "data_parallel_rank", "matched_blocks", "prefix_blocks": {tier: n},
-        "score"}``, where ``matched_blocks`` is the longest consecutive prefix resident on any tier,
-        ``prefix_blocks`` the longest consecutive prefix on each tier, and ``score`` the sum over the
-        matched blocks of the best weight among the tiers holding each (as llm-d scores).
-    """
-    tiers_of: dict[tuple, list[set]] = {}
-    for index, rows in enumerate(rows_per_block):
-        for row in rows:
-            source = (row["instance_id"], row["data_parallel_rank"])
-            per_block = tiers_of.setdefault(source, [set() for _ in rows_per_block])
-            per_block[index].add(row["tier"])
-    results = []
-    for (instance, dp_rank), per_block in tiers_of.items():
-        matched, score = 0, 0.0
-        for tiers in per_block:
-            if not tiers:
-                break
-            matched += 1
-            score += max(weights.get(t, OTHER_TIER_WEIGHT) for t in tiers)
-        prefix = {}
-        for tier in sorted({t for tiers in per_block for t in tiers}):
-            n = 0
-            while n < len(per_block) and tier in per_block[n]:
-                n += 1
-            if n:
-                prefix[tier] = n
-        if matched:
-            results.append({"instance_id": instance, "data_parallel_rank": dp_rank, "matched_blocks": matched,
-                            "prefix_blocks": prefix, "score": round(score, 6)})
-    return sorted(results, key=lambda r: (-r["score"], -r["matched_blocks"], r["instance_id"],
-                                          r["data_parallel_rank"]))

@@ -1,14 +1,17 @@
-"""The worker's HTTP views (docs/querying.md): residency of a block, prefix match, occupancy, sources, stats.
+"""The worker's HTTP views (docs/querying.md): residency of a block, prefix match, occupancy, sources, stats,
+and the router APIs of the fleet index (``/query``, ``/query_by_hash``, ``/register``, ``/workers``, ``/dump``).
 
-Every view answers for the whole fleet: a lookup of a key held by another worker is forwarded to that worker
-(Faust's router, ``GET /residency-key/{key}/``).
+Every view answers for the whole fleet. Prefix matches and the router APIs answer from the worker's own fleet
+index (:mod:`stream_apps.index`), without a network hop. ``GET /residency/{hash}/`` gives the full rows (copies,
+per-worker counts, since), which only the worker holding the key has: it looks the block up under every
+ownership seen and forwards the lookups of keys other workers hold to them (Faust's router,
+``GET /residency-key/{key}/``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import json
 from typing import Callable
 from urllib.parse import quote
 
@@ -19,13 +22,17 @@ from schemas import InvalidBlockHash, parse_block_hash
 from stream_apps.applier import Materializer
 from stream_apps.fleet import known_ownerships, occupancy_rows, source_rows
 from stream_apps.health import Readiness
+from stream_apps.index.api import IndexAPI, Reply
+from stream_apps.index.fleet_index import FleetIndex
 from stream_apps.metrics import WorkerMetrics
-from stream_apps.residency import key_partition, prefix_match, residency_key
+from stream_apps.residency import key_partition, residency_key
 from stream_apps.tables import Tables
 
 #: Limits of POST /prefix-match/: request body bytes and block hashes per request.
 MAX_REQUEST_BYTES = 256 * 1024
 MAX_PREFIX_BLOCKS = 2048
+#: Largest body the router APIs read; a longer one is cut there and refused by the API as too long.
+MAX_INDEX_REQUEST_BYTES = 8 << 20 + 1
 
 
 def _row_json(ownership: str | None, row: dict) -> dict:
@@ -35,28 +42,6 @@ def _row_json(ownership: str | None, row: dict) -> dict:
             "since": row["since"], "last_ts": row["last_ts"],
             "workers": [{"worker_rank": None if w["worker_rank"] < 0 else w["worker_rank"], "count": w["count"],
                          "publisher_epoch": w["publisher_epoch"], "last_seq": w["seq"]} for w in row["workers"]]}
-
-
-class _BadRequest(ValueError):
-    """A request the API refuses (HTTP 400); the message is the reason."""
-
-
-def _prefix_request(body: bytes) -> list[bytes]:
-    if len(body) > MAX_REQUEST_BYTES:
-        raise _BadRequest(f"request body of {len(body)} bytes (limit {MAX_REQUEST_BYTES})")
-    try:
-        request = json.loads(body)
-    except ValueError:
-        raise _BadRequest("request body is not JSON") from None
-    hashes = request.get("block_hashes") if isinstance(request, dict) else None
-    if not isinstance(hashes, list) or not hashes or not all(isinstance(h, str) for h in hashes):
-        raise _BadRequest('expected {"block_hashes": ["<hash>", ...]} with at least one hash (hex or decimal)')
-    if len(hashes) > MAX_PREFIX_BLOCKS:
-        raise _BadRequest(f"{len(hashes)} block hashes (limit {MAX_PREFIX_BLOCKS})")
-    try:
-        return [parse_block_hash(h) for h in hashes]
-    except InvalidBlockHash as exc:
-        raise _BadRequest(str(exc)) from None
 
 
 async def _read_body(request, limit: int) -> bytes:
@@ -71,12 +56,14 @@ async def _read_body(request, limit: int) -> bytes:
     return bytes(body)
 
 
-def register_views(app: faust.App, tables: Tables, materializer: Materializer, weights: dict[str, float],
-                   counters: Callable[[], dict[str, int]], readiness: Readiness, metrics: WorkerMetrics) -> None:
+def register_views(app: faust.App, tables: Tables, materializer: Materializer, index: FleetIndex,
+                   index_not_ready: Callable[[], list[str]], counters: Callable[[], dict[str, int]],
+                   readiness: Readiness, metrics: WorkerMetrics) -> None:
     """Declare the HTTP views on ``app``.
 
     Args:
-        weights: tier weights of the prefix match.
+        index: the worker's fleet index, which prefix matches and the router APIs answer from.
+        index_not_ready: why the index may not answer yet (its feed has not caught up).
         counters: this worker's event counters (``/stats/``), including the repartition process's.
         readiness: the conditions of ``GET /ready``; lookups answer 503 until they hold.
         metrics: ``GET /metrics``; every view's answers are counted there.
@@ -96,7 +83,7 @@ def register_views(app: faust.App, tables: Tables, materializer: Materializer, w
 
     def not_ready(web):
         """A 503 with the reasons, or None when the worker is ready for lookups."""
-        reasons = readiness.reasons()
+        reasons = readiness.reasons() + index_not_ready()
         if not reasons:
             return None
         return web.json({"error": f"not ready: {'; '.join(reasons)}; retry", "reasons": reasons}, status=503)
@@ -119,7 +106,8 @@ def register_views(app: faust.App, tables: Tables, materializer: Materializer, w
             return (await response.json())["rows"]
 
     async def block_rows(block_hash: bytes) -> list[dict]:
-        """Resident rows of one block over all ownerships, from whichever workers hold them."""
+        """Resident rows of one block over all ownerships, from whichever workers hold them (the tables, not the
+        index: this view is exact as of the workers' last write, and gives what the index does not keep)."""
         keys = [residency_key(own, block_hash) for own in sorted(known_ownerships(tables), key=lambda o: o or "")]
         parts = await asyncio.gather(*(lookup(key) for key in keys))
         return [row for part in parts for row in part]
@@ -130,9 +118,19 @@ def register_views(app: faust.App, tables: Tables, materializer: Materializer, w
         """Internal: resident rows of one table key, answered by the worker that holds it."""
         return web.json({"rows": entry_json(key)})
 
+    @app.page("/residency/{block_hash_hex}")
+    @counted("residency")
+    async def residency_no_slash_view(web, request, block_hash_hex: str):
+        """``GET /residency/{hash}`` without the trailing slash: the same view (routers write it so)."""
+        return await residency_answer(web, block_hash_hex)
+
     @app.page("/residency/{block_hash_hex}/")
     @counted("residency")
     async def residency_view(web, request, block_hash_hex: str):
+        """Every resident row of a block, over all ownerships, and the freshness of each source holding it."""
+        return await residency_answer(web, block_hash_hex)
+
+    async def residency_answer(web, block_hash_hex: str):
         """Every resident row of a block, over all ownerships, and the freshness of each source holding it:
         ``{"block_hash": hex, "rows": [...], "sources": [{..., "last_event_ts", "lag_s", "stale"}]}``."""
         try:
@@ -153,27 +151,41 @@ def register_views(app: faust.App, tables: Tables, materializer: Materializer, w
                      if (source["instance_id"], source["data_parallel_rank"]) in holders]
         return web.json({"block_hash": block_hash.hex(), "rows": rows, "sources": freshness})
 
-    @app.page("/prefix-match/")
-    class PrefixMatchView(faust.web.View):
-        """``POST /prefix-match/`` with ``{"block_hashes": [hex, ...]}`` (prefix order): per (instance, dp rank)
-        the longest consecutive prefix resident on each tier and a tier-weighted score, best first."""
+    api = IndexAPI(index, lambda: readiness.reasons() + index_not_ready(),
+                   prefix_match_limits=(MAX_REQUEST_BYTES, MAX_PREFIX_BLOCKS))
 
-        @counted("prefix-match")
-        async def post(self, request):
-            body = await _read_body(request, MAX_REQUEST_BYTES + 1)
-            try:
-                hashes = _prefix_request(body)
-            except _BadRequest as exc:
-                return self.json({"error": str(exc)}, status=400)
-            if (refusal := not_ready(self)) is not None:
-                return refusal
-            try:
-                rows = await asyncio.gather(*(block_rows(h) for h in hashes))
-            except (aiohttp.ClientError, OSError, KeyError) as exc:
-                return self.json({"error": f"a worker did not answer ({type(exc).__name__}); the group is "
-                                           "probably rebalancing: retry"}, status=503)
-            return self.json({"block_count": len(hashes), "weights": weights,
-                              "matches": prefix_match(rows, weights)})
+    def reply(web, answer: Reply):
+        return web.bytes(answer.body, content_type=answer.content_type, status=answer.status)
+
+    def post_view(path: str, name: str, handler) -> None:
+        """``POST path`` (with and without its trailing slash) answered by an :class:`IndexAPI` handler."""
+        class IndexView(faust.web.View):
+            @counted(name)
+            async def post(self, request):
+                body = await _read_body(request, MAX_INDEX_REQUEST_BYTES)
+                return reply(self, handler(body, request.headers.get("Content-Type"), request.headers.get("Accept")))
+        IndexView.__name__ = IndexView.__qualname__ = f"{name.title().replace('-', '').replace('_', '')}View"
+        IndexView.__doc__ = handler.__doc__
+        app.page(path)(IndexView)
+        app.page(path.rstrip("/") + ("" if path.endswith("/") else "/"))(type(IndexView.__name__ + "Slash",
+                                                                              (IndexView,), {}))
+
+    post_view("/prefix-match/", "prefix-match", api.prefix_match)
+    post_view("/query", "query", api.query)
+    post_view("/query_by_hash", "query_by_hash", api.query_by_hash)
+    post_view("/register", "register", api.register)
+
+    @app.page("/workers")
+    @counted("workers")
+    async def workers_view(web, request):
+        """Every instance and data-parallel rank the index knows, with its blocks per tier."""
+        return reply(web, api.workers(request.headers.get("Accept")))
+
+    @app.page("/dump")
+    @counted("dump")
+    async def dump_view(web, request):
+        """The whole index as JSON lines, one block per line."""
+        return web.bytes(b"".join(api.dump()), content_type="application/x-ndjson")
 
     @app.page("/occupancy/")
     @counted("occupancy")

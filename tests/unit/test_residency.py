@@ -160,13 +160,13 @@ def test_a_newer_epoch_restarts_a_workers_count_and_retire_epoch_zeroes_untouche
 
 
 def test_prefix_match_weights_tiers_and_stops_at_the_first_missing_block():
-    from stream_apps.residency import DEFAULT_TIER_WEIGHTS, parse_tier_weights, prefix_match
+    from stream_apps.index.scoring import HolderInfo, prefix_match_rows, prefix_runs
+    from stream_apps.residency import DEFAULT_TIER_WEIGHTS, parse_tier_weights
 
-    def row(instance, tier, dp=0):
-        return {"instance_id": instance, "data_parallel_rank": dp, "tier": tier}
-
-    blocks = [[row("a", "GPU"), row("b", "CPU")], [row("a", "CPU"), row("b", "CPU")], [row("b", "STORAGE")], []]
-    result = prefix_match(blocks, DEFAULT_TIER_WEIGHTS)
+    holders = [HolderInfo("a", 0, "GPU", None), HolderInfo("b", 0, "CPU", None), HolderInfo("a", 0, "CPU", None),
+               HolderInfo("b", 0, "STORAGE", None)]
+    blocks = [(0, 1), (2, 1), (3,), ()]
+    result = prefix_match_rows(prefix_runs(blocks, holders, DEFAULT_TIER_WEIGHTS))
     assert result == [
         {"instance_id": "b", "data_parallel_rank": 0, "matched_blocks": 3,
          "prefix_blocks": {"CPU": 2}, "score": 2.1},

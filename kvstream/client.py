@@ -1,0 +1,196 @@
+"""A small client of the index's router APIs, for routers written in Python (docs/querying.md, "For router
+authors").
+
+``IndexClient`` is synchronous and keeps one HTTP/1.1 connection alive (a router asks per request, so a new TCP
+connection per query would cost more than the query); ``AsyncIndexClient`` does the same on aiohttp. Both speak
+msgpack by default, with ``token_ids`` as little-endian int32 bytes, as Mooncake's cache-aware proxy does, and
+work against ``kvstream index`` and every ``kvstream worker`` alike.
+
+    with IndexClient("http://127.0.0.1:6080") as index:
+        answer = index.query(token_ids, model_name="llama")
+        best = max(answer["instances"].items(), key=lambda kv: kv[1]["longest_matched"], default=None)
+"""
+
+from __future__ import annotations
+
+import array
+import http.client
+import sys
+import urllib.parse
+from collections.abc import Sequence
+
+import msgspec
+
+_MSGPACK = "application/msgpack"
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder().decode
+
+
+class IndexQueryError(RuntimeError):
+    """The index answered with an error (HTTP 4xx/5xx): ``status`` and the index's ``reason``."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(f"HTTP {status}: {reason}")
+        #: HTTP status: 400 a request the index refused, 503 not ready yet (retry).
+        self.status = status
+        #: The index's own words.
+        self.reason = reason
+
+
+def _token_bytes(token_ids: Sequence[int] | bytes) -> bytes:
+    if isinstance(token_ids, bytes):
+        return token_ids
+    packed = array.array("i", token_ids)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def query_body(token_ids: Sequence[int] | bytes, *, model_name: str | None = None, lora_name: str | None = None,
+               cache_salt: str | None = None, block_size: int | None = None, tenant_id: str | None = None) -> dict:
+    """The body of ``POST /query``: Mooncake's field names, tokens as little-endian int32 bytes."""
+    body: dict = {"token_ids": _token_bytes(token_ids)}
+    for name, value in (("model", model_name), ("lora_name", lora_name), ("cache_salt", cache_salt),
+                        ("block_size", block_size), ("tenant_id", tenant_id)):
+        if value is not None:
+            body[name] = value
+    return body
+
+
+def _hash_value(block_hash: bytes | int | str) -> int | str:
+    if isinstance(block_hash, bytes):
+        return block_hash.hex()
+    return block_hash
+
+
+def _answer(status: int, data: bytes):
+    value = _decode(data) if data else {}
+    if status >= 400:
+        raise IndexQueryError(status, value.get("error", "") if isinstance(value, dict) else str(value))
+    return value
+
+
+class IndexClient:
+    """Synchronous client of ``/query``, ``/query_by_hash``, ``/prefix-match/``, ``/register`` and ``/workers``.
+
+    Args:
+        url: the index's or a worker's base URL (``http://HOST:PORT``).
+        timeout_s: per request (Mooncake's proxy waits 1 s).
+
+    Raises (from every call):
+        IndexQueryError: the index answered 4xx or 5xx (``status`` 503: not caught up yet, retry).
+        OSError: nothing answered.
+    """
+
+    def __init__(self, url: str, timeout_s: float = 1.0) -> None:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "") or not parts.hostname:
+            raise ValueError(f"index URL {url!r}: expected http://HOST:PORT")
+        self._host, self._port, self._timeout = parts.hostname, parts.port or 80, timeout_s
+        self._connection: http.client.HTTPConnection | None = None
+
+    def _request(self, method: str, path: str, body: dict | None = None):
+        data = None if body is None else _encode(body)
+        headers = {"Accept": _MSGPACK, **({"Content-Type": _MSGPACK} if data is not None else {})}
+        for attempt in (0, 1):  # one retry: a kept-alive connection the server closed meanwhile
+            if self._connection is None:
+                self._connection = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
+            try:
+                self._connection.request(method, path, body=data, headers=headers)
+                response = self._connection.getresponse()
+                return _answer(response.status, response.read())
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+                self.close()
+                if attempt:
+                    raise
+            except OSError:
+                self.close()
+                raise
+        raise AssertionError("unreachable")
+
+    def query(self, token_ids: Sequence[int] | bytes, **options) -> dict:
+        """``POST /query``: ``{"instances": {id: {"longest_matched", "GPU", "CPU", "DISK", "DP"}}, ...}`` in
+        tokens; ``options`` are :func:`query_body`'s."""
+        return self._request("POST", "/query", query_body(token_ids, **options))
+
+    def query_by_hash(self, block_hashes: Sequence[bytes | int | str], **options) -> dict:
+        """``POST /query_by_hash`` with the engines' own block hashes (canonical bytes, ints or hex)."""
+        return self._request("POST", "/query_by_hash", {"seq_hashes": [_hash_value(h) for h in block_hashes],
+                                                         **options})
+
+    def prefix_match(self, block_hashes: Sequence[bytes | int | str]) -> dict:
+        """``POST /prefix-match/``: ``{"block_count", "weights", "matches": [...]}``."""
+        return self._request("POST", "/prefix-match/", {"block_hashes": [
+            h.hex() if isinstance(h, bytes) else str(h) for h in block_hashes]})
+
+    def register(self, instance_id: str, **metadata) -> dict:
+        """``POST /register`` with Mooncake's fields (``modelname``, ``block_size``, ``dp_rank``, ...)."""
+        return self._request("POST", "/register", {"instance_id": instance_id, **metadata})
+
+    def workers(self) -> dict:
+        """``GET /workers``."""
+        return self._request("GET", "/workers")
+
+    def close(self) -> None:
+        """Close the kept-alive connection (the next call opens another)."""
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
+
+    def __enter__(self) -> IndexClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncIndexClient:
+    """:class:`IndexClient` on aiohttp, for routers built on asyncio; use as ``async with``."""
+
+    def __init__(self, url: str, timeout_s: float = 1.0) -> None:
+        import aiohttp
+
+        self._url = url.rstrip("/")
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def _request(self, method: str, path: str, body: dict | None = None):
+        import aiohttp
+
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+        data = None if body is None else _encode(body)
+        headers = {"Accept": _MSGPACK, **({"Content-Type": _MSGPACK} if data is not None else {})}
+        async with self._session.request(method, self._url + path, data=data, headers=headers) as response:
+            return _answer(response.status, await response.read())
+        raise aiohttp.ClientError("unreachable")
+
+    async def query(self, token_ids: Sequence[int] | bytes, **options) -> dict:
+        """:meth:`IndexClient.query`."""
+        return await self._request("POST", "/query", query_body(token_ids, **options))
+
+    async def query_by_hash(self, block_hashes: Sequence[bytes | int | str], **options) -> dict:
+        """:meth:`IndexClient.query_by_hash`."""
+        return await self._request("POST", "/query_by_hash",
+                                   {"seq_hashes": [_hash_value(h) for h in block_hashes], **options})
+
+    async def prefix_match(self, block_hashes: Sequence[bytes | int | str]) -> dict:
+        """:meth:`IndexClient.prefix_match`."""
+        return await self._request("POST", "/prefix-match/", {"block_hashes": [
+            h.hex() if isinstance(h, bytes) else str(h) for h in block_hashes]})
+
+    async def workers(self) -> dict:
+        """:meth:`IndexClient.workers`."""
+        return await self._request("GET", "/workers")
+
+    async def close(self) -> None:
+        """Close the session."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> AsyncIndexClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

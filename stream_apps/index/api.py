@@ -1,0 +1,264 @@
+"""The router APIs of the index, independent of the web framework that serves them.
+
+Every worker (Faust's web server, :mod:`stream_apps.views`) and ``kvstream index`` (aiohttp,
+:mod:`stream_apps.index.server`) serve the same handlers: each takes the request body and its headers and gives
+a :class:`Reply`. The APIs are the ones routers already speak (docs/querying.md, "For router authors"):
+
+* ``POST /query`` ``{token_ids, model_name|model, lora_name, cache_salt, block_size, tenant_id}``: Mooncake's
+  indexer API (RFC #1403) and Dynamo's standalone indexer; ``token_ids`` may be a msgpack bin of little-endian
+  int32, as Mooncake's cache-aware proxy sends it;
+* ``POST /query_by_hash`` ``{seq_hashes}`` (Mooncake's name; ``block_hashes`` too): a chain of the engines' own
+  block hashes, answered like ``/query``;
+* ``POST /prefix-match/`` ``{block_hashes}``: kvstream's own answer (per rank, blocks per tier, a score);
+* ``POST /register``: Mooncake's conductor body; ``GET /workers``; ``GET /dump`` (JSON lines).
+
+Bodies are JSON or msgpack (``Content-Type: application/msgpack``); the answer has the type the request asked
+for (``Accept``), else the request's own type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
+
+import msgspec
+
+from schemas import InvalidBlockHash, canonical_block_hash, parse_block_hash
+from stream_apps.index.fleet_index import FleetIndex, SourceInfo
+
+#: Largest request body, bytes (Dynamo's standalone indexer takes 8 MiB).
+MAX_BODY_BYTES = 8 << 20
+#: Most blocks of one hash chain (``/query_by_hash``, ``/prefix-match/``).
+MAX_CHAIN_BLOCKS = 65_536
+#: Most tokens of one ``/query`` (2M tokens: beyond any context window served today).
+MAX_TOKENS = 2 << 20
+
+JSON = "application/json"
+MSGPACK = "application/msgpack"
+_json_encode = msgspec.json.Encoder().encode
+_msgpack_encode = msgspec.msgpack.Encoder().encode
+_json_decode = msgspec.json.Decoder().decode
+_msgpack_decode = msgspec.msgpack.Decoder().decode
+
+
+class Reply(NamedTuple):
+    """One answer: HTTP status, body bytes, content type."""
+
+    status: int
+    body: bytes
+    content_type: str
+
+
+class BadRequest(ValueError):
+    """A request the API refuses (HTTP 400); the message is the reason."""
+
+
+def wants_msgpack(content_type: str | None, accept: str | None) -> bool:
+    """Whether to answer in msgpack: asked for in ``Accept``, else the request was msgpack."""
+    if accept and "msgpack" in accept:
+        return True
+    if accept and "json" in accept:
+        return False
+    return bool(content_type and "msgpack" in content_type)
+
+
+def encode(value, msgpack: bool, status: int = 200) -> Reply:
+    """A :class:`Reply` of ``value`` in msgpack or JSON."""
+    if msgpack:
+        return Reply(status, _msgpack_encode(value), MSGPACK)
+    return Reply(status, _json_encode(value), JSON)
+
+
+def decode_body(body: bytes, content_type: str | None) -> dict:
+    """The request's body as a dict, from msgpack or JSON.
+
+    Raises:
+        BadRequest: too large, not decodable, or not a map.
+    """
+    if len(body) > MAX_BODY_BYTES:
+        raise BadRequest(f"request body of {len(body)} bytes (limit {MAX_BODY_BYTES})")
+    msgpack = bool(content_type and "msgpack" in content_type)
+    try:
+        value = _msgpack_decode(body) if msgpack else _json_decode(body)
+    except msgspec.DecodeError as exc:
+        kind = "msgpack" if msgpack else "JSON (send Content-Type: application/msgpack for msgpack)"
+        raise BadRequest(f"request body is not {kind}: {exc}") from None
+    if not isinstance(value, dict):
+        raise BadRequest(f"request body must be a map, not {type(value).__name__}")
+    return value
+
+
+def _optional_str(request: dict, *names: str) -> str | None:
+    for name in names:
+        value = request.get(name)
+        if value is not None:
+            if not isinstance(value, str):
+                raise BadRequest(f"{name} must be a string")
+            return value or None
+    return None
+
+
+def _optional_int(request: dict, name: str, minimum: int) -> int | None:
+    value = request.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise BadRequest(f"{name} must be an integer of at least {minimum}")
+    return value
+
+
+def token_ids_of(request: dict) -> list[int] | bytes:
+    """``token_ids``: a list of ints, or bytes of little-endian int32 (Mooncake's proxy sends a msgpack bin).
+
+    Raises:
+        BadRequest: missing, of another type, too long, or bytes not a multiple of 4.
+    """
+    tokens = request.get("token_ids")
+    if isinstance(tokens, (bytes, bytearray, memoryview)):
+        tokens = bytes(tokens)
+        if len(tokens) % 4:
+            raise BadRequest(f"token_ids as bytes must be little-endian int32, 4 bytes per token ({len(tokens)} "
+                             "bytes given)")
+        count = len(tokens) // 4
+    elif isinstance(tokens, list):
+        if not all(isinstance(t, int) and not isinstance(t, bool) and -(1 << 31) <= t < (1 << 32) for t in tokens):
+            raise BadRequest("token_ids must be 32-bit integers")
+        count = len(tokens)
+    else:
+        raise BadRequest('expected {"token_ids": [int, ...]} (or a msgpack bin of little-endian int32)')
+    if count > MAX_TOKENS:
+        raise BadRequest(f"{count} token ids (limit {MAX_TOKENS})")
+    return tokens
+
+
+def chain_of(request: dict, *names: str) -> list[bytes]:
+    """A chain of engine block hashes under the first of ``names`` present: ints (vLLM's u64, SGLang's i64) or
+    strings (hex or decimal, as :func:`schemas.parse_block_hash` reads them).
+
+    Raises:
+        BadRequest: missing, empty, too long, or a value that is not a block hash.
+    """
+    hashes = next((request[name] for name in names if name in request), None)
+    if not isinstance(hashes, list) or not hashes:
+        raise BadRequest(f'expected {{"{names[0]}": [hash, ...]}} with at least one hash (integer or hex)')
+    if len(hashes) > MAX_CHAIN_BLOCKS:
+        raise BadRequest(f"{len(hashes)} block hashes (limit {MAX_CHAIN_BLOCKS})")
+    try:
+        return [parse_block_hash(h) if isinstance(h, str) else canonical_block_hash(h) for h in hashes]
+    except InvalidBlockHash as exc:
+        raise BadRequest(str(exc)) from None
+
+
+class IndexAPI:
+    """The router APIs over one :class:`FleetIndex`.
+
+    Args:
+        index: the index answered from.
+        not_ready: the reasons the index may not answer yet (empty: ready); lookups answer 503 with them.
+        on_register: called with each registered :class:`SourceInfo` (e.g. to check its hash profile).
+    """
+
+    def __init__(self, index: FleetIndex, not_ready: Callable[[], list[str]],
+                 on_register: Callable[[SourceInfo], None] | None = None,
+                 prefix_match_limits: tuple[int, int] = (MAX_BODY_BYTES, MAX_CHAIN_BLOCKS)) -> None:
+        self.index = index
+        self._not_ready = not_ready
+        self._on_register = on_register
+        #: (body bytes, block hashes) ``POST /prefix-match/`` takes at most: the worker keeps its older, lower
+        #: limits (256 KiB, 2,048 hashes), which its clients already know.
+        self.prefix_match_limits = prefix_match_limits
+
+    def _refusal(self, msgpack: bool) -> Reply | None:
+        reasons = self._not_ready()
+        if not reasons:
+            return None
+        return encode({"error": f"not ready: {'; '.join(reasons)}; retry", "reasons": reasons}, msgpack, 503)
+
+    def _handle(self, body: bytes, content_type: str | None, accept: str | None, answer) -> Reply:
+        msgpack = wants_msgpack(content_type, accept)
+        try:
+            request = decode_body(body, content_type)
+            refusal = self._refusal(msgpack)
+            if refusal is not None:
+                return refusal
+            return encode(answer(request), msgpack)
+        except BadRequest as exc:
+            return encode({"error": str(exc)}, msgpack, 400)
+
+    def query(self, body: bytes, content_type: str | None = None, accept: str | None = None) -> Reply:
+        """``POST /query``: who holds the longest prefix of these tokens (tokens per instance, tier class, rank)."""
+        def answer(request: dict) -> dict:
+            tokens = token_ids_of(request)
+            try:
+                return self.index.query_tokens(
+                    tokens, block_size=_optional_int(request, "block_size", 1),
+                    lora_name=_optional_str(request, "lora_name"), cache_salt=_optional_str(request, "cache_salt"),
+                    model_name=_optional_str(request, "model_name", "model"),
+                    tenant_id=_optional_str(request, "tenant_id"))
+            except (ValueError, OverflowError) as exc:
+                raise BadRequest(str(exc)) from None
+        return self._handle(body, content_type, accept, answer)
+
+    def query_by_hash(self, body: bytes, content_type: str | None = None, accept: str | None = None) -> Reply:
+        """``POST /query_by_hash``: ``/query``'s answer for a chain of the engines' own block hashes."""
+        def answer(request: dict) -> dict:
+            chain = chain_of(request, "seq_hashes", "block_hashes")
+            return self.index.query_hashes(chain, model_name=_optional_str(request, "model_name", "model"),
+                                           tenant_id=_optional_str(request, "tenant_id"))
+        return self._handle(body, content_type, accept, answer)
+
+    def prefix_match(self, body: bytes, content_type: str | None = None, accept: str | None = None) -> Reply:
+        """``POST /prefix-match/``: per (instance, rank) the longest resident prefix per tier, and its score."""
+        max_bytes, max_blocks = self.prefix_match_limits
+
+        def answer(request: dict) -> dict:
+            chain = chain_of(request, "block_hashes")
+            if len(chain) > max_blocks:
+                raise BadRequest(f"{len(chain)} block hashes (limit {max_blocks})")
+            return {"block_count": len(chain), "weights": self.index.weights,
+                    "matches": self.index.prefix_match(chain)}
+        if len(body) > max_bytes:
+            return encode({"error": f"request body of {len(body)} bytes (limit {max_bytes})"},
+                          wants_msgpack(content_type, accept), 400)
+        return self._handle(body, content_type, accept, answer)
+
+    def register(self, body: bytes, content_type: str | None = None, accept: str | None = None) -> Reply:
+        """``POST /register`` with Mooncake's conductor body (``endpoint``, ``type``, ``modelname``,
+        ``instance_id``, ``block_size``, ``dp_rank``, ``tenant_id``, ``lora_name``, ``hash_profile``): records the
+        instance's metadata; answers ``{"status": "registered successfully", "instance_id": ...}``."""
+        msgpack = wants_msgpack(content_type, accept)
+        try:
+            request = decode_body(body, content_type)
+            instance = _optional_str(request, "instance_id")
+            if instance is None:
+                raise BadRequest("instance_id is required")
+            rank = _optional_int(request, "dp_rank", 0)
+            profile = request.get("hash_profile")
+            if profile is not None and not isinstance(profile, dict):
+                raise BadRequest("hash_profile must be a map")
+            info = SourceInfo(instance, model_name=_optional_str(request, "modelname", "model_name", "model"),
+                              block_size=_optional_int(request, "block_size", 1),
+                              tenant_id=_optional_str(request, "tenant_id") or "default",
+                              endpoint=_optional_str(request, "endpoint"), engine_type=_optional_str(request, "type"),
+                              dp_ranks=set() if rank is None else {rank},
+                              lora_name=_optional_str(request, "lora_name"), hash_profile=profile)
+            if self._on_register is not None:
+                try:
+                    self._on_register(info)
+                except ValueError as exc:
+                    raise BadRequest(str(exc)) from None
+            with self.index.lock:
+                self.index.sources.register(info)
+        except BadRequest as exc:
+            return encode({"error": str(exc)}, msgpack, 400)
+        return encode({"status": "registered successfully", "instance_id": instance}, msgpack)
+
+    def workers(self, accept: str | None = None) -> Reply:
+        """``GET /workers``: every instance and rank known, its blocks per tier, and the index's own figures."""
+        return encode({"workers": self.index.workers(), "index": self.index.stats(),
+                       "ready": not self._not_ready()}, wants_msgpack(None, accept))
+
+    def dump(self) -> Iterator[bytes]:
+        """``GET /dump``: the whole index as JSON lines, one block per line."""
+        for block in self.index.dump():
+            yield _json_encode(block) + b"\n"

@@ -1,0 +1,340 @@
+"""The fleet index: every resident (block, holder) of the whole fleet in one compact table, and its lookups.
+
+One :class:`FleetIndex` per process. It is fed with residency-table entries (``apply_entry``, from
+:mod:`stream_apps.index.feed`, which reads ``<app id>-residency-changelog``), and answers without a network hop:
+
+* by the engine's block hashes (``prefix_match``, ``query_hashes``): a walk of the chain, block by block;
+* by token ids (``query_tokens``): the content hashes of the request's blocks (:mod:`schemas.content_hash`),
+  chained along the engines' parent hashes by the table's content walk, so the answer does not depend on the
+  engines' hash seeds (the dual key: docs/querying.md, "For router authors").
+
+Holders are (instance, data-parallel rank, tier, ownership); the source metadata routers register (model, block
+size, tenant, hash profile) lives in :class:`SourceRegistry`. Every public method takes the index's lock, so a
+feed in another thread and queries in an event loop can share one index.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from schemas.content_hash import block_content_hashes
+from stream_apps.index.scoring import HolderInfo, PrefixRun, instances_answer, prefix_match_rows, prefix_runs
+from stream_apps.index.table import BlockTable, block_key
+
+_U64 = (1 << 64) - 1
+#: Residency-table key prefix of ownership null (``stream_apps.residency.PRIMARY``).
+_PRIMARY = "primary"
+#: Tenant of an instance that registered none, and of a query that names none (Mooncake's default).
+DEFAULT_TENANT = "default"
+#: Tokens per block assumed for an instance that registered no block size (vLLM's default block size).
+DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass
+class SourceInfo:
+    """What a router or operator registered about one serving instance (``POST /register``, Mooncake's body)."""
+
+    #: Serving instance, as its events name it (``kv_event.instance_id``).
+    instance_id: str
+    #: Model the instance serves (``modelname``); None: unknown, so it matches a query for any model.
+    model_name: str | None = None
+    #: Tokens per KV block of the instance; None: the index's default block size.
+    block_size: int | None = None
+    #: Tenant namespace (Mooncake's ``tenant_id``); queries of another tenant never see the instance.
+    tenant_id: str = DEFAULT_TENANT
+    #: The engine's KV event endpoint (``tcp://HOST:PORT``), as registered.
+    endpoint: str | None = None
+    #: Engine kind as registered (``vLLM``, ``SGLang``, ``Mooncake``).
+    engine_type: str | None = None
+    #: Data-parallel ranks registered.
+    dp_ranks: set[int] = field(default_factory=set)
+    #: LoRA adapter registered with the instance, if any.
+    lora_name: str | None = None
+    #: Mooncake's ``hash_profile`` dict as registered (how the engine hashes blocks), or None.
+    hash_profile: dict | None = None
+
+
+class SourceRegistry:
+    """Registered metadata per instance (:class:`SourceInfo`); an instance never registered has the defaults."""
+
+    def __init__(self, default_block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+        #: Tokens per block of an instance that registered none.
+        self.default_block_size = default_block_size
+        self._sources: dict[str, SourceInfo] = {}
+
+    def register(self, info: SourceInfo) -> None:
+        """Record (or update) an instance's metadata; data-parallel ranks accumulate."""
+        known = self._sources.get(info.instance_id)
+        if known is not None:
+            info.dp_ranks |= known.dp_ranks
+        self._sources[info.instance_id] = info
+
+    def unregister(self, instance_id: str) -> bool:
+        """Forget an instance's metadata; False if it had none."""
+        return self._sources.pop(instance_id, None) is not None
+
+    def get(self, instance_id: str) -> SourceInfo | None:
+        """The registered metadata of ``instance_id``, or None."""
+        return self._sources.get(instance_id)
+
+    def all(self) -> list[SourceInfo]:
+        """Every registered instance."""
+        return list(self._sources.values())
+
+    def block_size(self, instance_id: str) -> int:
+        """Tokens per block of ``instance_id``: registered, else the default."""
+        info = self._sources.get(instance_id)
+        return info.block_size if info is not None and info.block_size else self.default_block_size
+
+    def matches(self, instance_id: str, model_name: str | None, tenant_id: str | None) -> bool:
+        """Whether a query for ``model_name`` (None: any) of ``tenant_id`` (None: the default tenant) may name
+        ``instance_id``: same tenant, and the same model unless either side names none."""
+        info = self._sources.get(instance_id)
+        tenant = tenant_id or DEFAULT_TENANT
+        if info is None:
+            return tenant == DEFAULT_TENANT
+        if info.tenant_id != tenant:
+            return False
+        return model_name is None or info.model_name is None or info.model_name == model_name
+
+
+@dataclass
+class IndexCounters:
+    """What the index has applied and seen (``GET /workers``, ``GET /metrics``)."""
+
+    #: Residency entries applied (values and tombstones).
+    entries_applied: int = 0
+    #: Token queries in which one depth matched blocks under more than one engine hash: equal content under
+    #: unequal engine hashes, what a fleet with mixed hash seeds looks like.
+    mixed_hash_queries: int = 0
+    #: Instance sets seen holding equal content under unequal engine hashes (up to 16 kept).
+    mixed_hash_instances: list = field(default_factory=list)
+
+
+def _parse_key(key: str) -> tuple[str | None, bytes]:
+    ownership, _, hex_hash = key.rpartition("/")
+    return (None if ownership == _PRIMARY else ownership), bytes.fromhex(hex_hash)
+
+
+class FleetIndex:
+    """Every resident (block, holder) of the fleet, and the lookups routers make (module docstring).
+
+    Args:
+        weights: tier -> weight of the prefix-match score (llm-d's convention; others 0.25).
+        default_block_size: tokens per block of an instance that registered none.
+        table: the block table (tests pass a pure-Python one); default: the compiled one where built.
+    """
+
+    def __init__(self, weights: Mapping[str, float] | None = None, default_block_size: int = DEFAULT_BLOCK_SIZE,
+                 table=None) -> None:
+        self.weights = dict(weights or {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5})
+        self.sources = SourceRegistry(default_block_size)
+        self.counters = IndexCounters()
+        #: Taken by every public method: the feed may run in another thread than the queries.
+        self.lock = threading.RLock()
+        self._table = table if table is not None else BlockTable()
+        self._holders: list[HolderInfo] = []
+        self._holder_ids: dict[HolderInfo, int] = {}
+        self._scopes: dict[str | None, int] = {}
+
+    # -- feeding ---------------------------------------------------------------------------------------------
+
+    def _holder_id(self, info: HolderInfo) -> int:
+        holder = self._holder_ids.get(info)
+        if holder is None:
+            holder = self._holder_ids[info] = len(self._holders)
+            self._holders.append(info)
+        return holder
+
+    def _scope(self, ownership: str | None) -> int:
+        scope = self._scopes.get(ownership)
+        if scope is None:
+            scope = self._scopes[ownership] = len(self._scopes)
+        return scope
+
+    def apply_entry(self, key: str, entry: dict | None) -> None:
+        """Apply one record of the residency changelog: ``entry`` is the decoded ``residency`` value (schemas
+        residency_v1..v3), or None for a tombstone (the key left the table).
+
+        Rows with ``copies > 0`` become the holders of (ownership, block); the entry's ``parent_block_hash`` and
+        ``content_hash`` (residency v3) link the block into the content walk, and are kept when an entry
+        carries none (a tokenless offload store of another ownership inherits them).
+
+        Raises:
+            ValueError: a key that is not ``<ownership or primary>/<block hash hex>``.
+        """
+        ownership, block_hash = _parse_key(key)
+        with self.lock:
+            self.counters.entries_applied += 1
+            block = block_key(block_hash)
+            scope = self._scope(ownership)
+            if entry is None:
+                self._table.replace(block, scope, (), None, None)
+                return
+            holders = {self._holder_id(HolderInfo(row["instance_id"], row["data_parallel_rank"], row["tier"],
+                                                  ownership))
+                       for row in entry["rows"] if row["copies"] > 0}
+            parent = entry.get("parent_block_hash")
+            content = entry.get("content_hash")
+            self._table.replace(block, scope, sorted(holders), None if parent is None else block_key(parent),
+                                None if content is None else content & _U64)
+
+    def clear(self) -> None:
+        """Forget every block (the feed starts over)."""
+        with self.lock:
+            self._table.clear()
+
+    # -- lookups ---------------------------------------------------------------------------------------------
+
+    def holders_at(self, chain: Sequence[bytes]) -> list[tuple[int, ...]]:
+        """Holder ids of each block of ``chain`` (canonical block hashes), up to the first block nobody holds."""
+        keys = [block_key(h) for h in chain]
+        with self.lock:
+            return self._table.holders_at(keys)
+
+    def holder(self, holder_id: int) -> HolderInfo:
+        """The identity behind a holder id."""
+        return self._holders[holder_id]
+
+    def _allowed(self, model_name: str | None, tenant_id: str | None, block_size: int | None):
+        sources = self.sources
+        if model_name is None and tenant_id in (None, DEFAULT_TENANT) and block_size is None and not sources.all():
+            return None  # nothing registered and nothing asked: every holder counts (the fast path)
+        cache: dict[str, bool] = {}
+
+        def allowed(info: HolderInfo) -> bool:
+            verdict = cache.get(info.instance_id)
+            if verdict is None:
+                verdict = cache[info.instance_id] = sources.matches(info.instance_id, model_name, tenant_id) and (
+                    block_size is None or sources.block_size(info.instance_id) == block_size)
+            return verdict
+        return allowed
+
+    def prefix_match(self, chain: Sequence[bytes]) -> list[dict]:
+        """``POST /prefix-match/``'s ``matches`` for a chain of engine block hashes (prefix order)."""
+        with self.lock:
+            runs = prefix_runs(self._table.holders_at([block_key(h) for h in chain]), self._holders, self.weights)
+        return prefix_match_rows(runs)
+
+    def query_hashes(self, chain: Sequence[bytes], model_name: str | None = None, tenant_id: str | None = None,
+                     ) -> dict:
+        """Mooncake's ``/query_by_hash`` answer for a chain of the engines' own block hashes: per instance the
+        longest held prefix in tokens (each instance's own block size), per tier class and per rank."""
+        with self.lock:
+            held = self._table.holders_at([block_key(h) for h in chain])
+            runs = prefix_runs(held, self._holders, self.weights, self._allowed(model_name, tenant_id, None))
+            return instances_answer(runs, self.sources.block_size)
+
+    def query_tokens(self, token_ids: Sequence[int] | bytes, *, block_size: int | None = None,
+                     lora_name: str | None = None, cache_salt: str | None = None, model_name: str | None = None,
+                     tenant_id: str | None = None) -> dict:
+        """Mooncake's and Dynamo's ``/query`` answer for a prompt's token ids (docs/querying.md).
+
+        Args:
+            token_ids: the prompt's token ids, or their little-endian u32 (or int32) bytes.
+            block_size: tokens per block; None: every block size the candidate instances have (each instance is
+                matched with its own).
+            lora_name, cache_salt: as the engine got them; they change the blocks' content hashes as vLLM's
+                extra keys change its block hashes, so the same tokens under another salt match nothing salted.
+            model_name: only instances serving this model (or of unknown model); None: any.
+            tenant_id: Mooncake's tenant namespace; None: ``default``.
+
+        Returns:
+            ``{"instances": {...}, "scores": {...}, "kvstream": {...}}`` (:func:`instances_answer`).
+
+        Raises:
+            ValueError: a block size below 1, or token bytes whose length is not a multiple of 4.
+        """
+        with self.lock:
+            if block_size is not None:
+                sizes = {block_size}
+            else:
+                sizes = {self.sources.block_size(info.instance_id) for info in self._holders
+                         if self.sources.matches(info.instance_id, model_name, tenant_id)}
+            runs: dict[tuple[str, int], PrefixRun] = {}
+            for size in sorted(sizes):
+                contents = [c & _U64 for c in block_content_hashes(token_ids, size, lora_name, cache_salt)]
+                blocks = self._table.content_walk_blocks(contents)
+                if any(len(candidates) > 1 for candidates in blocks):
+                    self._note_mixed_hashes(blocks)
+                held = self._table.content_walk(contents)
+                for key, run in prefix_runs(held, self._holders, self.weights,
+                                            self._allowed(model_name, tenant_id, size)).items():
+                    if key not in runs or run.any > runs[key].any:
+                        runs[key] = run
+            return instances_answer(runs, self.sources.block_size)
+
+    def _note_mixed_hashes(self, blocks: list[tuple[int, ...]]) -> None:
+        self.counters.mixed_hash_queries += 1
+        if len(self.counters.mixed_hash_instances) < 16:
+            deepest = next(candidates for candidates in blocks if len(candidates) > 1)
+            instances = sorted({self._holders[h].instance_id for h in self._table.holders_at(list(deepest[:1]))[0]}
+                               | {self._holders[h].instance_id for b in deepest[1:]
+                                  for h in self._table.holders_at([b])[0]})
+            if instances not in self.counters.mixed_hash_instances:
+                self.counters.mixed_hash_instances.append(instances)
+
+    # -- fleet views -----------------------------------------------------------------------------------------
+
+    def workers(self) -> list[dict]:
+        """``GET /workers``: every (instance, data-parallel rank) the index holds blocks of, or that registered,
+        with its resident blocks per tier (and per ownership of each tier) and its registered metadata."""
+        with self.lock:
+            per_source: dict[tuple[str, int], Counter] = {}
+            for holder_id, info in enumerate(self._holders):
+                count = self._table.holder_blocks(holder_id)
+                if count:
+                    tiers = per_source.setdefault((info.instance_id, info.data_parallel_rank), Counter())
+                    tiers[(info.tier, info.ownership)] += count
+            for info in self.sources.all():
+                for rank in info.dp_ranks or {0}:
+                    per_source.setdefault((info.instance_id, rank), Counter())
+            rows = []
+            for (instance, rank), tiers in sorted(per_source.items()):
+                registered = self.sources.get(instance)
+                blocks: Counter = Counter()
+                for (tier, _), n in tiers.items():
+                    blocks[tier] += n
+                rows.append({
+                    "instance_id": instance, "data_parallel_rank": rank, "blocks": dict(sorted(blocks.items())),
+                    "blocks_by_ownership": [{"tier": tier, "ownership": own, "blocks": n}
+                                            for (tier, own), n in sorted(tiers.items(), key=lambda i: (i[0][0],
+                                                                                                       i[0][1] or ""))],
+                    "registered": registered is not None,
+                    "model_name": registered.model_name if registered else None,
+                    "block_size": self.sources.block_size(instance),
+                    "tenant_id": registered.tenant_id if registered else DEFAULT_TENANT,
+                })
+            return rows
+
+    def stats(self) -> dict:
+        """Size and counters: ``{"blocks", "holders", "resident_pairs", "memory_bytes", "entries_applied",
+        "mixed_hash_queries", "mixed_hash_instances"}``."""
+        with self.lock:
+            return {"blocks": len(self._table), "holders": len(self._holders), "resident_pairs": self._table.links,
+                    "memory_bytes": self._table.memory_bytes(), "entries_applied": self.counters.entries_applied,
+                    "mixed_hash_queries": self.counters.mixed_hash_queries,
+                    "mixed_hash_instances": list(self.counters.mixed_hash_instances)}
+
+    def dump(self, batch: int = 4096) -> Iterator[dict]:
+        """``GET /dump``: every block, its parent and content hash and its holders, one dict per block.
+
+        The lock is taken per ``batch`` blocks, so a dump of a large index does not stall the feed or the
+        queries; blocks changed meanwhile may show either value.
+        """
+        with self.lock:
+            items = list(self._table.items())
+        for start in range(0, len(items), batch):
+            with self.lock:
+                holders = self._holders
+                for block, parent, content, pairs in items[start:start + batch]:
+                    yield {"block_hash": f"{block:016x}", "parent_block_hash": None if parent is None else
+                           f"{parent:016x}", "content_hash": None if content is None else
+                           (content - (1 << 64) if content >> 63 else content),
+                           "holders": [{"instance_id": holders[h].instance_id,
+                                        "data_parallel_rank": holders[h].data_parallel_rank,
+                                        "tier": holders[h].tier, "ownership": holders[h].ownership}
+                                       for _, h in pairs]}

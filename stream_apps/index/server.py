@@ -1,0 +1,217 @@
+"""``kvstream index``: a query-only replica of the fleet index, and the index as a library in a router's process.
+
+A replica joins no consumer group, owns no partition and writes nothing: it reads ``<app id>-residency-changelog``
+(:mod:`stream_apps.index.feed`) and answers the router APIs (:mod:`stream_apps.index.api`) on plain aiohttp. So
+reads scale by adding replicas, and queries never load the workers' write path.
+
+:class:`EmbeddedIndex` is the same index without HTTP: a router written in Python feeds one in a thread and calls
+it in process, as llm-d's indexer runs inside its router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+from aiohttp import web
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import CollectorRegistry
+
+from kafka_io.schema_registry import reader_codec
+from schemas.topics import TopicNames
+from stream_apps.index.api import IndexAPI, Reply
+from stream_apps.index.feed import ChangelogFeed
+from stream_apps.index.fleet_index import DEFAULT_BLOCK_SIZE, FleetIndex
+
+log = logging.getLogger(__name__)
+
+
+def open_feed(index: FleetIndex, bootstrap_servers: str, topics: TopicNames, schema_registry_url: str = "",
+              ) -> ChangelogFeed:
+    """A feed of ``index`` from the residency changelog of the app ``topics`` names (not started)."""
+    codec = reader_codec("residency", bootstrap_servers, schema_registry_url, topics.schemas)
+    return ChangelogFeed(index, bootstrap_servers, topics.changelog("residency"), codec)
+
+
+class IndexMetrics:
+    """``GET /metrics`` of an index: its size, the feed's progress and lag, and the answers by view and status."""
+
+    def __init__(self, index: FleetIndex, feed: ChangelogFeed) -> None:
+        self.index, self.feed = index, feed
+        #: (view, HTTP status) -> answers.
+        self.http_requests: Counter = Counter()
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(self)
+
+    def collect(self):
+        """The metric families (prometheus_client's collector protocol)."""
+        stats = self.index.stats()
+        for name, value, doc in (
+                ("kvstream_index_blocks", stats["blocks"], "Blocks in the index (any holder)."),
+                ("kvstream_index_resident_pairs", stats["resident_pairs"], "Resident (block, holder) pairs."),
+                ("kvstream_index_memory_bytes", stats["memory_bytes"], "Bytes of the index's block table."),
+                ("kvstream_index_feed_lag_records", self.feed.lag(), "Changelog records not read yet."),
+                ("kvstream_index_caught_up", int(self.feed.caught_up), "1 once the feed read to its start's end.")):
+            yield GaugeMetricFamily(name, doc, value=value)
+        yield CounterMetricFamily("kvstream_index_changelog_records", "Changelog records read.",
+                                  value=self.feed.records)
+        yield CounterMetricFamily("kvstream_index_undecodable_records", "Changelog records skipped: not decodable.",
+                                  value=self.feed.undecodable)
+        yield CounterMetricFamily("kvstream_index_mixed_hash_queries",
+                                  "Token queries that found equal content under unequal engine hashes.",
+                                  value=stats["mixed_hash_queries"])
+        requests = CounterMetricFamily("kvstream_http_requests", "HTTP answers by view and status.",
+                                       labels=["view", "status"])
+        for (view, status), n in sorted(self.http_requests.items()):
+            requests.add_metric([view, str(status)], n)
+        yield requests
+
+    def render(self) -> bytes:
+        """The text exposition format."""
+        return generate_latest(self.registry)
+
+
+def _response(reply: Reply) -> web.Response:
+    return web.Response(status=reply.status, body=reply.body, content_type=reply.content_type)
+
+
+def build_web_app(api: IndexAPI, feed: ChangelogFeed, metrics: IndexMetrics) -> web.Application:
+    """The aiohttp application of ``kvstream index``: the router APIs, ``/health``, ``/ready``, ``/metrics``.
+
+    Every path answers with and without its trailing slash (routers write both)."""
+    app = web.Application(client_max_size=api_body_limit())
+    counts = metrics.http_requests
+
+    def post(view: str, handler):
+        async def serve(request: web.Request) -> web.Response:
+            reply = handler(await request.read(), request.headers.get("Content-Type"), request.headers.get("Accept"))
+            counts[(view, reply.status)] += 1
+            return _response(reply)
+        return serve
+
+    async def workers(request: web.Request) -> web.Response:
+        reply = api.workers(request.headers.get("Accept"))
+        counts[("workers", reply.status)] += 1
+        return _response(reply)
+
+    async def dump(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await response.prepare(request)
+        for i, line in enumerate(api.dump()):
+            await response.write(line)
+            if i % 4096 == 4095:
+                await asyncio.sleep(0)  # let queries in between
+        await response.write_eof()
+        counts[("dump", 200)] += 1
+        return response
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "alive"})
+
+    async def ready(request: web.Request) -> web.Response:
+        reasons = feed.not_ready()
+        return web.json_response({"ready": not reasons, "reasons": reasons}, status=503 if reasons else 200)
+
+    async def metrics_view(request: web.Request) -> web.Response:
+        return web.Response(body=metrics.render(), content_type="text/plain")
+
+    routes = [("POST", "/query", post("query", api.query)),
+              ("POST", "/query_by_hash", post("query_by_hash", api.query_by_hash)),
+              ("POST", "/prefix-match", post("prefix-match", api.prefix_match)),
+              ("POST", "/register", post("register", api.register)),
+              ("GET", "/workers", workers), ("GET", "/dump", dump), ("GET", "/health", health),
+              ("GET", "/ready", ready), ("GET", "/metrics", metrics_view)]
+    for method, path, handler in routes:
+        app.router.add_route(method, path, handler)
+        app.router.add_route(method, path + "/", handler)
+    return app
+
+
+def api_body_limit() -> int:
+    """Largest request body the server reads (:data:`stream_apps.index.api.MAX_BODY_BYTES` and a little more, so
+    that the API, not aiohttp, names the limit)."""
+    from stream_apps.index.api import MAX_BODY_BYTES
+    return MAX_BODY_BYTES + 1024
+
+
+def run_index(settings) -> int:
+    """Run ``kvstream index`` with :class:`~stream_apps.index.settings.IndexSettings` until interrupted."""
+    index = FleetIndex(settings.weights, settings.default_block_size)
+    feed = open_feed(index, settings.bootstrap_servers, settings.topics, settings.schema_registry_url)
+    api = IndexAPI(index, feed.not_ready)
+    app = build_web_app(api, feed, IndexMetrics(index, feed))
+
+    async def start_feed(app: web.Application) -> None:
+        app["feed"] = asyncio.get_running_loop().create_task(feed.run())
+
+    async def stop_feed(app: web.Application) -> None:
+        app["feed"].cancel()
+        feed.close()
+
+    app.on_startup.append(start_feed)
+    app.on_cleanup.append(stop_feed)
+    log.info("index: serving the router APIs on http://%s:%d (reading %s)", settings.web_bind, settings.web_port,
+             feed.topic)
+    web.run_app(app, host=settings.web_bind, port=settings.web_port, print=None, access_log=None)
+    return 0
+
+
+class EmbeddedIndex:
+    """The fleet index in a router's own process, fed from Kafka in a thread; no HTTP hop at all.
+
+    ``with EmbeddedIndex("kafka:9092").start(wait_s=30) as index: index.query_tokens(tokens, model_name=...)``
+
+    Args:
+        bootstrap_servers: Kafka bootstrap servers.
+        app_id, topic_prefix: the workers' app id and topic prefix.
+        schema_registry_url: the registry the workers write through, if any.
+        weights: tier weights of the prefix-match score.
+        default_block_size: tokens per block of an instance that registered none.
+    """
+
+    def __init__(self, bootstrap_servers: str, app_id: str = "kvstream", topic_prefix: str = "",
+                 schema_registry_url: str = "", weights: Mapping[str, float] | None = None,
+                 default_block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+        self.index = FleetIndex(weights, default_block_size)
+        self.feed = open_feed(self.index, bootstrap_servers, TopicNames(app_id, topic_prefix), schema_registry_url)
+
+    def start(self, wait_s: float | None = None) -> EmbeddedIndex:
+        """Start the feed's thread; with ``wait_s``, wait that long for it to catch up.
+
+        Raises:
+            TimeoutError: not caught up within ``wait_s`` (the reasons in the message).
+        """
+        self.feed.start_thread()
+        if wait_s is not None and not self.feed.wait_caught_up(wait_s):
+            raise TimeoutError("; ".join(self.feed.not_ready()))
+        return self
+
+    @property
+    def ready(self) -> bool:
+        """True once the index has caught up with the changelog."""
+        return self.feed.caught_up
+
+    def query_tokens(self, token_ids: Sequence[int] | bytes, **options) -> dict:
+        """:meth:`FleetIndex.query_tokens` (``/query``'s answer as a dict)."""
+        return self.index.query_tokens(token_ids, **options)
+
+    def query_hashes(self, chain: Sequence[bytes], **options) -> dict:
+        """:meth:`FleetIndex.query_hashes` (``/query_by_hash``'s answer as a dict)."""
+        return self.index.query_hashes(chain, **options)
+
+    def prefix_match(self, chain: Sequence[bytes]) -> list[dict]:
+        """:meth:`FleetIndex.prefix_match` (``/prefix-match/``'s ``matches``)."""
+        return self.index.prefix_match(chain)
+
+    def close(self) -> None:
+        """Stop the feed."""
+        self.feed.close()
+
+    def __enter__(self) -> EmbeddedIndex:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

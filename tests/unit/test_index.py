@@ -1,0 +1,174 @@
+"""The fleet index without Kafka: entries in, answers out (stream_apps/index/), with both block tables."""
+
+from __future__ import annotations
+
+import array
+
+import msgspec
+import pytest
+
+from schemas.content_hash import content_hash, query_extra_keys
+from stream_apps.index.api import IndexAPI
+from stream_apps.index.fleet_index import FleetIndex
+from stream_apps.index.scoring import HolderInfo, instances_answer, prefix_runs
+
+BLOCK = 4
+
+
+@pytest.fixture(params=["python", "compiled"])
+def index(request):
+    from stream_apps.index import table
+
+    cls = table.PyBlockTable if request.param == "python" else table.CompiledBlockTable
+    if cls is None:
+        pytest.skip("stream_apps/index/_table.pyx is not built")
+    return FleetIndex(default_block_size=BLOCK, table=cls())
+
+
+def _row(instance, tier, dp=0, copies=1):
+    return {"instance_id": instance, "data_parallel_rank": dp, "tier": tier, "copies": copies}
+
+
+def _entry(block_hash: bytes, rows, parent: bytes | None = None, content: int | None = None, ownership=None):
+    return {"block_hash": block_hash, "ownership": ownership, "rows": rows, "parent_block_hash": parent,
+            "content_hash": content}
+
+
+def _key(block_hash: bytes, ownership=None) -> str:
+    return f"{ownership or 'primary'}/{block_hash.hex()}"
+
+
+def _store_chain(index, instance, tokens, seed: int, tier="GPU", lora=None, salt=None, ownership=None,
+                 rows=None):
+    """Entries as the workers write them for one vLLM-shaped BlockStored chain; returns the engine hashes."""
+    hashes, parent = [], None
+    for i in range(len(tokens) // BLOCK):
+        block = tokens[i * BLOCK:(i + 1) * BLOCK]
+        engine_hash = ((seed * 1_000_003 + i * 7919 + sum(block)) % (1 << 64)).to_bytes(8, "big")
+        extra = query_extra_keys(i, lora, salt)  # what vLLM puts in the block's extra_keys
+        index.apply_entry(_key(engine_hash, ownership), _entry(engine_hash, rows or [_row(instance, tier)], parent,
+                                                               content_hash(block, extra), ownership))
+        hashes.append(engine_hash)
+        parent = engine_hash
+    return hashes
+
+
+TOKENS = list(range(100, 116))  # four blocks
+
+
+def test_a_query_by_tokens_equals_the_query_by_engine_hashes(index):
+    hashes = _store_chain(index, "e1", TOKENS, seed=1)
+    by_tokens = index.query_tokens(TOKENS)
+    assert by_tokens["instances"] == index.query_hashes(hashes)["instances"]
+    assert by_tokens["instances"]["e1"] == {"longest_matched": 16, "GPU": 16, "CPU": 16, "DISK": 16, "DP": {"0": 16}}
+    # a longer prompt matches its held prefix; a prompt diverging at block 2 matches two blocks
+    assert index.query_tokens(TOKENS + [1] * 8)["instances"]["e1"]["longest_matched"] == 16
+    assert index.query_tokens(TOKENS[:8] + [0] * 8)["instances"]["e1"]["longest_matched"] == 8
+
+
+def test_lora_and_salt_change_the_keys_and_an_unused_salt_matches_nothing(index):
+    _store_chain(index, "lora", TOKENS, seed=2, lora="adapter-1")
+    _store_chain(index, "salted", TOKENS, seed=3, salt="tenant-1")
+    assert set(index.query_tokens(TOKENS, lora_name="adapter-1")["instances"]) == {"lora"}
+    assert set(index.query_tokens(TOKENS, cache_salt="tenant-1")["instances"]) == {"salted"}
+    assert index.query_tokens(TOKENS, cache_salt="never-used")["instances"] == {}
+    assert index.query_tokens(TOKENS)["instances"] == {}  # unsalted, no LoRA: neither
+
+
+def test_a_tokenless_copy_of_another_ownership_inherits_the_content(index):
+    hashes = _store_chain(index, "e1", TOKENS, seed=4)
+    for h in hashes:  # the offload tier stores the blocks without tokens, under its ownership
+        index.apply_entry(_key(h, "kvcr"), _entry(h, [_row("e1", "STORAGE")], ownership="kvcr"))
+    for h in hashes:  # the GPU copies are evicted
+        index.apply_entry(_key(h), None)
+    answer = index.query_tokens(TOKENS)["instances"]["e1"]
+    assert answer == {"longest_matched": 16, "GPU": 0, "CPU": 0, "DISK": 16, "DP": {"0": 16}}
+
+
+def test_equal_content_under_unequal_engine_hashes_is_found_and_counted(index):
+    _store_chain(index, "seed-a", TOKENS, seed=5)
+    _store_chain(index, "seed-b", TOKENS, seed=6)
+    assert set(index.query_tokens(TOKENS)["instances"]) == {"seed-a", "seed-b"}
+    stats = index.stats()
+    assert stats["mixed_hash_queries"] == 1 and stats["mixed_hash_instances"] == [["seed-a", "seed-b"]]
+
+
+def test_tier_classes_are_cumulative_and_ranks_apart(index):
+    hashes = _store_chain(index, "e1", TOKENS, seed=7, rows=[_row("e1", "GPU"), _row("e1", "CPU", dp=1)])
+    # block 2 leaves the GPU of rank 0 but is on its CPU; block 3 only on rank 1's CPU
+    index.apply_entry(_key(hashes[2]), _entry(hashes[2], [_row("e1", "CPU"), _row("e1", "CPU", dp=1)]))
+    index.apply_entry(_key(hashes[3]), _entry(hashes[3], [_row("e1", "CPU", dp=1)]))
+    answer = index.query_tokens(TOKENS)["instances"]["e1"]
+    assert answer == {"longest_matched": 16, "GPU": 8, "CPU": 16, "DISK": 16, "DP": {"0": 12, "1": 16}}
+
+
+def test_model_tenant_and_block_size_come_from_registration(index):
+    _store_chain(index, "llama", TOKENS, seed=8)
+    _store_chain(index, "qwen", TOKENS, seed=9)
+    api = IndexAPI(index, lambda: [])
+    for instance, model in (("llama", "llama-3"), ("qwen", "qwen-2")):
+        body = msgspec.json.encode({"instance_id": instance, "modelname": model, "block_size": BLOCK, "dp_rank": 0})
+        reply = api.register(body, "application/json")
+        assert reply.status == 200
+        assert msgspec.json.decode(reply.body) == {"status": "registered successfully", "instance_id": instance}
+    assert set(index.query_tokens(TOKENS, model_name="llama-3")["instances"]) == {"llama"}
+    assert set(index.query_tokens(TOKENS)["instances"]) == {"llama", "qwen"}
+    assert index.query_tokens(TOKENS, tenant_id="other")["instances"] == {}
+    assert index.query_tokens(TOKENS, block_size=8)["instances"] == {}  # other block size: other content keys
+
+
+def test_query_speaks_msgpack_with_int32_token_bytes_as_mooncakes_proxy_sends(index):
+    _store_chain(index, "e1", TOKENS, seed=10)
+    api = IndexAPI(index, lambda: [])
+    body = msgspec.msgpack.encode({"model": "m", "token_ids": array.array("i", TOKENS).tobytes(), "block_size": BLOCK,
+                                   "tenant_id": "default", "lora_name": None})
+    reply = api.query(body, "application/msgpack")
+    assert reply.status == 200 and reply.content_type == "application/msgpack"
+    assert msgspec.msgpack.decode(reply.body)["instances"]["e1"]["longest_matched"] == 16
+    json_reply = api.query(msgspec.json.encode({"token_ids": TOKENS}), "application/json")
+    assert msgspec.json.decode(json_reply.body)["instances"]["e1"]["longest_matched"] == 16
+
+
+@pytest.mark.parametrize("body, reason", [
+    (b"not json", "not JSON"),
+    (b'{"token_ids": "abc"}', "token_ids"),
+    (b'{"token_ids": [1, 2.5]}', "32-bit integers"),
+    (b'{"token_ids": [1], "block_size": 0}', "block_size"),
+    (b"[1, 2]", "must be a map"),
+])
+def test_bad_queries_get_a_400_with_the_reason(index, body, reason):
+    reply = IndexAPI(index, lambda: []).query(body, "application/json")
+    assert reply.status == 400 and reason in msgspec.json.decode(reply.body)["error"]
+
+
+def test_an_index_that_has_not_caught_up_answers_503_with_the_reason(index):
+    reply = IndexAPI(index, lambda: ["catching up: 5 records to go"]).query(b'{"token_ids": [1]}', None)
+    assert reply.status == 503 and "catching up" in msgspec.json.decode(reply.body)["error"]
+
+
+def test_a_tombstone_removes_the_block_from_every_answer(index):
+    hashes = _store_chain(index, "e1", TOKENS, seed=11)
+    index.apply_entry(_key(hashes[0]), None)
+    assert index.query_tokens(TOKENS)["instances"] == {}
+    assert index.prefix_match(hashes) == []
+    assert index.stats()["blocks"] == 3
+
+
+def test_workers_and_dump_list_what_the_index_holds(index):
+    hashes = _store_chain(index, "e1", TOKENS, seed=12)
+    index.apply_entry(_key(hashes[0], "kvcr"), _entry(hashes[0], [_row("e1", "STORAGE")], ownership="kvcr"))
+    [worker] = index.workers()
+    assert worker["instance_id"] == "e1" and worker["blocks"] == {"GPU": 4, "STORAGE": 1}
+    dumped = {d["block_hash"]: d for d in index.dump()}
+    assert set(dumped) == {h.hex() for h in hashes}
+    assert sorted(h["tier"] for h in dumped[hashes[0].hex()]["holders"]) == ["GPU", "STORAGE"]
+    assert dumped[hashes[1].hex()]["parent_block_hash"] == hashes[0].hex()
+
+
+def test_instances_answer_takes_the_best_rank_per_instance():
+    holders = [HolderInfo("e1", 0, "GPU", None), HolderInfo("e1", 1, "CPU", None)]
+    runs = prefix_runs([(0, 1), (1,)], holders, {"GPU": 1.0, "CPU": 0.8})
+    answer = instances_answer(runs, lambda instance: 16)
+    assert answer["instances"]["e1"] == {"longest_matched": 32, "GPU": 16, "CPU": 32, "DISK": 32,
+                                         "DP": {"0": 16, "1": 32}}
+    assert answer["scores"] == {"e1": {"0": 16, "1": 32}}
