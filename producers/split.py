@@ -10,6 +10,12 @@ the original event can be rebuilt losslessly (:func:`rebuild_event`).
 Engine events come in vLLM 0.33's map form as plain dicts: ``{"type":
 "BlockStored", "block_hashes": [...], "parent_block_hash": ..., ...}``; fields
 that vLLM omits when they are None may be absent.
+
+Every stored block with tokens gets its content hash (``BlockStored.content_hash``, kv_event v4), computed here
+from its tokens and extra keys (:func:`schemas.content_hash.stored_extra_keys`): it is the producer's, not the
+engine's, so :func:`rebuild_event` leaves it out. A producer that knows its blocks' content without their tokens
+(the simulator, whose trace has block ids, not tokens) gives the hashes in the event's :data:`CONTENT_HASHES`
+field instead, which no engine sends.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import msgspec
 from schemas import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED, InvalidBlockHash, canonical_block_hash, tier_of
 from schemas.avro_writers import AVRO_NULL, KvEventWriter, avro_bytes, avro_double, avro_int_array, avro_long
 from schemas.block_hash import original_block_hash
+from schemas.content_hash import content_hash, stored_extra_keys
 
 _BRANCH_1 = b"\x02"
 
@@ -93,6 +100,13 @@ REQUIRED_FIELDS = {
 
 #: BlockStored's v3 fields ``cache_salt`` and ``token_id_width``, both null: what nearly every store ends with.
 _NO_SUFFIX = AVRO_NULL + AVRO_NULL
+
+#: Field of a BlockStored event that no engine sends: one content hash per block hash (a signed 64-bit int, or None
+#: for a block without one), for a producer that knows its blocks' content hashes but not their tokens (the
+#: simulator: producers.simulator.trace_block_content_hash). When present it is every block's
+#: ``BlockStored.content_hash``, whatever the block's tokens; :func:`rebuild_event` gives it back only where it
+#: differs from what the tokens give.
+CONTENT_HASHES = "kvstream_content_hashes"
 
 _REQUIRED_SETS = {engine: {kind: frozenset(names) for kind, names in kinds.items()}
                   for engine, kinds in REQUIRED_FIELDS.items()}
@@ -198,6 +212,8 @@ class _ParsedEvent:
     lookahead: list[list[int]] | None = None
     #: Ints per token position: 1, or w when the engine sent each position as a w-tuple (flattened in tokens).
     token_width: int = 1
+    #: The event's :data:`CONTENT_HASHES`, one per block; None when it has none (the hashes are computed).
+    content_hashes: list | None = None
 
 
 def _parse_event(event: dict, engine: str = "vllm") -> _ParsedEvent:
@@ -249,6 +265,14 @@ def _parse_event(event: dict, engine: str = "vllm") -> _ParsedEvent:
         raise InvalidEvent(f"lookahead_token_ids must hold one list per block hash ({count})")
     if lookahead is not None:
         lookahead = [_int_list(tokens_i, "lookahead_token_ids") for tokens_i in lookahead]
+    given = event.get(CONTENT_HASHES)
+    if given is not None:
+        if not isinstance(given, (list, tuple)) or len(given) != count:
+            raise InvalidEvent(f"{CONTENT_HASHES} must hold one entry per block hash ({count})")
+        for h in given:
+            if h is not None and (type(h) is not int or not _LONG[0] <= h <= _LONG[1]):
+                raise InvalidEvent(f"{CONTENT_HASHES} holds {h!r}, not a signed 64-bit integer or null")
+        given = list(given)
     common = {
         "block_size": block_size,
         "lora_id": _opt_int(event, "lora_id", bounds=_LONG),
@@ -264,13 +288,31 @@ def _parse_event(event: dict, engine: str = "vllm") -> _ParsedEvent:
         "token_id_width": None if token_width == 1 else token_width,
     }
     return _ParsedEvent(BLOCK_STORED, hashes, encoding, tier, common, parent, tokens, extra_keys, lookahead,
-                        token_width)
+                        token_width, given)
 
 
 def _block_tokens(tokens: list[int], block_size: int, i: int, count: int) -> list[int]:
     """Block ``i``'s tokens: ``block_size`` of them; the last block also takes any beyond the full blocks."""
     start = i * block_size
     return tokens[start:] if i == count - 1 else tokens[start:start + block_size]
+
+
+def _content_hash(parsed: _ParsedEvent, i: int, block_tokens: list[int]) -> int | None:
+    """``BlockStored.content_hash`` of block ``i`` of a parsed store whose tokens are ``block_tokens``: the event's
+    :data:`CONTENT_HASHES` entry when it has them; else the hash of the tokens and the block's extra keys
+    (:func:`schemas.content_hash.stored_extra_keys`); None for a block without tokens."""
+    if parsed.content_hashes is not None:
+        return parsed.content_hashes[i]
+    if not block_tokens:
+        return None
+    extra_keys, common = parsed.extra_keys, parsed.common
+    if extra_keys is not None:
+        entry = extra_keys[i]
+        if entry is None:  # vLLM's entry for a block without extra keys: no call, most blocks are such
+            return content_hash(block_tokens)
+        return content_hash(block_tokens, stored_extra_keys(entry, True))
+    return content_hash(block_tokens, stored_extra_keys(None, False, common["lora_name"], common["cache_salt"],
+                                                        i == 0 and parsed.parent is None))
 
 
 def split_event(publisher: Publisher, seq: int, ts: float, batch_index: int, event: dict) -> list[dict]:
@@ -317,13 +359,15 @@ def split_event(publisher: Publisher, seq: int, ts: float, batch_index: int, eve
     block_ints = common["block_size"] * parsed.token_width
     records = []
     for i, h in enumerate(hashes):
+        tokens = _block_tokens(parsed.tokens, block_ints, i, count)
         body = {
             "parent_block_hash": parsed.parent if i == 0 else hashes[i - 1],
-            "token_ids": _block_tokens(parsed.tokens, block_ints, i, count),
+            "token_ids": tokens,
             "extra_keys": None if extra_keys is None else _encode_msgpack(extra_keys[i]),
             "lookahead_token_ids": None if lookahead is None else lookahead[i],
             "parent_known": None,
             **common,
+            "content_hash": _content_hash(parsed, i, tokens),
         }
         records.append({**envelope, "block_hash": h, "hash_encoding": encoding, "block_index": i,
                         "block_count": count, "tier": tier, "event": (BLOCK_STORED, body)})
@@ -392,7 +436,7 @@ class BlockEncoder:
     that every block of an event shares are encoded once per event.
 
     Args:
-        writer: the ``kv_event`` v2 writer (:class:`schemas.avro_writers.KvEventWriter`).
+        writer: the ``kv_event`` v4 writer (:class:`schemas.avro_writers.KvEventWriter`).
         parents: tracker that sets ``parent_known``; None leaves it null.
     """
 
@@ -444,19 +488,26 @@ class BlockEncoder:
         if self.parents is not None:
             parent_known = self.parents.note_run((publisher.instance_id, publisher.data_parallel_rank),
                                                  parsed.parent, hashes)
-        no_tokens = b"\x00" if not tokens else None
+        given = parsed.content_hashes
         out = []
         parent = parsed.parent
         for i, h in enumerate(hashes):
             encoded_hash = avro_bytes(h)
+            if tokens:
+                block_tokens = _block_tokens(tokens, block_ints, i, count)
+                encoded_tokens = avro_int_array(block_tokens)
+                digest = _content_hash(parsed, i, block_tokens)
+            else:  # placeholder stores (offload connectors): no tokens, no content unless the event gives it
+                encoded_tokens = b"\x00"
+                digest = None if given is None else given[i]
             out.append((h, b"".join((
                 head, _BRANCH_1, encoded_hash, encoding, avro_long(i), after_index,
                 AVRO_NULL if parent is None else _BRANCH_1 + avro_bytes(parent),
-                no_tokens or avro_int_array(_block_tokens(tokens, block_ints, i, count)), middle,
+                encoded_tokens, middle,
                 AVRO_NULL if extra_keys is None else _BRANCH_1 + avro_bytes(_encode_msgpack(extra_keys[i])), tail,
                 AVRO_NULL if lookahead is None else _BRANCH_1 + avro_int_array(lookahead[i]),
                 AVRO_NULL if i or parent_known is None else (b"\x02\x01" if parent_known else b"\x02\x00"),
-                suffix))))
+                suffix, AVRO_NULL if digest is None else _BRANCH_1 + avro_long(digest)))))
             parent = h
         return out
 
@@ -478,7 +529,9 @@ def rebuild_event(records: list[dict]) -> dict:
 
     Fields the engine always sends (:data:`REQUIRED_FIELDS`; the engine is SGLang when the hashes are
     ``INT64``) are present even when None, the others only when set; token tuples (``token_id_width``) are
-    regrouped.
+    regrouped. ``content_hash`` is the producer's, not the engine's: it is left out, except that content hashes
+    the tokens do not give (an event's :data:`CONTENT_HASHES`, e.g. the simulator's stores without tokens) come
+    back in that field.
 
     Args:
         records: every record of one event (same publisher, seq and batch_index),
@@ -530,6 +583,14 @@ def rebuild_event(records: list[dict]) -> dict:
             event[name] = body[name]
     if body["lookahead_token_ids"] is not None:
         event["lookahead_token_ids"] = [b["lookahead_token_ids"] for b in bodies]
+    given = [b.get("content_hash") for b in bodies]
+    if any(h is not None for h in given):
+        parsed = _ParsedEvent(BLOCK_STORED, [], common={"lora_name": body["lora_name"],
+                                                        "cache_salt": body.get("cache_salt")},
+                              parent=parent, extra_keys=event.get("extra_keys"))
+        if any(h is not None and h != _content_hash(parsed, i, b["token_ids"]) for i, (h, b) in
+               enumerate(zip(given, bodies))):
+            event[CONTENT_HASHES] = given
     return event
 
 

@@ -111,12 +111,12 @@ class KvEventWriter:
 
     fastavro's generic writer resolves every union and looks up every field of every record; a
     producer writes hundreds of thousands of records per second that share most of their bytes. This
-    writer encodes the field layout of ``kv_event_v3.avsc`` directly and gives the pieces that
+    writer encodes the field layout of ``kv_event_v4.avsc`` directly and gives the pieces that
     :class:`producers.split.BlockEncoder` reuses across the blocks of one engine event. The
     output is checked against fastavro in ``tests/unit/test_split.py``.
 
     Args:
-        codec: a ``kv_event`` codec writing version 2 (its framing header is reused).
+        codec: a ``kv_event`` codec writing version 4 (its framing header is reused).
 
     Raises:
         ValueError: the codec writes another family or version (the field layout coded here would not
@@ -124,7 +124,7 @@ class KvEventWriter:
     """
 
     #: The writer schema whose field layout this class encodes.
-    VERSION = 3
+    VERSION = 4
 
     def __init__(self, codec: AvroCodec) -> None:
         if codec.family != "kv_event" or codec.schema.version != self.VERSION:
@@ -178,7 +178,8 @@ class KvEventWriter:
         return cached
 
     def stored_suffix(self, cache_salt: str | None, token_id_width: int | None) -> bytes:
-        """BlockStored's fields after ``parent_known`` (``cache_salt``, ``token_id_width``, added in v3), cached."""
+        """BlockStored's fields ``cache_salt`` and ``token_id_width`` (added in v3, after ``parent_known``), cached;
+        ``content_hash`` (v4), which differs per block, follows them."""
         key = (cache_salt, token_id_width)
         cached = self._suffixes.get(key)
         if cached is None:
@@ -233,7 +234,8 @@ class KvEventWriter:
                               self.stored_middle(body), avro_optional(body["extra_keys"], avro_bytes),
                               self.stored_tail(body), avro_optional(body["lookahead_token_ids"], avro_int_array),
                               AVRO_NULL if pk is None else (b"\x02\x01" if pk else b"\x02\x00"),
-                              self.stored_suffix(body.get("cache_salt"), body.get("token_id_width"))))
+                              self.stored_suffix(body.get("cache_salt"), body.get("token_id_width")),
+                              avro_optional(body.get("content_hash"), avro_long)))
         elif kind == "kvstream.v1.BlockRemoved":
             event = self.removed_body(body)
         elif kind == "kvstream.v1.AllBlocksCleared":

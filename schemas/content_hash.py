@@ -24,6 +24,7 @@ from __future__ import annotations
 import array
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 import xxhash
@@ -105,3 +106,49 @@ def block_content_hashes(token_ids: Sequence[int] | bytes, block_size: int, lora
     step = 4 * block_size
     return [content_hash(data[i * step:(i + 1) * step], query_extra_keys(i, lora_name, cache_salt))
             for i in range(len(data) // step)]
+
+
+_DECODE_MSGPACK = msgspec.msgpack.Decoder().decode
+
+
+def stored_extra_keys(entry: Any, has_extra_keys: bool, lora_name: str | None = None, cache_salt: str | None = None,
+                      first_of_chain: bool = False) -> list | None:
+    """The extra keys a producer hashes with one stored block's tokens (``kv_event`` v4 ``BlockStored.content_hash``).
+
+    Args:
+        entry: the block's entry of the event's ``extra_keys`` (ignored when ``has_extra_keys`` is false).
+        has_extra_keys: whether the event carried ``extra_keys`` at all (vLLM does; SGLang never does).
+        lora_name, cache_salt: the store's LoRA name and cache salt (None: none).
+        first_of_chain: the block is the first of its chain: block 0 of an event whose ``parent_block_hash`` is None.
+
+    Returns:
+        With ``extra_keys``, the entry's keys: None for a None or empty entry, a list or tuple's items, any other
+        value alone. Without (SGLang): ``[lora_name]`` for a LoRA store, then ``cache_salt`` on the first block of a
+        chain, in vLLM's order (:func:`query_extra_keys`, so a query with the same LoRA name and salt matches).
+        None when there are none.
+    """
+    if has_extra_keys:
+        if entry is None:
+            return None
+        return (list(entry) or None) if isinstance(entry, (list, tuple)) else [entry]
+    return query_extra_keys(0 if first_of_chain else 1, lora_name, cache_salt)
+
+
+def stored_content_hash(body: dict) -> int | None:
+    """The content hash of a decoded ``kv_event`` BlockStored body, by the producers' rule (:func:`stored_extra_keys`):
+    for records that lack one (written by a v1-v3 producer). A field an older version lacks reads as None.
+
+    Returns:
+        A signed 64-bit int; None for a body without token ids (nothing to hash), or whose ``extra_keys`` is not
+        msgpack (its keys are unknown).
+    """
+    tokens = body["token_ids"]
+    if not tokens:
+        return None
+    raw = body.get("extra_keys")
+    try:
+        entry = None if raw is None else _DECODE_MSGPACK(raw)
+    except msgspec.DecodeError:
+        return None
+    return content_hash(tokens, stored_extra_keys(entry, raw is not None, body.get("lora_name"),
+                                                  body.get("cache_salt"), body.get("parent_block_hash") is None))

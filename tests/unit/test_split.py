@@ -165,8 +165,8 @@ def test_kv_event_writer_encodes_every_event_type_like_fastavro():
                source_event(publisher, SOURCE_STALE, {"first_lost_seq": 3, "last_lost_seq": 1 << 50}, 9, 1.5),
                *(r for args in _simulated_events(60) for r in split_event(*args))]
     assert [writer.encode(r) for r in records] == [codec.encode(r) for r in records]
-    with pytest.raises(ValueError, match="kv_event v3"):
-        KvEventWriter(AvroCodec("kv_event", version=2))
+    with pytest.raises(ValueError, match="kv_event v4"):
+        KvEventWriter(AvroCodec("kv_event", version=3))
 
 
 @pytest.mark.parametrize("engine, kind", [(engine, kind) for engine, kinds in REQUIRED_FIELDS.items() for kind in kinds])
@@ -215,3 +215,118 @@ def test_token_tuples_of_other_shapes_are_refused(tokens):
              "block_size": 1, "lora_id": None}
     with pytest.raises(InvalidEvent, match="token"):
         split_event(SGLANG, 0, 1.0, 0, event)
+
+
+# --------------------------------------------------------------------------- content hashes (kv_event v4)
+
+def _content_hashes(records: list[dict]) -> list:
+    return [r["event"][1]["content_hash"] for r in records]
+
+
+def test_a_vllm_store_gets_the_content_hash_of_each_blocks_tokens_and_extra_keys_entry():
+    """vLLM puts [lora_name] on every block of a LoRA request and the salt on block 0 as well: the stored blocks'
+    content hashes are then the ones a query with the same tokens, LoRA name and salt computes."""
+    from schemas.content_hash import block_content_hashes, content_hash
+
+    tokens = list(range(100, 112))
+    event = {"type": "BlockStored", "block_hashes": [11, 12, 13], "parent_block_hash": None, "token_ids": tokens,
+             "block_size": 4, "lora_id": 1, "medium": "GPU", "lora_name": "sql",
+             "extra_keys": [["sql", "salt-1"], ["sql"], ["sql"]]}
+    records = split_event(PUBLISHER, 0, 1.0, 0, event)
+    assert _content_hashes(records) == block_content_hashes(tokens, 4, "sql", "salt-1")
+    # an entry of None is a block without extra keys: its tokens alone, as a block of a plain request
+    plain = split_event(PUBLISHER, 0, 1.0, 0, {**event, "lora_name": None, "extra_keys": [None, ["mm", 3], None]})
+    assert _content_hashes(plain) == [content_hash(tokens[:4]), content_hash(tokens[4:8], ["mm", 3]),
+                                      content_hash(tokens[8:])]
+    assert _content_hashes(plain)[0] == block_content_hashes(tokens, 4)[0]
+
+
+@pytest.mark.parametrize("parent", [None, -9], ids=["first of its chain", "continues a chain"])
+def test_an_sglang_store_hashes_its_lora_name_on_every_block_and_its_salt_on_a_chains_first_block(parent):
+    from schemas.content_hash import content_hash
+
+    tokens = list(range(8))
+    event = {"type": "BlockStored", "block_hashes": [-5, 7], "parent_block_hash": parent, "token_ids": tokens,
+             "block_size": 4, "lora_id": None, "lora_name": "adapter", "cache_salt": "tenant-a"}
+    first = ["adapter", "tenant-a"] if parent is None else ["adapter"]
+    assert _content_hashes(split_event(SGLANG, 0, 1.0, 0, event)) == [content_hash(tokens[:4], first),
+                                                                       content_hash(tokens[4:], ["adapter"])]
+    bare = {k: v for k, v in event.items() if k not in ("lora_name", "cache_salt")}
+    assert _content_hashes(split_event(SGLANG, 0, 1.0, 0, bare)) == [content_hash(tokens[:4]),
+                                                                      content_hash(tokens[4:])]
+
+
+def test_eagle_token_pairs_are_hashed_as_their_flat_list_and_tokenless_blocks_get_none():
+    from schemas.content_hash import content_hash
+
+    event = {"type": "BlockStored", "block_hashes": [-3, 4], "parent_block_hash": None,
+             "token_ids": [[11, 12], [12, 13], [13, 14], [14, 15]], "block_size": 2, "lora_id": None}
+    assert _content_hashes(split_event(SGLANG, 0, 1.0, 0, event)) == [content_hash([11, 12, 12, 13]),
+                                                                       content_hash([13, 14, 14, 15])]
+    placeholder = {**event, "token_ids": [], "block_size": 0}  # an offload connector's store: no tokens
+    assert _content_hashes(split_event(SGLANG, 0, 1.0, 0, placeholder)) == [None, None]
+    short = {**event, "token_ids": [[11, 12], [12, 13]]}  # tokens for the first block only
+    assert _content_hashes(split_event(SGLANG, 0, 1.0, 0, short)) == [content_hash([11, 12, 12, 13]), None]
+
+
+def test_the_record_rule_gives_the_producers_content_hash_for_every_store():
+    """The repartition process computes a content hash for records written without one (an older producer),
+    from the decoded record alone (schemas.content_hash.stored_content_hash): it must be the producer's."""
+    from schemas.content_hash import stored_content_hash
+
+    codec = AvroCodec("kv_event")
+    events = [
+        {"type": "BlockStored", "block_hashes": [1, 2, 3], "parent_block_hash": None, "token_ids": list(range(10)),
+         "block_size": 4, "lora_id": 3, "medium": "CPU", "lora_name": "a", "extra_keys": [["a", "s"], None, 3]},
+        {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": 9, "token_ids": [[1, 2]] * 4,
+         "block_size": 2, "lora_id": None, "lora_name": "b", "cache_salt": "s"},
+        {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None, "token_ids": [5] * 8,
+         "block_size": 4, "lora_id": None, "lora_name": "b", "cache_salt": "s"},
+        {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [], "block_size": 0,
+         "lora_id": None, "medium": "CPU", "lora_name": None},
+    ]
+    for event in events:
+        for record in split_event(SGLANG, 0, 1.0, 0, event):
+            body = codec.decode(codec.encode(record))["event"][1]
+            assert stored_content_hash(body) == body["content_hash"] == record["event"][1]["content_hash"]
+    assert stored_content_hash({**body, "token_ids": [1], "extra_keys": b"\xc1"}) is None  # not msgpack: unknown keys
+
+
+def test_content_hashes_an_event_gives_are_the_blocks_and_come_back_in_the_rebuilt_event():
+    """A producer that knows its blocks' content but not their tokens (the simulator) gives the hashes; the bytes are
+    the same through BlockEncoder as through split_event and fastavro."""
+    from producers.split import CONTENT_HASHES
+
+    event = {"type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": None, "token_ids": [],
+             "block_size": 512, "lora_id": None, "medium": "GPU", "lora_name": None, "extra_keys": [None, None],
+             CONTENT_HASHES: [-(2**63), 2**63 - 1]}
+    records = split_event(PUBLISHER, 0, 1.0, 0, event)
+    assert _content_hashes(records) == [-(2**63), 2**63 - 1]
+    codec = AvroCodec("kv_event")
+    wire = [value for _, value in BlockEncoder(KvEventWriter(codec), None).encode_event(PUBLISHER, 0, 1.0, 0, event)]
+    assert wire == [codec.encode(r) for r in records]
+    assert rebuild_event([codec.decode(v) for v in wire]) == event
+    with_tokens = {**event, "token_ids": list(range(1024)), CONTENT_HASHES: [5, None]}
+    assert _content_hashes(split_event(PUBLISHER, 0, 1.0, 0, with_tokens)) == [5, None]
+    assert rebuild_event(split_event(PUBLISHER, 0, 1.0, 0, with_tokens)) == with_tokens
+    # hashes the tokens give anyway add nothing: the event comes back as an engine sends it
+    computed = _content_hashes(split_event(PUBLISHER, 0, 1.0, 0, {**with_tokens, CONTENT_HASHES: None}))
+    no_hashes = {k: v for k, v in with_tokens.items() if k != CONTENT_HASHES}
+    assert rebuild_event(split_event(PUBLISHER, 0, 1.0, 0, {**with_tokens, CONTENT_HASHES: computed})) == no_hashes
+    for bad, reason in [([1], "one entry per block hash"), ([1, 2**63], "not a signed 64-bit"),
+                        ([True, 1], "not a signed 64-bit"), ("ab", "one entry per block hash")]:
+        with pytest.raises(InvalidEvent, match=reason):
+            split_event(PUBLISHER, 0, 1.0, 0, {**event, CONTENT_HASHES: bad})
+
+
+def test_records_of_an_older_producer_rebuild_without_content_hashes():
+    """A v3 record read as v4 has content_hash null: the rebuilt event is the engine's, with nothing added."""
+    v3, v4 = AvroCodec("kv_event", 3), AvroCodec("kv_event")
+    event = {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None, "token_ids": [1, 2, 3, 4],
+             "block_size": 2, "lora_id": None, "medium": "GPU", "lora_name": None}
+    old = []
+    for record in split_event(PUBLISHER, 0, 1.0, 0, event):
+        body = {k: v for k, v in record["event"][1].items() if k != "content_hash"}
+        old.append(v4.decode(v3.encode({**record, "event": (BLOCK_STORED, body)})))
+    assert _content_hashes(old) == [None, None]
+    assert rebuild_event(old) == event

@@ -55,7 +55,8 @@ KV_EVENT_FIELDS = {("seq",): INTS, ("batch_index",): INTS, ("publisher_epoch",):
                    ("ts",): DOUBLES, ("instance_id",): STRINGS,
                    ("event", 1, "block_size"): INTS, ("event", 1, "lora_id"): [*INTS, None],
                    ("event", 1, "lora_name"): STRINGS, ("event", 1, "medium"): STRINGS,
-                   ("event", 1, "token_ids"): [[], [0] * 5000, [2**31], [2**63], [None], None]}
+                   ("event", 1, "token_ids"): [[], [0] * 5000, [2**31], [2**63], [None], None],
+                   ("event", 1, "content_hash"): [*INTS, None]}
 
 
 @pytest.mark.parametrize("path", list(KV_EVENT_FIELDS), ids=lambda p: ".".join(map(str, p)))
