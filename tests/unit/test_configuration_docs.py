@@ -12,11 +12,12 @@ from kvstream.cli import build_parser
 from kvstream.options import settings_table
 from kvstream.settings import ExportSettings, QuerySettings, ReportSettings, TailSettings
 from producers.settings import BridgeSettings, CaptureSettings, ProduceSettings, SimulateSettings
+from stream_apps.index.settings import IndexSettings
 from stream_apps.settings import WorkerSettings
 
 COMMANDS = {"worker": WorkerSettings, "simulate": SimulateSettings, "bridge": BridgeSettings,
             "capture": CaptureSettings, "produce": ProduceSettings, "tail": TailSettings, "query": QuerySettings,
-            "export": ExportSettings, "report": ReportSettings}
+            "export": ExportSettings, "report": ReportSettings, "index": IndexSettings}
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 ROW = re.compile(r"^\| (\w+) \| `([^`]*)` \| `([^`]*)` \| `([^`]*)` \| .+ \|$")

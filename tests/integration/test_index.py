@@ -1,0 +1,194 @@
+"""The fleet index end to end on the real broker: vLLM-shaped stores with tokens -> three workers and a
+``kvstream index`` replica -> the router APIs by tokens and by engine hashes, equal on every process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import msgspec
+import pytest
+
+from kafka_io.admin import ensure_topics
+from kvstream.broker import free_port
+from kvstream.client import IndexClient
+from kvstream.worker import spawn_worker, stop_worker, wait_until_consumed
+from producers.kafka_sink import KvEventProducer
+from producers.split import Publisher, split_event
+from schemas.topics import KV_EVENTS
+from stream_apps.settings import WorkerSettings
+
+pytestmark = pytest.mark.integration
+
+PARTITIONS = 4
+APP_ID = "kvstream-index-test"
+BLOCK = 4
+TOKENS = list(range(1000, 1016))  # four blocks of four tokens
+OTHER = list(range(2000, 2016))
+
+
+def _hashes(seed: int, n: int = 4) -> list[int]:
+    return [(seed << 32) + i + 1 for i in range(n)]
+
+
+def _stored(hashes, tokens, parent=None, medium="GPU", extra_keys=None, lora_name=None):
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
+            "block_size": BLOCK, "lora_id": None, "medium": medium, "lora_name": lora_name, "group_idx": 0,
+            **({"extra_keys": extra_keys} if extra_keys is not None else {})}
+
+
+def _publish(bootstrap: str) -> None:
+    """As vLLM 0.33's publisher shapes them: a plain chain, a LoRA chain (``[['adapter-1']] * n``), a salted chain
+    (``[['tenant-1'], None, ...]``), and a chain whose GPU copies were evicted after a tokenless CPU store."""
+    producer = KvEventProducer(bootstrap, KV_EVENTS)
+    seqs: dict = {}
+
+    def send(publisher: Publisher, *events: dict) -> None:
+        seq = seqs[publisher] = seqs.get(publisher, -1) + 1
+        for index, event in enumerate(events):
+            for record in split_event(publisher, seq, time.time(), index, event):
+                producer.send(record)
+
+    send(Publisher("plain"), _stored(_hashes(1), TOKENS))
+    send(Publisher("lora"), _stored(_hashes(2), TOKENS, extra_keys=[["adapter-1"]] * 4, lora_name="adapter-1"))
+    send(Publisher("salted"), _stored(_hashes(3), TOKENS, extra_keys=[["tenant-1"], None, None, None]))
+    offload = Publisher("offload")
+    send(offload, _stored(_hashes(4), OTHER))
+    send(offload, _stored(_hashes(4), [], medium="CPU"))  # the CPU tier's store carries no tokens
+    send(offload, {"type": "BlockRemoved", "block_hashes": _hashes(4), "medium": "GPU", "group_idx": 0})
+    producer.flush(30)
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _wait_ready(url: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/ready", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not ready in {timeout_s} s")
+
+
+@pytest.fixture(scope="module")
+def fleet(kafka_bootstrap, tmp_path_factory):
+    ensure_topics(kafka_bootstrap, {KV_EVENTS: PARTITIONS})
+    _publish(kafka_bootstrap)
+    work = tmp_path_factory.mktemp("index-fleet")
+    workers, urls = [], []
+    for i in range(3):
+        settings = WorkerSettings(bootstrap_servers=kafka_bootstrap, web_port=free_port(), data_dir=work / f"w{i}",
+                                  partitions=PARTITIONS, app_id=APP_ID, store="memory://")
+        workers.append(spawn_worker(settings, work / f"worker-{i}.log"))
+        urls.append(f"http://127.0.0.1:{settings.web_port}")
+    index_port = free_port()
+    index = subprocess.Popen([sys.executable, "-m", "kvstream.cli", "index", "--bootstrap-servers", kafka_bootstrap,
+                              "--app-id", APP_ID, "--web-port", str(index_port), "--default-block-size", str(BLOCK)],
+                             stdout=open(work / "index.log", "ab"), stderr=subprocess.STDOUT)
+    try:
+        wait_until_consumed(kafka_bootstrap, APP_ID, workers[0], timeout_s=300)
+        index_url = f"http://127.0.0.1:{index_port}"
+        for url in [*urls, index_url]:
+            _wait_ready(url)
+        for url in urls:  # the workers' own indexes answer with the default block size of 16: register ours
+            for instance in ("plain", "lora", "salted", "offload"):
+                assert _post(f"{url}/register", {"instance_id": instance, "block_size": BLOCK})[0] == 200
+        yield {"workers": urls, "index": index_url, "all": [*urls, index_url]}
+    except Exception:
+        for log in sorted(work.glob("*.log")):
+            print(log.name, log.read_text()[-3000:])
+        raise
+    finally:
+        index.terminate()
+        index.wait(30)
+        for process in workers:
+            stop_worker(process)
+
+
+def _eventually(read, expected, timeout_s: float = 30):
+    """The index follows the changelog, which the workers write every --changelog-interval-s: poll a little."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = read()
+        if value == expected or time.monotonic() > deadline:
+            return value
+        time.sleep(0.2)
+
+
+def _longest(url: str, **body) -> dict:
+    status, answer = _post(f"{url}/query", {"token_ids": TOKENS, **body})
+    assert status == 200, answer
+    return {instance: a["longest_matched"] for instance, a in answer["instances"].items()}
+
+
+def test_a_query_by_tokens_equals_the_query_by_engine_hashes_on_every_process(fleet):
+    for url in fleet["all"]:
+        assert _eventually(lambda: _longest(url), {"plain": 16}) == {"plain": 16}
+        assert _longest(url, lora_name="adapter-1") == {"lora": 16}
+        assert _longest(url, cache_salt="tenant-1") == {"salted": 16}
+        for seed, instance in ((1, "plain"), (2, "lora"), (3, "salted")):
+            status, by_hash = _post(f"{url}/query_by_hash", {"seq_hashes": _hashes(seed)})
+            assert status == 200 and by_hash["instances"][instance]["longest_matched"] == 16
+
+
+def test_a_salt_never_used_matches_nothing(fleet):
+    for url in fleet["all"]:
+        assert _longest(url, cache_salt="never-used") == {}
+
+
+def test_a_tokenless_cpu_copy_is_found_by_its_tokens_after_the_gpu_copy_left(fleet):
+    for url in fleet["all"]:
+        status, answer = _post(f"{url}/query", {"token_ids": OTHER})
+        assert status == 200
+        assert answer["instances"]["offload"] == {"longest_matched": 16, "GPU": 0, "CPU": 16, "DISK": 16,
+                                                  "DP": {"0": 16}}
+
+
+def test_every_process_answers_every_query_the_same(fleet):
+    bodies = [{"token_ids": TOKENS}, {"token_ids": OTHER}, {"token_ids": TOKENS, "lora_name": "adapter-1"},
+              {"token_ids": TOKENS[:8] + OTHER[8:]}]
+    answers = [[_post(f"{url}/query", body)[1]["instances"] for body in bodies] for url in fleet["all"]]
+    assert all(a == answers[0] for a in answers)
+    chain = [h.to_bytes(8, "big").hex() for h in _hashes(1)]
+    matches = [_post(f"{url}/prefix-match/", {"block_hashes": chain})[1]["matches"] for url in fleet["all"]]
+    assert matches[0] == [{"instance_id": "plain", "data_parallel_rank": 0, "matched_blocks": 4,
+                           "prefix_blocks": {"GPU": 4}, "score": 4.0}]
+    assert all(m == matches[0] for m in matches)
+
+
+def test_the_python_client_speaks_msgpack_to_the_index(fleet):
+    with IndexClient(fleet["index"], timeout_s=10) as client:
+        assert client.query(TOKENS)["instances"]["plain"]["longest_matched"] == 16
+        assert client.query(TOKENS, cache_salt="tenant-1")["instances"].keys() == {"salted"}
+        workers = {w["instance_id"]: w["blocks"] for w in client.workers()["workers"]}
+        assert workers["offload"] == {"CPU": 4} and workers["plain"] == {"GPU": 4}
+
+
+def test_dump_streams_every_block_as_json_lines(fleet):
+    with urllib.request.urlopen(f"{fleet['index']}/dump", timeout=30) as response:
+        blocks = [msgspec.json.decode(line) for line in response.read().splitlines()]
+    assert {b["block_hash"] for b in blocks} >= {h.to_bytes(8, "big").hex() for h in _hashes(1)}
+
+
+def test_paths_without_the_trailing_slash_answer_too(fleet):
+    chain = [h.to_bytes(8, "big").hex() for h in _hashes(1)]
+    for url in (fleet["workers"][0], fleet["index"]):
+        status, answer = _post(f"{url}/prefix-match", {"block_hashes": chain})
+        assert status == 200 and answer["matches"][0]["matched_blocks"] == 4
+    with urllib.request.urlopen(f"{fleet['workers'][0]}/residency/{chain[0]}", timeout=30) as response:
+        assert json.loads(response.read())["rows"][0]["instance_id"] == "plain"
