@@ -1,4 +1,5 @@
-"""Builds the optional compiled hot path (``schemas/_hotpath.pyx``); everything else is in pyproject.toml.
+"""Builds the optional compiled hot path (``schemas/_hotpath.pyx``) and the fleet index's block table
+(``stream_apps/index/_table.pyx``); everything else is in pyproject.toml.
 
 The extension is compiled with Cython (a build requirement, fetched by pip) and the machine's C compiler.
 Without a compiler, or when its build fails, the package installs without it and runs the pure-Python
@@ -38,7 +39,8 @@ def extensions() -> list:
         from Cython.Build import cythonize
     except ImportError:  # an install without build isolation and without Cython
         return []
-    return cythonize([Extension("schemas._hotpath", ["schemas/_hotpath.pyx"])], quiet=True)
+    return cythonize([Extension("schemas._hotpath", ["schemas/_hotpath.pyx"]),
+                      Extension("stream_apps.index._table", ["stream_apps/index/_table.pyx"])], quiet=True)
 
 
 setup(ext_modules=extensions(), cmdclass={"build_ext": OptionalBuildExt})

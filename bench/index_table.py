@@ -1,0 +1,202 @@
+"""The fleet index's block table against its targets: ``python -m bench.index_table [--quick]``.
+
+Builds the compiled table (stream_apps/index/_table.pyx; the pure-Python twin with ``--python``) and prints:
+
+- **bytes per link** and total memory (``memory_bytes()``, the arrays' allocated capacity, and the process's RSS
+  growth beside it) for 2.5M blocks x 4 holders and 10M blocks x 1 holder: targets at most 100 bytes per
+  resident (block, holder) and 10M of them in at most 1 GiB;
+- **holders_at** of a 27-block chain, and the same with a longest-prefix aggregation in Python above it (the
+  router's path): p50 / p99 / mean in µs, target p99 <= 100 µs with the aggregation, aim <= 20 µs;
+- **content_walk** of a 27-deep token path that two engines of different hash seeds both hold (two candidate
+  blocks per depth);
+- **replace** rates: new blocks, holder changes on present blocks, removals (calls per second from Python).
+
+The 2.5M x 4 table is laid out as the fleet's: token paths of 27 blocks, each path stored under two engine hash
+seeds (so equal content under unequal block keys), 4 holders of 64 per block. No assertion: figures only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import time
+
+from stream_apps.index.table import CompiledBlockTable, PyBlockTable
+
+MASK = (1 << 64) - 1
+#: An odd multiplier: i -> i * GOLDEN mod 2**64 is a bijection, so the block keys are distinct and spread.
+GOLDEN = 0x9E3779B97F4A7C15
+CHAIN = 27
+GIB = 1 << 30
+
+
+def _rss() -> int:
+    """The process's resident set, in bytes."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+def _percentiles(ns: list[int]) -> str:
+    ns = sorted(ns)
+    p = lambda q: ns[min(len(ns) - 1, int(q * len(ns)))] / 1000
+    return f"p50 {p(0.50):6.2f} µs  p99 {p(0.99):6.2f} µs  mean {statistics.fmean(ns) / 1000:6.2f} µs"
+
+
+def longest_prefix(rows: list[tuple[int, ...]]) -> dict[int, int]:
+    """Per holder, how many leading blocks it holds: the aggregation a router runs over ``holders_at``."""
+    depth: dict[int, int] = {}
+    alive: set[int] | None = None
+    for i, row in enumerate(rows, 1):
+        alive = set(row) if alive is None else alive.intersection(row)
+        if not alive:
+            break
+        for h in alive:
+            depth[h] = i
+    return depth
+
+
+def _key(seed: int, path: int, depth: int) -> int:
+    return ((((seed * 1_000_003 + path) * CHAIN) + depth + 1) * GOLDEN) & MASK
+
+
+def fleet(table_class, paths: int, holders_per_block: int, rng: random.Random):
+    """A table of ``paths`` token paths x 2 seeds x 27 blocks, and the build's replace rate."""
+    patterns = [tuple(sorted(rng.sample(range(64), holders_per_block))) for _ in range(1024)]
+    contents = [[rng.getrandbits(64) for _ in range(CHAIN)] for _ in range(min(paths, 4096))]
+    table = table_class()
+    replace = table.replace
+    calls = 0
+    gc.disable()
+    started = time.perf_counter()
+    for path in range(paths):
+        tokens = contents[path % len(contents)] if path < len(contents) else None
+        for seed in (0, 1):
+            parent = None
+            for depth in range(CHAIN):
+                block = _key(seed, path, depth)
+                # beyond the first paths, contents are not kept by the bench (memory): derive them
+                content = tokens[depth] if tokens is not None else (block ^ 0x5555) & MASK
+                replace(block, 0, patterns[(path + depth) & 1023], parent, content)
+                parent = block
+                calls += 1
+    elapsed = time.perf_counter() - started
+    gc.enable()
+    return table, contents, calls / elapsed
+
+
+def memory_figures(table_class, blocks: int, holders_per_block: int, rng: random.Random) -> None:
+    """Builds ``blocks`` blocks of ``holders_per_block`` holders each with the fewest Python objects, and
+    prints memory and bytes per link."""
+    patterns = [tuple(sorted(rng.sample(range(1024), holders_per_block))) for _ in range(1024)]
+    gc.collect()
+    before = _rss()
+    table = table_class()
+    replace = table.replace
+    started = time.perf_counter()
+    parent = None
+    for i in range(blocks):
+        block = (i * GOLDEN) & MASK
+        # chains of 27, as the requests' block chains are
+        replace(block, 0, patterns[i & 1023], parent if i % CHAIN else None, (block >> 1) ^ 0x1234)
+        parent = block
+    elapsed = time.perf_counter() - started
+    grown = _rss() - before
+    size = table.memory_bytes()
+    print(f"  {blocks:>11,} blocks x {holders_per_block} holder(s) = {table.links:,} links: "
+          f"memory_bytes {size / 2**20:,.0f} MiB ({size / table.links:.1f} B/link), "
+          f"RSS +{grown / 2**20:,.0f} MiB ({grown / table.links:.1f} B/link); "
+          f"built at {blocks / elapsed / 1e6:.2f} M replace/s")
+    if table.links >= 10_000_000:
+        verdict = "within" if size <= GIB else "OVER"
+        print(f"    10M links target 1 GiB: {size / GIB:.2f} GiB, {verdict}")
+    del table
+    gc.collect()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.index_table", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--python", action="store_true", help="bench the pure-Python twin (small sizes only)")
+    parser.add_argument("--quick", action="store_true", help="a tenth of the sizes")
+    parser.add_argument("--queries", type=int, default=50_000, help="timed calls per query figure")
+    args = parser.parse_args(argv)
+    table_class = PyBlockTable if args.python or CompiledBlockTable is None else CompiledBlockTable
+    scale = 10 if args.quick or table_class is PyBlockTable else 1
+    rng = random.Random(7)
+    print(f"table: {table_class.__module__}.{table_class.__name__}" + (" (quick: sizes / 10)" if scale > 1 else ""))
+
+    print("memory (targets: <= 100 B per link, 10M links <= 1 GiB)")
+    memory_figures(table_class, 2_500_000 // scale, 4, rng)
+    memory_figures(table_class, 10_000_000 // scale, 1, rng)
+
+    paths = 2_500_000 // (2 * CHAIN * scale)  # 2.5M blocks x 4 holders
+    table, contents, build_rate = fleet(table_class, paths, 4, rng)
+    print(f"fleet table: {len(table):,} blocks, {table.links:,} links, {table.memory_bytes() / 2**20:,.0f} MiB "
+          f"({table.memory_bytes() / table.links:.1f} B/link)")
+
+    chains = [[_key(rng.randrange(2), path, d) for d in range(CHAIN)]
+              for path in (rng.randrange(paths) for _ in range(4096))]
+    timer = time.perf_counter_ns
+    holders_at = table.holders_at
+    for chain in chains[:1000]:  # warm up
+        holders_at(chain)
+    ns, agg = [], []
+    for i in range(args.queries):
+        chain = chains[i & 4095]
+        t0 = timer()
+        rows = holders_at(chain)
+        t1 = timer()
+        longest_prefix(rows)
+        t2 = timer()
+        ns.append(t1 - t0)
+        agg.append(t2 - t0)
+    assert len(rows) == CHAIN
+    print(f"holders_at, {CHAIN}-block chain:            {_percentiles(ns)}")
+    print(f"holders_at + longest-prefix aggregation: {_percentiles(agg)}  (target p99 <= 100 µs)")
+
+    walks = [contents[rng.randrange(len(contents))] for _ in range(4096)]
+    walk = table.content_walk
+    ns = []
+    for i in range(args.queries):
+        path = walks[i & 4095]
+        t0 = timer()
+        rows = walk(path)
+        ns.append(timer() - t0)
+    assert len(rows) == CHAIN and len(table.content_walk_blocks(path)[0]) >= 2
+    print(f"content_walk, {CHAIN} deep x 2 seeds:          {_percentiles(ns)}")
+
+    print("replace rates (calls from Python)")
+    print(f"  new blocks (fleet build):          {build_rate / 1e6:.2f} M/s")
+    patterns = [tuple(sorted(rng.sample(range(64), 4))) for _ in range(1024)]
+    keys = [_key(s, p, d) for s in (0, 1) for p in range(min(paths, 20_000)) for d in range(CHAIN)]
+    replace = table.replace
+    started = time.perf_counter()
+    for i, block in enumerate(keys):
+        replace(block, 0, patterns[i & 1023], None, None)
+    print(f"  holders changed on present blocks: {len(keys) / (time.perf_counter() - started) / 1e6:.2f} M/s")
+    started = time.perf_counter()
+    for block in keys:
+        replace(block, 1, (5,), None, None)
+    print(f"  a second scope added:              {len(keys) / (time.perf_counter() - started) / 1e6:.2f} M/s")
+    started = time.perf_counter()
+    for block in keys:
+        replace(block, 0, (), None, None)
+        replace(block, 1, (), None, None)
+    print(f"  removals (both scopes):            {2 * len(keys) / (time.perf_counter() - started) / 1e6:.2f} M/s")
+    big = table_class()
+    holders = list(range(4000))
+    started = time.perf_counter()
+    for i in range(1, 1001):
+        big.replace(1, 0, holders[: 3000 + i], None, 100)
+    print(f"  one block of 3,000..4,000 holders, one more each call: "
+          f"{(time.perf_counter() - started) / 1000 * 1e6:.1f} µs per call")
+    started = time.perf_counter()
+    affected = table.remove_holder(3)
+    print(f"remove_holder over {len(table):,} blocks: {(time.perf_counter() - started) * 1000:.1f} ms "
+          f"({affected:,} blocks affected)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,421 @@
+"""The fleet index's block table (stream_apps/index/table.py): its semantics, run against the pure-Python twin and
+the compiled table (stream_apps/index/_table.pyx), and the two compared on random sequences of operations."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stream_apps.index import table as table_module
+from stream_apps.index.table import PyBlockTable, block_key
+
+U64 = (1 << 64) - 1
+
+
+def compiled_class():
+    """The compiled table class; a table that was not built fails the test (a silent fallback would leave it
+    untested), unless ``KVSTREAM_PURE_PYTHON=1`` says to test the pure-Python one only (as tests/conftest.py)."""
+    try:
+        from stream_apps.index._table import BlockTable
+    except ImportError:
+        if os.environ.get("KVSTREAM_PURE_PYTHON") == "1":
+            pytest.skip("KVSTREAM_PURE_PYTHON=1 and stream_apps/index/_table.pyx not built: pure-Python table only")
+        pytest.fail("stream_apps/index/_table.pyx is not built (`pip install -e .` builds it with the C compiler); "
+                    "set KVSTREAM_PURE_PYTHON=1 to test the pure-Python table only")
+    return BlockTable
+
+
+@pytest.fixture(params=("python", "compiled"))
+def table_class(request):
+    """Each test runs with both implementations."""
+    return PyBlockTable if request.param == "python" else compiled_class()
+
+
+@pytest.fixture
+def table(table_class):
+    return table_class()
+
+
+# -- block keys --------------------------------------------------------------------------------------------
+
+
+def test_block_key_of_an_8_byte_hash_is_big_endian():
+    assert block_key(bytes.fromhex("0000000000000102")) == 0x0102
+    assert block_key(b"\xff" * 8) == U64
+
+
+def test_block_key_of_other_lengths_is_xxh3():
+    digest = bytes(range(32))
+    assert block_key(digest) == xxhash.xxh3_64_intdigest(digest)
+    assert block_key(b"") == xxhash.xxh3_64_intdigest(b"")
+    assert block_key(b"1234567") == xxhash.xxh3_64_intdigest(b"1234567")
+
+
+def test_pure_python_variable_chooses_the_python_table(monkeypatch):
+    monkeypatch.setenv("KVSTREAM_PURE_PYTHON", "1")
+    assert table_module._compiled() is None
+    monkeypatch.delenv("KVSTREAM_PURE_PYTHON")
+    try:
+        from stream_apps.index._table import BlockTable as built
+    except ImportError:
+        built = None
+    assert table_module._compiled() is built
+    assert table_module.BlockTable is (table_module.CompiledBlockTable or PyBlockTable)
+
+
+# -- replace and holders_at ----------------------------------------------------------------------------------
+
+
+def test_holders_at_stops_before_the_first_absent_block(table):
+    table.replace(10, 0, [3, 1, 2], None, 100)
+    table.replace(11, 0, [1], 10, 101)
+    table.replace(13, 0, [1], 12, 103)
+    assert table.holders_at([10, 11, 12, 13]) == [(1, 2, 3), (1,)]
+    assert table.holders_at([12, 10]) == []
+    assert table.holders_at([]) == []
+    assert table.holders_at((13,)) == [(1,)]
+    assert len(table) == 3
+    assert table.links == 5
+
+
+def test_holders_are_the_union_of_the_scopes_distinct_and_ascending(table):
+    table.replace(5, 0, [7, 2], None, None)
+    table.replace(5, 1, [2, 9, 2], None, None)  # repeats in the input count once
+    assert table.holders_at([5]) == [(2, 7, 9)]
+    assert table.links == 4  # (0, 2), (0, 7), (1, 2), (1, 9)
+    table.replace(5, 0, [7], None, None)
+    assert table.holders_at([5]) == [(2, 7, 9)]  # 2 still holds it in scope 1
+    table.replace(5, 1, [], None, None)
+    assert table.holders_at([5]) == [(7,)]
+    assert table.links == 1
+
+
+def test_replace_makes_the_holders_exactly_the_list(table):
+    table.replace(1, 4, [1, 2, 3], None, None)
+    table.replace(1, 4, [3, 4], None, None)
+    assert table.holders_at([1]) == [(3, 4)]
+    assert list(table.items()) == [(1, None, None, ((4, 3), (4, 4)))]
+
+
+def test_the_last_holder_gone_removes_the_block(table):
+    table.replace(1, 0, [1], None, 100)
+    table.replace(1, 1, [2], None, None)
+    table.replace(1, 0, [], None, None)
+    assert len(table) == 1
+    table.replace(1, 1, [], None, None)
+    assert len(table) == 0 and table.links == 0
+    assert table.holders_at([1]) == []
+    assert list(table.items()) == []
+    # the block comes back without what it had
+    table.replace(1, 0, [1], None, None)
+    assert list(table.items()) == [(1, None, None, ((0, 1),))]
+    assert table.content_walk([100]) == []
+
+
+def test_an_absent_block_given_no_holder_stays_absent(table):
+    table.replace(1, 0, [], 7, 100)
+    assert len(table) == 0
+    assert table.content_walk([100]) == []
+
+
+def test_parent_and_content_none_keep_what_the_block_has(table):
+    table.replace(2, 0, [1], 1, 200)
+    table.replace(2, 0, [1, 2], None, None)
+    assert list(table.items()) == [(2, 1, 200, ((0, 1), (0, 2)))]
+    table.replace(2, 1, [3], 9, None)  # overwrites the parent, keeps the content
+    assert list(table.items()) == [(2, 9, 200, ((0, 1), (0, 2), (1, 3)))]
+    table.replace(2, 1, [3], None, 201)
+    assert list(table.items()) == [(2, 9, 201, ((0, 1), (0, 2), (1, 3)))]
+
+
+def test_a_changed_content_moves_the_block_in_the_content_walk(table):
+    table.replace(1, 0, [1], None, 100)
+    table.replace(2, 0, [1], 1, 200)
+    assert table.content_walk([100, 200]) == [(1,), (1,)]
+    table.replace(2, 0, [1], None, 300)
+    assert table.content_walk([100, 200]) == [(1,)]
+    assert table.content_walk([100, 300]) == [(1,), (1,)]
+    table.replace(2, 0, [1], 5, None)  # another parent: no longer under block 1
+    assert table.content_walk([100, 300]) == [(1,)]
+    table.replace(1, 0, [1], 0, None)  # block 1 gets a parent: no longer a root
+    assert table.content_walk([100]) == []
+
+
+def test_parent_zero_is_not_no_parent(table):
+    table.replace(0, 0, [1], None, 100)
+    table.replace(1, 0, [2], 0, 100)
+    assert table.content_walk_blocks([100, 100, 100]) == [(0,), (1,)]
+
+
+# -- content walk ------------------------------------------------------------------------------------------
+
+
+def test_a_scope_without_content_inherits_the_blocks_content(table):
+    # scope A (an engine) stores the block with its content; scope B (a tokenless offloading store) with none
+    table.replace(1, 0, [1], None, 100)
+    table.replace(2, 0, [1], 1, 200)
+    table.replace(2, 1, [9], None, None)
+    assert table.content_walk([100, 200]) == [(1,), (1, 9)]
+    # scope A's holders go: the block stays, with its content, held by scope B's holders
+    table.replace(2, 0, [], None, None)
+    assert table.content_walk([100, 200]) == [(1,), (9,)]
+    assert sorted(table.items()) == [(1, None, 100, ((0, 1),)), (2, 1, 200, ((1, 9),))]
+
+
+def test_chains_of_equal_content_under_different_block_keys_are_all_followed(table):
+    # two engines with different hash seeds: the same tokens, different block keys
+    for seed, holder in ((1000, 1), (2000, 2)):
+        table.replace(seed + 1, 0, [holder], None, 100)
+        table.replace(seed + 2, 0, [holder], seed + 1, 200)
+        table.replace(seed + 3, 0, [holder], seed + 2, 300)
+    table.replace(2004, 0, [2], 2003, 400)  # only the second engine goes further
+    assert table.content_walk([100, 200, 300, 400, 500]) == [(1, 2), (1, 2), (1, 2), (2,)]
+    assert table.content_walk_blocks([100, 200, 300, 400]) == [(1001, 2001), (1002, 2002), (1003, 2003), (2004,)]
+    assert table.content_walk([200]) == []  # depth 0 starts at the roots only
+    assert table.content_walk([]) == []
+    # a chain that diverges in content
+    assert table.content_walk([100, 999]) == [(1, 2)]
+
+
+def test_equal_content_under_one_parent_and_a_block_in_several_scopes(table):
+    table.replace(1, 0, [1], None, 100)
+    table.replace(2, 0, [2], 1, 200)
+    table.replace(3, 0, [3], 1, 200)  # e.g. another LoRA: same tokens hash, another block key
+    table.replace(3, 1, [2, 4], None, None)
+    assert table.content_walk_blocks([100, 200]) == [(1,), (2, 3)]
+    assert table.content_walk([100, 200]) == [(1,), (2, 3, 4)]
+
+
+def test_removing_the_last_holder_removes_the_block_from_the_content_walk(table):
+    table.replace(1, 0, [1], None, 100)
+    table.replace(2, 0, [1, 2], 1, 200)
+    table.replace(3, 0, [2], 2, 300)
+    assert table.content_walk([100, 200, 300]) == [(1,), (1, 2), (2,)]
+    table.replace(2, 0, [2], None, None)
+    assert table.content_walk([100, 200, 300]) == [(1,), (2,), (2,)]
+    table.replace(2, 0, [], None, None)
+    assert table.content_walk([100, 200, 300]) == [(1,)]
+    assert table.content_walk_blocks([100, 200, 300]) == [(1,)]
+    table.replace(1, 0, [], None, None)
+    assert table.content_walk([100]) == []
+
+
+# -- holders ------------------------------------------------------------------------------------------------
+
+
+def test_holder_blocks_counts_blocks_not_links(table):
+    assert table.holder_blocks(1) == 0
+    table.replace(1, 0, [1, 2], None, None)
+    table.replace(1, 1, [1], None, None)  # holder 1 in two scopes of block 1: one block
+    table.replace(2, 0, [1], None, None)
+    assert (table.holder_blocks(1), table.holder_blocks(2)) == (2, 1)
+    table.replace(1, 0, [2], None, None)
+    assert table.holder_blocks(1) == 2  # scope 1 still holds block 1 for it
+    table.replace(1, 1, [], None, None)
+    assert (table.holder_blocks(1), table.holder_blocks(2)) == (1, 1)
+    table.replace(2, 0, [], None, None)
+    assert table.holder_blocks(1) == 0
+
+
+def test_remove_holder_drops_it_everywhere(table):
+    table.replace(1, 0, [1, 2], None, 100)
+    table.replace(1, 1, [1], None, None)
+    table.replace(2, 0, [1], 1, 200)
+    table.replace(3, 0, [2], 1, 300)
+    assert table.remove_holder(1) == 2
+    assert table.holder_blocks(1) == 0
+    assert table.holder_blocks(2) == 2
+    assert len(table) == 2 and table.links == 2
+    assert sorted(table.items()) == [(1, None, 100, ((0, 2),)), (3, 1, 300, ((0, 2),))]
+    assert table.content_walk([100, 200]) == [(2,)]
+    assert table.remove_holder(1) == 0
+    assert table.remove_holder(77) == 0
+    assert table.holder_blocks(77) == 0
+    table.replace(2, 0, [1], 1, 200)
+    assert table.holder_blocks(1) == 1
+
+
+def test_a_block_of_thousands_of_holders(table):
+    holders = list(range(0, 6000, 2))
+    for i in range(1, len(holders) + 1, 97):  # the entry grows a few holders at a time
+        table.replace(1, 0, holders[:i], None, 100)
+    table.replace(1, 0, holders, None, None)
+    table.replace(1, 1, holders[::-1][:500], None, None)  # unsorted, in another scope
+    assert table.holders_at([1]) == [tuple(holders)]
+    assert table.links == len(holders) + 500
+    assert table.holder_blocks(holders[-1]) == 1
+    table.replace(1, 0, holders[1:], None, None)
+    assert table.holder_blocks(0) == 0
+    assert table.remove_holder(holders[-1]) == 1
+    assert table.holders_at([1]) == [tuple(holders[1:-1])]
+    table.replace(1, 0, [], None, None)
+    assert table.holders_at([1]) == [tuple(holders[-500:-1])]
+    assert table.content_walk([100]) == [tuple(holders[-500:-1])]
+
+
+# -- dump, size, errors ---------------------------------------------------------------------------------------
+
+
+def test_items_dumps_every_block(table):
+    table.replace(U64, 1 << 31, [(1 << 32) - 1, 0], U64 - 1, U64)
+    table.replace(3, 2, [5], None, None)
+    table.replace(3, 1, [6, 5], None, None)
+    assert sorted(table.items()) == [(3, None, None, ((1, 5), (1, 6), (2, 5))),
+                                     (U64, U64 - 1, U64, ((1 << 31, 0), (1 << 31, (1 << 32) - 1)))]
+
+
+def test_items_refuses_a_table_changed_under_it(table):
+    for block in range(10):
+        table.replace(block, 0, [1], None, None)
+    items = table.items()
+    next(items)
+    table.replace(99, 0, [1], None, None)
+    with pytest.raises(RuntimeError):
+        list(items)
+
+
+def test_clear_and_memory(table):
+    empty = table.memory_bytes()
+    for block in range(2000):
+        table.replace(block * 7919, block % 3, [block % 5, 9], None if block == 0 else (block - 1) * 7919, block)
+    assert table.memory_bytes() > empty
+    assert len(table) == 2000
+    table.clear()
+    assert (len(table), table.links, table.holder_blocks(9)) == (0, 0, 0)
+    assert table.holders_at([0]) == [] and table.content_walk([0]) == []
+    table.replace(1, 0, [1], None, None)
+    assert table.holders_at([1]) == [(1,)]
+
+
+@pytest.mark.parametrize("args", [(-1, 0, [1]), (1 << 64, 0, [1]), (1, -1, [1]), (1, 1 << 32, [1]),
+                                  (1, 0, [1, -1]), (1, 0, [1 << 32]), (1, 0, [1], -1, None),
+                                  (1, 0, [1], None, 1 << 64)])
+def test_out_of_range_values_raise_overflow_error_and_change_nothing(table, args):
+    table.replace(1, 0, [5], None, 100)
+    with pytest.raises(OverflowError):
+        table.replace(*args)
+    assert list(table.items()) == [(1, None, 100, ((0, 5),))]
+
+
+@pytest.mark.parametrize("args", [(1.0, 0, [1]), ("1", 0, [1]), (1, 0, [1.5]), (1, 0, None), (1, 0, [1], 2.0)])
+def test_non_integers_raise_type_error(table, args):
+    with pytest.raises(TypeError):
+        table.replace(*args)
+    assert len(table) == 0
+
+
+def test_queries_check_their_keys(table):
+    table.replace(1, 0, [5], None, 100)
+    for query in (table.holders_at, table.content_walk, table.content_walk_blocks):
+        with pytest.raises(OverflowError):
+            query([1, -1])
+        with pytest.raises(TypeError):
+            query([1, 2.0])
+    with pytest.raises(OverflowError):
+        table.holder_blocks(-1)
+    with pytest.raises(OverflowError):
+        table.remove_holder(1 << 32)
+
+
+# -- compiled against Python ----------------------------------------------------------------------------------
+
+
+def _state(t) -> tuple:
+    return len(t), t.links, sorted(t.items())
+
+
+def _compare(py, c, holders, blocks, contents) -> None:
+    assert _state(c) == _state(py)
+    for h in holders:
+        assert c.holder_blocks(h) == py.holder_blocks(h), h
+    assert c.holders_at(blocks) == py.holders_at(blocks)
+    assert c.content_walk(contents) == py.content_walk(contents)
+    assert c.content_walk_blocks(contents) == py.content_walk_blocks(contents)
+
+
+BLOCKS = st.sampled_from([0, 1, 2, 3, 4, 5, 6, 7, U64])
+CONTENTS = st.sampled_from([0, 1, 2, U64])
+OPS = st.one_of(
+    st.tuples(st.just("replace"), BLOCKS, st.integers(0, 2), st.lists(st.integers(0, 5), max_size=6),
+              st.one_of(st.none(), BLOCKS), st.one_of(st.none(), CONTENTS)),
+    st.tuples(st.just("remove_holder"), st.integers(0, 5)),
+    st.tuples(st.just("holders_at"), st.lists(BLOCKS, max_size=8)),
+    st.tuples(st.just("walk"), st.lists(CONTENTS, max_size=6)),
+    st.tuples(st.just("clear")),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(OPS, max_size=60))
+def test_compiled_and_python_agree_on_random_operations(ops):
+    py, c = PyBlockTable(), compiled_class()()
+    for op in ops:
+        name, args = op[0], op[1:]
+        if name == "replace":
+            py.replace(*args)
+            c.replace(*args)
+        elif name == "remove_holder":
+            assert c.remove_holder(*args) == py.remove_holder(*args)
+        elif name == "holders_at":
+            assert c.holders_at(*args) == py.holders_at(*args)
+        elif name == "walk":
+            assert c.content_walk(*args) == py.content_walk(*args)
+            assert c.content_walk_blocks(*args) == py.content_walk_blocks(*args)
+        else:
+            py.clear()
+            c.clear()
+        assert _state(c) == _state(py)
+    _compare(py, c, range(6), [0, 1, 2, 3, 4, 5, 6, 7, U64], [0, 1, 2, 0, 1])
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_compiled_and_python_agree_on_a_large_random_run(seed):
+    """Thousands of blocks: the compiled table's arrays grow, its hash slots are deleted and shifted back,
+    its link segments change size class and are reused."""
+    rng = random.Random(seed)
+    keys = [rng.getrandbits(64) for _ in range(3000)] + [0, 1, 2, U64]
+    contents = [rng.getrandbits(64) for _ in range(40)]
+    holders = list(range(60))
+    # chains of equal content under different keys (engines of different hash seeds), for the content walk
+    chains = [[rng.getrandbits(64) for _ in range(10)] for _ in range(20)]
+    py, c = PyBlockTable(), compiled_class()()
+    for step in range(30000):
+        roll = rng.random()
+        if roll < 0.3:
+            chain, depth = rng.choice(chains), rng.randrange(10)
+            parent = chain[depth - 1] if depth else None
+            content = contents[depth] if rng.random() < 0.8 else None
+            args = (chain[depth], rng.randint(0, 3), rng.sample(holders, rng.randint(0, 3)), parent, content)
+            py.replace(*args)
+            c.replace(*args)
+        elif roll < 0.97:
+            block = rng.choice(keys)
+            many = rng.random() < 0.02
+            held = rng.sample(holders, rng.randint(5, 60) if many else rng.randint(0, 4))
+            parent = rng.choice((None, rng.choice(keys), rng.choice(keys[:20])))
+            content = rng.choice((None, rng.choice(contents), rng.choice(contents[:3])))
+            args = (block, rng.randint(0, 3), held, parent, content)
+            py.replace(*args)
+            c.replace(*args)
+        elif roll < 0.975:
+            h = rng.choice(holders)
+            assert c.remove_holder(h) == py.remove_holder(h)
+        else:
+            chain = rng.sample(keys, 5) if rng.random() < 0.5 else [k for k, *_ in py.items()][:27]
+            assert c.holders_at(chain) == py.holders_at(chain)
+            walk = contents[:rng.randint(1, 10)] if rng.random() < 0.7 else \
+                [rng.choice(contents[:3]) for _ in range(rng.randint(1, 6))]
+            assert c.content_walk(walk) == py.content_walk(walk)
+            assert c.content_walk_blocks(walk) == py.content_walk_blocks(walk)
+        if step % 5000 == 0:
+            _compare(py, c, holders, rng.sample(keys, 30), contents[:10])
+    _compare(py, c, holders, keys, contents[:10])
+    for chain in chains:
+        assert c.holders_at(chain) == py.holders_at(chain)
+    assert len(c) > 500
+    assert len(c.content_walk(contents[:10])) > 1
