@@ -95,3 +95,56 @@ def test_gpu_reset_emits_one_clear_and_empties_only_the_gpu_pool():
     batches = list(sim.run(load_trace(limit=400)))
     clears = [b for b in batches if b.events == [{"type": "AllBlocksCleared"}]]
     assert len(clears) == 1 and clears[0].publisher.instance_id == "sim-0"
+
+
+def test_a_trace_blocks_tokens_are_derived_from_its_id_alone():
+    from producers.simulator import TRACE_BLOCK_SIZE, TRACE_VOCAB_SIZE, trace_block_tokens
+
+    tokens = trace_block_tokens(7)
+    assert len(tokens) == TRACE_BLOCK_SIZE == 512
+    assert tokens == trace_block_tokens(7) and tokens != trace_block_tokens(8)
+    # the documented derivation, written out: SHAKE-128 of the id, 3 bytes per token, the lowest 17 bits
+    import hashlib
+
+    stream = hashlib.shake_128((7).to_bytes(8, "little")).digest(1536)
+    assert tokens == [int.from_bytes(stream[3 * i:3 * i + 3], "little") & 0x1FFFF for i in range(512)]
+    many = [t for i in range(200) for t in trace_block_tokens(i)]
+    assert 0 <= min(many) and max(many) < TRACE_VOCAB_SIZE and len(set(many)) > 50_000
+    assert trace_block_tokens(2**64 - 1) and trace_block_tokens(3 * (1 << 40) + 5)  # the bench's shifted ids
+    for bad in (-1, 2**64):
+        with pytest.raises(ValueError, match="outside"):
+            trace_block_tokens(bad)
+
+
+def test_a_requests_tokens_give_the_content_hashes_its_simulated_gpu_stores_carry(replay):
+    """A query by a request's tokens (schemas.content_hash.block_content_hashes, block size 512) computes the
+    content hashes the stores of its blocks publish, without the stores carrying a token."""
+    from producers.simulator import TRACE_BLOCK_SIZE, trace_request_tokens
+    from producers.split import CONTENT_HASHES, split_event
+    from schemas.content_hash import block_content_hashes
+
+    sim, batches, requests = replay
+    published = {}
+    for batch in batches:
+        for index, event in enumerate(batch.events):
+            if event["type"] != "BlockStored":
+                continue
+            for record in split_event(batch.publisher, batch.seq, batch.ts, index, event):
+                body = record["event"][1]
+                assert body["token_ids"] == []
+                if body["medium"] == "GPU":
+                    assert body["block_size"] == TRACE_BLOCK_SIZE and body["content_hash"] is not None
+                    published[record["block_hash"]] = body["content_hash"]
+                else:  # the offload connector's placeholders: no tokens, no content
+                    assert body["block_size"] == 0 and body["content_hash"] is None and CONTENT_HASHES not in event
+    checked = 0
+    for request in requests[:200]:
+        tokens = trace_request_tokens(request)
+        assert len(tokens) == TRACE_BLOCK_SIZE * len(request.hash_ids)
+        assert trace_request_tokens(request.hash_ids) == tokens
+        for hash_id, content in zip(request.hash_ids, block_content_hashes(tokens, TRACE_BLOCK_SIZE)):
+            block = block_hash_of(hash_id).to_bytes(8, "big")
+            if block in published:
+                assert published[block] == content
+                checked += 1
+    assert checked > 1000
