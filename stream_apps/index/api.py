@@ -242,13 +242,13 @@ class IndexAPI:
                               endpoint=_optional_str(request, "endpoint"), engine_type=_optional_str(request, "type"),
                               dp_ranks=set() if rank is None else {rank},
                               lora_name=_optional_str(request, "lora_name"), hash_profile=profile)
-            if self._on_register is not None:
-                try:
+            try:
+                if self._on_register is not None:
                     self._on_register(info)
-                except ValueError as exc:
-                    raise BadRequest(str(exc)) from None
-            with self.index.lock:
-                self.index.sources.register(info)
+                with self.index.lock:
+                    self.index.sources.register(info)
+            except ValueError as exc:
+                raise BadRequest(str(exc)) from None
         except BadRequest as exc:
             return encode({"error": str(exc)}, msgpack, 400)
         return encode({"status": "registered successfully", "instance_id": instance}, msgpack)

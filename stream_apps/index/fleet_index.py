@@ -21,6 +21,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from schemas.content_hash import block_content_hashes
+from schemas.engine_hashes import HashProfile, engine_block_hashes
 from stream_apps.index.scoring import HolderInfo, PrefixRun, instances_answer, prefix_match_rows, prefix_runs
 from stream_apps.index.table import BlockTable, block_key
 
@@ -55,6 +56,10 @@ class SourceInfo:
     lora_name: str | None = None
     #: Mooncake's ``hash_profile`` dict as registered (how the engine hashes blocks), or None.
     hash_profile: dict | None = None
+    #: Whether the engine's published hashes equal the ones its hash profile gives for the same tokens: None
+    #: until a query by tokens matched the instance (or when the profile cannot be recomputed: a random seed);
+    #: False means the instance is misconfigured (its profile, seed or block size is not what it runs with).
+    hash_profile_ok: bool | None = None
 
 
 class SourceRegistry:
@@ -66,7 +71,16 @@ class SourceRegistry:
         self._sources: dict[str, SourceInfo] = {}
 
     def register(self, info: SourceInfo) -> None:
-        """Record (or update) an instance's metadata; data-parallel ranks accumulate."""
+        """Record (or update) an instance's metadata; data-parallel ranks accumulate.
+
+        Raises:
+            ValueError: a ``hash_profile`` that :meth:`schemas.engine_hashes.HashProfile.parse` refuses.
+        """
+        if info.hash_profile is not None:
+            try:
+                HashProfile.parse(info.hash_profile)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(str(exc) if "hash_profile" in str(exc) else f"hash_profile: {exc}") from None
         known = self._sources.get(info.instance_id)
         if known is not None:
             info.dp_ranks |= known.dp_ranks
@@ -265,7 +279,25 @@ class FleetIndex:
                                             self._allowed(model_name, tenant_id, size)).items():
                     if key not in runs or run.any > runs[key].any:
                         runs[key] = run
+            self._check_hash_profiles(runs, token_ids, lora_name, cache_salt)
             return instances_answer(runs, self.sources.block_size)
+
+    def _check_hash_profiles(self, runs, token_ids, lora_name, cache_salt) -> None:
+        """The first time a query by tokens matches an instance with a recomputable hash profile, recompute its
+        engine hashes of the matched prefix (Mooncake's conductor does this for every query; once is enough to
+        tell a misconfigured source) and check that the instance holds block 0 under that hash."""
+        for (instance, _), run in runs.items():
+            info = self.sources.get(instance)
+            if info is None or info.hash_profile is None or info.hash_profile_ok is not None or not run.any:
+                continue
+            profile = HashProfile.parse(info.hash_profile)
+            if not profile.recomputable:
+                continue
+            size = self.sources.block_size(instance)
+            tokens = token_ids if not isinstance(token_ids, bytes) else list(memoryview(token_ids).cast("i"))
+            expected = engine_block_hashes(profile, list(tokens[:size]), size, lora_name, cache_salt)
+            held = self._table.holders_at([block_key(h) for h in expected[:1]])
+            info.hash_profile_ok = bool(held) and any(self._holders[h].instance_id == instance for h in held[0])
 
     def _note_mixed_hashes(self, blocks: list[tuple[int, ...]]) -> None:
         self.counters.mixed_hash_queries += 1
@@ -307,6 +339,7 @@ class FleetIndex:
                     "model_name": registered.model_name if registered else None,
                     "block_size": self.sources.block_size(instance),
                     "tenant_id": registered.tenant_id if registered else DEFAULT_TENANT,
+                    "hash_profile_ok": registered.hash_profile_ok if registered else None,
                 })
             return rows
 

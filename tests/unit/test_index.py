@@ -172,3 +172,27 @@ def test_instances_answer_takes_the_best_rank_per_instance():
     assert answer["instances"]["e1"] == {"longest_matched": 32, "GPU": 16, "CPU": 32, "DISK": 32,
                                          "DP": {"0": 16, "1": 32}}
     assert answer["scores"] == {"e1": {"0": 16, "1": 32}}
+
+
+def test_a_source_whose_hashes_differ_from_its_declared_profile_is_flagged(index):
+    from schemas.engine_hashes import HashProfile, engine_block_hashes
+
+    profile = {"strategy": "vllm_v1", "algorithm": "sha256", "python_hash_seed": "0", "index_projection": "low64_be"}
+    honest = engine_block_hashes(HashProfile.parse(profile), TOKENS, BLOCK)
+    parent = None
+    for i, engine_hash in enumerate(honest):  # "honest" publishes the hashes its profile gives
+        block = TOKENS[i * BLOCK:(i + 1) * BLOCK]
+        index.apply_entry(_key(engine_hash), _entry(engine_hash, [_row("honest", "GPU")], parent,
+                                                    content_hash(block)))
+        parent = engine_hash
+    _store_chain(index, "liar", TOKENS, seed=13)  # declares the same profile but runs another seed
+    api = IndexAPI(index, lambda: [])
+    for instance in ("honest", "liar"):
+        body = msgspec.json.encode({"instance_id": instance, "block_size": BLOCK, "hash_profile": profile})
+        assert api.register(body, "application/json").status == 200
+    assert set(index.query_tokens(TOKENS)["instances"]) == {"honest", "liar"}  # answers come from content keys
+    flags = {w["instance_id"]: w["hash_profile_ok"] for w in index.workers()}
+    assert flags == {"honest": True, "liar": False}
+    bad = msgspec.json.encode({"instance_id": "x", "hash_profile": {"strategy": "vllm_v1", "algorithm": "md5"}})
+    reply = api.register(bad, "application/json")
+    assert reply.status == 400 and "hash_profile" in msgspec.json.decode(reply.body)["error"]
