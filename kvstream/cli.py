@@ -281,9 +281,7 @@ def _cmd_produce(args: argparse.Namespace) -> int:
 def _cmd_tail(args: argparse.Namespace) -> int:
     from kvstream.options import settings_from_args
     from kvstream.settings import TailSettings
-    from kvstream.tail import tail
-
-    from kvstream.tail import reader_codecs
+    from kvstream.tail import reader_codecs, tail
     from schemas.topics import SCHEMAS
 
     settings = settings_from_args(TailSettings, args)
@@ -332,8 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     from kvstream.settings import ExportSettings, QuerySettings, ReportSettings, TailSettings
     from producers.settings import BridgeSettings, CaptureSettings, ProduceSettings, SimulateSettings
     from producers.simulator import DEFAULT_TRACE, FleetConfig
-    from stream_apps.settings import WorkerSettings
     from stream_apps.index.settings import IndexSettings
+    from stream_apps.settings import WorkerSettings
 
     parser = argparse.ArgumentParser(
         prog="kvstream",

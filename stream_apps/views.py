@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import Callable
+from collections.abc import Callable
 from urllib.parse import quote
 
 import aiohttp

@@ -47,6 +47,28 @@ cdef extern from *:
     #: Starts loading the cache line at ``p`` (a hint: no effect on results; nothing without GCC or Clang).
     void _prefetch "KVSTREAM_PREFETCH"(const void* p) noexcept nogil
 
+cdef extern from *:
+    """
+    #if defined(__linux__)
+    #include <sys/mman.h>
+    #endif
+    static void kvstream_advise_huge(void* p, size_t bytes) {
+    #if defined(__linux__) && defined(MADV_HUGEPAGE)
+        /* the 2 MiB-aligned interior of an array of 4 MiB or more; an error only means small pages */
+        const size_t huge = (size_t)2 << 20;
+        uintptr_t start = ((uintptr_t)p + huge - 1) & ~(uintptr_t)(huge - 1);
+        uintptr_t end = ((uintptr_t)p + bytes) & ~(uintptr_t)(huge - 1);
+        if (bytes >= 2 * huge && end > start)
+            (void)madvise((void*)start, end - start, MADV_HUGEPAGE);
+    #else
+        (void)p; (void)bytes;
+    #endif
+    }
+    """
+    #: Asks for transparent huge pages on a large array (Linux): a lookup in a table of hundreds of MiB then
+    #: misses the TLB far less often. A hint: no effect on results.
+    void _advise_huge "kvstream_advise_huge"(void* p, size_t bytes) noexcept nogil
+
 # ---------------------------------------------------------------------------------------------------------
 # Layout
 
@@ -213,6 +235,7 @@ cdef int _reserve(void** p, size_t* cap, size_t need, size_t size, size_t minimu
         raise MemoryError(f"BlockTable: cannot allocate {new_cap * size} bytes")
     p[0] = q
     cap[0] = new_cap
+    _advise_huge(q, new_cap * size)
     return 0
 
 
@@ -236,6 +259,7 @@ cdef int _ht_alloc(HTab* t, size_t cap) except -1:
     cdef Slot* slots = <Slot*>malloc(cap * sizeof(Slot))
     if slots == NULL:
         raise MemoryError(f"BlockTable: cannot allocate {cap * sizeof(Slot)} bytes")
+    _advise_huge(slots, cap * sizeof(Slot))
     memset(slots, 0xFF, cap * sizeof(Slot))  # every rec NONE
     t.slots = slots
     t.cap = cap
@@ -360,6 +384,11 @@ cdef class BlockTable:
     cdef size_t _cand_cap
     cdef size_t* _ends
     cdef size_t _ends_cap
+    #: content_walk's tags of one depth's probes, and the slots whose tag matched (probe << 32 | record)
+    cdef uint32_t* _tags
+    cdef size_t _tags_cap
+    cdef uint64_t* _match
+    cdef size_t _match_cap
 
     def __cinit__(self):
         self._init()
@@ -395,6 +424,10 @@ cdef class BlockTable:
         self._cand_cap = 0
         self._ends = NULL
         self._ends_cap = 0
+        self._tags = NULL
+        self._tags_cap = 0
+        self._match = NULL
+        self._match_cap = 0
         _ht_alloc(&self._blocks, 16)
         _ht_alloc(&self._content, 16)
         self._h_cap = 16
@@ -415,6 +448,8 @@ cdef class BlockTable:
         free(self._out)
         free(self._cand)
         free(self._ends)
+        free(self._tags)
+        free(self._match)
         self._recs = NULL
         self._blocks.slots = NULL
         self._content.slots = NULL
@@ -425,6 +460,8 @@ cdef class BlockTable:
         self._out = NULL
         self._cand = NULL
         self._ends = NULL
+        self._tags = NULL
+        self._match = NULL
 
     # -- pieces -------------------------------------------------------------------------------------------
 
@@ -863,28 +900,64 @@ cdef class BlockTable:
         ``PyBlockTable.content_walk_blocks``."""
         return self._walk(contents, True)
 
-    cdef size_t _probe(self, bint has_parent, uint64_t parent, uint64_t content, size_t count) except? 0:
-        """Appends to ``_cand`` (from ``count`` on) every record of key (parent or ROOT, content); returns the
-        new count. Equal keys share their home, so they are all in the run from it to the next empty slot."""
-        cdef uint32_t tag = _content_tag(has_parent, parent, content)
+    cdef size_t _depth(self, Py_ssize_t d, size_t begin, size_t end) except? 0:
+        """Appends depth ``d``'s candidates to ``_cand`` (after ``end``): the records of key (parent, content
+        ``_keys[d]``) for each parent among the candidates ``[begin, end)``, or of (ROOT, ``_keys[0]``) at
+        depth 0. Returns the new end.
+
+        Three stages, each prefetching what the next reads, so a depth of several candidates (engines of
+        different hash seeds) waits for one slot load and one record load rather than one each per
+        candidate: the home slots; the runs from them, where equal keys all are (they share their home), by
+        tag alone; the records of the tags that match, checked.
+        """
+        cdef uint64_t content = self._keys[d]
+        cdef size_t probes = 1 if d == 0 else end - begin
         cdef size_t cap = self._content.cap
-        cdef size_t i = _home(tag, cap)
         cdef Slot* slots = self._content.slots
+        cdef size_t p, i, matches = 0, count = end
+        cdef uint32_t tag, r
         cdef Rec* rec
-        while slots[i].rec != NONE:
-            if slots[i].tag == tag:
-                rec = &self._recs[slots[i].rec]
-                if rec.content == content and (rec.flags & F_PARENT) == (F_PARENT if has_parent else 0) \
-                        and (not has_parent or rec.parent == parent):
-                    if count == self._cand_cap:
-                        _reserve(<void**>&self._cand, &self._cand_cap, count + 1, sizeof(uint32_t), 64)
-                    self._cand[count] = slots[i].rec
-                    count += 1
-                    if rec.cls:  # the rows are built after the walk: the segment is in the cache by then
-                        _prefetch(self._pool + rec.link)
-            i += 1
-            if i == cap:
-                i = 0
+        cdef uint64_t parent = 0
+        _reserve(<void**>&self._tags, &self._tags_cap, probes, sizeof(uint32_t), 64)
+        for p in range(probes):
+            if d == 0:
+                tag = _content_tag(False, 0, content)
+            else:
+                tag = _content_tag(True, self._recs[self._cand[begin + p]].key, content)
+            self._tags[p] = tag
+            _prefetch(&slots[_home(tag, cap)])
+        for p in range(probes):
+            tag = self._tags[p]
+            i = _home(tag, cap)
+            while slots[i].rec != NONE:
+                if slots[i].tag == tag:
+                    if matches == self._match_cap:
+                        _reserve(<void**>&self._match, &self._match_cap, matches + 1, sizeof(uint64_t), 64)
+                    self._match[matches] = (<uint64_t>p << 32) | slots[i].rec
+                    matches += 1
+                    _prefetch(&self._recs[slots[i].rec])
+                i += 1
+                if i == cap:
+                    i = 0
+        for i in range(matches):
+            p = self._match[i] >> 32
+            r = <uint32_t>self._match[i]
+            rec = &self._recs[r]
+            if rec.content != content:
+                continue
+            if d == 0:
+                if rec.flags & F_PARENT:
+                    continue
+            else:
+                parent = self._recs[self._cand[begin + p]].key
+                if not rec.flags & F_PARENT or rec.parent != parent:
+                    continue
+            if count == self._cand_cap:
+                _reserve(<void**>&self._cand, &self._cand_cap, count + 1, sizeof(uint32_t), 64)
+            self._cand[count] = r
+            count += 1
+            if rec.cls:  # the rows are built after the walk: the segment is in the cache by then
+                _prefetch(self._pool + rec.link)
         return count
 
     cdef list _walk(self, contents, bint blocks):
@@ -900,11 +973,7 @@ cdef class BlockTable:
         cdef list out = []
         _reserve(<void**>&self._ends, &self._ends_cap, depths, sizeof(size_t), 64)
         for d in range(depths):
-            if d == 0:
-                count = self._probe(False, 0, self._keys[0], 0)
-            else:
-                for c in range(begin, end):
-                    count = self._probe(True, self._recs[self._cand[c]].key, self._keys[d], count)
+            count = self._depth(d, begin, end)
             if count == end:
                 break  # no candidate at this depth
             begin = end
@@ -972,8 +1041,9 @@ cdef class BlockTable:
         """Bytes the table's arrays take (allocated capacity, scratch buffers included)."""
         return (self._rec_cap * sizeof(Rec) + (self._blocks.cap + self._content.cap) * sizeof(Slot)
                 + self._pool_cap * sizeof(uint64_t) + self._h_cap * sizeof(HEnt)
-                + (self._keys_cap + self._out_cap) * sizeof(uint64_t)
-                + (self._hbuf_cap + self._cand_cap) * sizeof(uint32_t) + self._ends_cap * sizeof(size_t))
+                + (self._keys_cap + self._out_cap + self._match_cap) * sizeof(uint64_t)
+                + (self._hbuf_cap + self._cand_cap + self._tags_cap) * sizeof(uint32_t)
+                + self._ends_cap * sizeof(size_t))
 
     cdef tuple _item(self, size_t r):
         """Record ``r`` as ``items()`` gives it, its links sorted by (scope, holder)."""

@@ -52,7 +52,7 @@ class HolderInfo(NamedTuple):
 class PrefixRun:
     """How far one (instance, data-parallel rank) holds a request from block 0, in blocks."""
 
-    __slots__ = ("any", "score", "tiers", "classes")
+    __slots__ = ("any", "classes", "score", "tiers")
 
     def __init__(self) -> None:
         #: Longest consecutive prefix held on any tier.

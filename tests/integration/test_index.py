@@ -97,9 +97,10 @@ def fleet(kafka_bootstrap, tmp_path_factory):
         workers.append(spawn_worker(settings, work / f"worker-{i}.log"))
         urls.append(f"http://127.0.0.1:{settings.web_port}")
     index_port = free_port()
-    index = subprocess.Popen([sys.executable, "-m", "kvstream.cli", "index", "--bootstrap-servers", kafka_bootstrap,
-                              "--app-id", APP_ID, "--web-port", str(index_port), "--default-block-size", str(BLOCK)],
-                             stdout=open(work / "index.log", "ab"), stderr=subprocess.STDOUT)
+    with open(work / "index.log", "ab") as log:
+        index = subprocess.Popen([sys.executable, "-m", "kvstream.cli", "index", "--bootstrap-servers",
+                                  kafka_bootstrap, "--app-id", APP_ID, "--web-port", str(index_port),
+                                  "--default-block-size", str(BLOCK)], stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_until_consumed(kafka_bootstrap, APP_ID, workers[0], timeout_s=300)
         index_url = f"http://127.0.0.1:{index_port}"
@@ -138,7 +139,7 @@ def _longest(url: str, **body) -> dict:
 
 def test_a_query_by_tokens_equals_the_query_by_engine_hashes_on_every_process(fleet):
     for url in fleet["all"]:
-        assert _eventually(lambda: _longest(url), {"plain": 16}) == {"plain": 16}
+        assert _eventually(lambda url=url: _longest(url), {"plain": 16}) == {"plain": 16}
         assert _longest(url, lora_name="adapter-1") == {"lora": 16}
         assert _longest(url, cache_salt="tenant-1") == {"salted": 16}
         for seed, instance in ((1, "plain"), (2, "lora"), (3, "salted")):

@@ -105,7 +105,7 @@ def test_tier_classes_are_cumulative_and_ranks_apart(index):
 def test_model_tenant_and_block_size_come_from_registration(index):
     _store_chain(index, "llama", TOKENS, seed=8)
     _store_chain(index, "qwen", TOKENS, seed=9)
-    api = IndexAPI(index, lambda: [])
+    api = IndexAPI(index, list)
     for instance, model in (("llama", "llama-3"), ("qwen", "qwen-2")):
         body = msgspec.json.encode({"instance_id": instance, "modelname": model, "block_size": BLOCK, "dp_rank": 0})
         reply = api.register(body, "application/json")
@@ -119,7 +119,7 @@ def test_model_tenant_and_block_size_come_from_registration(index):
 
 def test_query_speaks_msgpack_with_int32_token_bytes_as_mooncakes_proxy_sends(index):
     _store_chain(index, "e1", TOKENS, seed=10)
-    api = IndexAPI(index, lambda: [])
+    api = IndexAPI(index, list)
     body = msgspec.msgpack.encode({"model": "m", "token_ids": array.array("i", TOKENS).tobytes(), "block_size": BLOCK,
                                    "tenant_id": "default", "lora_name": None})
     reply = api.query(body, "application/msgpack")
@@ -137,7 +137,7 @@ def test_query_speaks_msgpack_with_int32_token_bytes_as_mooncakes_proxy_sends(in
     (b"[1, 2]", "must be a map"),
 ])
 def test_bad_queries_get_a_400_with_the_reason(index, body, reason):
-    reply = IndexAPI(index, lambda: []).query(body, "application/json")
+    reply = IndexAPI(index, list).query(body, "application/json")
     assert reply.status == 400 and reason in msgspec.json.decode(reply.body)["error"]
 
 
@@ -186,7 +186,7 @@ def test_a_source_whose_hashes_differ_from_its_declared_profile_is_flagged(index
                                                     content_hash(block)))
         parent = engine_hash
     _store_chain(index, "liar", TOKENS, seed=13)  # declares the same profile but runs another seed
-    api = IndexAPI(index, lambda: [])
+    api = IndexAPI(index, list)
     for instance in ("honest", "liar"):
         body = msgspec.json.encode({"instance_id": instance, "block_size": BLOCK, "hash_profile": profile})
         assert api.register(body, "application/json").status == 200
