@@ -9,7 +9,8 @@ Builds the compiled table (stream_apps/index/_table.pyx; the pure-Python twin wi
   router's path): p50 / p99 / mean in µs, target p99 <= 100 µs with the aggregation, aim <= 20 µs;
 - **content_walk** of a 27-deep token path that two engines of different hash seeds both hold (two candidate
   blocks per depth);
-- **replace** rates: new blocks, holder changes on present blocks, removals (calls per second from Python).
+- **replace** rates: new blocks, holder changes on present blocks, removals (calls per second from a Python
+  loop over prepared arguments; the same loop calling a no-op function is printed beside them).
 
 The 2.5M x 4 table is laid out as the fleet's: token paths of 27 blocks, each path stored under two engine hash
 seeds (so equal content under unequal block keys), 4 holders of 64 per block. No assertion: figures only.
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = 2_500_000 // (2 * CHAIN * scale)  # 2.5M blocks x 4 holders
     table, contents, build_rate = fleet(table_class, paths, 4, rng)
     print(f"fleet table: {len(table):,} blocks, {table.links:,} links, {table.memory_bytes() / 2**20:,.0f} MiB "
-          f"({table.memory_bytes() / table.links:.1f} B/link)")
+          f"({table.memory_bytes() / table.links:.1f} B/link), built at {build_rate / 1e6:.2f} M replace/s")
 
     chains = [[_key(rng.randrange(2), path, d) for d in range(CHAIN)]
               for path in (rng.randrange(paths) for _ in range(4096))]
@@ -152,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         ns.append(t1 - t0)
         agg.append(t2 - t0)
     assert len(rows) == CHAIN
-    print(f"holders_at, {CHAIN}-block chain:            {_percentiles(ns)}")
-    print(f"holders_at + longest-prefix aggregation: {_percentiles(agg)}  (target p99 <= 100 µs)")
+    print(f"{f'holders_at, {CHAIN}-block chain:':<45}{_percentiles(ns)}")
+    print(f"{'holders_at + longest-prefix aggregation:':<45}{_percentiles(agg)}  (target p99 <= 100 µs)")
 
     walks = [contents[rng.randrange(len(contents))] for _ in range(4096)]
     walk = table.content_walk
@@ -164,33 +165,40 @@ def main(argv: list[str] | None = None) -> int:
         rows = walk(path)
         ns.append(timer() - t0)
     assert len(rows) == CHAIN and len(table.content_walk_blocks(path)[0]) >= 2
-    print(f"content_walk, {CHAIN} deep x 2 seeds:          {_percentiles(ns)}")
+    print(f"{f'content_walk, {CHAIN} deep x 2 seeds:':<45}{_percentiles(ns)}")
 
-    print("replace rates (calls from Python)")
-    print(f"  new blocks (fleet build):          {build_rate / 1e6:.2f} M/s")
+    print("replace rates (calls from a Python loop over prepared arguments, into the fleet table)")
     patterns = [tuple(sorted(rng.sample(range(64), 4))) for _ in range(1024)]
-    keys = [_key(s, p, d) for s in (0, 1) for p in range(min(paths, 20_000)) for d in range(CHAIN)]
-    replace = table.replace
-    started = time.perf_counter()
-    for i, block in enumerate(keys):
-        replace(block, 0, patterns[i & 1023], None, None)
-    print(f"  holders changed on present blocks: {len(keys) / (time.perf_counter() - started) / 1e6:.2f} M/s")
-    started = time.perf_counter()
-    for block in keys:
-        replace(block, 1, (5,), None, None)
-    print(f"  a second scope added:              {len(keys) / (time.perf_counter() - started) / 1e6:.2f} M/s")
-    started = time.perf_counter()
-    for block in keys:
-        replace(block, 0, (), None, None)
-        replace(block, 1, (), None, None)
-    print(f"  removals (both scopes):            {2 * len(keys) / (time.perf_counter() - started) / 1e6:.2f} M/s")
+    fresh = [(_key(2, p, d), patterns[(p + d) & 1023], None if d == 0 else _key(2, p, d - 1), rng.getrandbits(64))
+             for p in range(500_000 // (CHAIN * scale)) for d in range(CHAIN)]
+    keys = [_key(s, p, d) for s in (0, 1) for p in range(min(paths, 10_000)) for d in range(CHAIN)]
+    changed = [(block, patterns[(i * 7) & 1023]) for i, block in enumerate(keys)]
+
+    def noop(block, scope, holders, parent, content):
+        pass
+
+    def rate(label: str, call, rows) -> None:
+        gc.disable()
+        started = time.perf_counter()
+        for block, holders, parent, content in rows:
+            call(block, 0, holders, parent, content)
+        elapsed = time.perf_counter() - started
+        gc.enable()
+        print(f"  {label:<48} {len(rows) / elapsed / 1e6:5.2f} M/s ({elapsed / len(rows) * 1e9:4.0f} ns a call)")
+
+    rate("a no-op Python function, same loop", noop, fresh)
+    rate(f"new blocks of 4 holders ({len(fresh):,})", table.replace, fresh)
+    rate("holders changed on present blocks", table.replace, [(b, h, None, None) for b, h in changed])
+    rate("holders changed, parent and content moved", table.replace,
+         [(b, patterns[0], b ^ 1, b ^ 2) for b, _ in changed])
+    rate("removals", table.replace, [(b, (), None, None) for b, _ in changed])
     big = table_class()
     holders = list(range(4000))
     started = time.perf_counter()
     for i in range(1, 1001):
         big.replace(1, 0, holders[: 3000 + i], None, 100)
     print(f"  one block of 3,000..4,000 holders, one more each call: "
-          f"{(time.perf_counter() - started) / 1000 * 1e6:.1f} µs per call")
+          f"{(time.perf_counter() - started) / 1000 * 1e6:.1f} µs a call")
     started = time.perf_counter()
     affected = table.remove_holder(3)
     print(f"remove_holder over {len(table):,} blocks: {(time.perf_counter() - started) * 1000:.1f} ms "

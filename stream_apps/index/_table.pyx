@@ -25,6 +25,12 @@ loads between 0.47 and 0.7, and the record array up to a third unused after a gr
 Freed records and segments are reused, by any block and by blocks of their size class; the arrays never shrink
 (``clear()`` frees them).
 
+A table of millions of blocks is far larger than the caches, so a lookup costs its memory loads: the queries
+run in stages that prefetch the next stage's slots, records and link segments for every block of the call at
+once (``holders_at``) or every candidate of a depth (the content walk, whose depths depend on each other), and
+arrays of 4 MiB or more ask Linux for transparent huge pages, so those loads rarely miss the TLB as well.
+``python -m bench.index_table`` measures the bytes and the times.
+
 ``boundscheck=False``: every index here is below a length or capacity checked by the code beside it.
 """
 
