@@ -231,8 +231,9 @@ class Repartitioner:
 
     def run(self) -> None:
         """Consume, re-key, produce, flush, commit, until the stop event is set. Raises on a produce failure."""
-        # the session timeout Faust uses (it reads BROKER_SESSION_TIMEOUT, seconds), so that after a crash
-        # both stages get their partitions back after the same wait
+        # BROKER_SESSION_TIMEOUT (seconds), the variable Faust reads for the agent's consumer: when it is set,
+        # both stages get their partitions back after the same wait after a crash. Unset, the two differ:
+        # Faust's default is 60 s, this one librdkafka's 45 s (docs/configuration.md)
         session_ms = int(float(os.environ.get("BROKER_SESSION_TIMEOUT", "45")) * 1000)
         config = client_config(self.bootstrap_servers, **{
             "group.id": repartition_group(self.app_id), "enable.auto.commit": False,

@@ -8,7 +8,7 @@ entry point extends; ``pyproject.toml`` registers the two classes here:
 - ``kvstream-memory://`` -> :class:`MemoryTableStore` (the small
   tables: ``clear-watermarks``, ``publisher-epochs``, ``tier-occupancy``, ``sources``).
 
-Both add the same few methods, which the agent uses instead of ``table[key] = value``:
+All three add the same few methods, which the agent uses instead of ``table[key] = value``:
 
 - :meth:`~RocksDBTableStore.entry` / :meth:`~RocksDBTableStore.lookup` read a value for the agent or a query;
 - :meth:`~RocksDBTableStore.write` stores a value, where reads find it at once, and buffers its changelog
