@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh machine (CPython 3.11, Java 17 and Maven needed):
 #   make demo   - the whole pipeline on the embedded Kafka broker and the Mooncake trace
-#   make test   - unit tests and integration tests against a real broker
+#   make test   - unit tests and integration tests against a real broker (-rs: each skipped test's reason)
 #   make bench  - the benchmark (bench/results.json, bench/results.png)
 #   make chaos  - the fault scenarios (worker crash, rebalance, broker outage, bridge restart, table recovery)
 #   make compose-test - docker-compose.yml brought up and checked against the ground truth (needs Docker)
@@ -28,7 +28,7 @@ chaos: $(STAMP)
 	$(PY) -m chaos $(CHAOS_ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -rs $(PYTEST_ARGS)
 
 # every benchmark figure into bench/results.json and bench/results.png; BENCH_ARGS="--quick" for a smoke run
 bench: $(STAMP)
