@@ -354,12 +354,13 @@ def export(bootstrap_servers: str, source: ExportSource, path: Path, fmt: str = 
         RuntimeError: the topic does not exist, the broker did not answer, or a record does not decode.
         TimeoutError: the read took longer than ``timeout_s``.
         ValueError: ``fmt`` is neither ``parquet`` nor ``jsonl``.
-        ImportError: pyarrow is missing (the ``analytics`` extra) for Parquet.
+        RuntimeError: also when pyarrow or numpy (the ``analytics`` extra) is missing for Parquet, before Kafka
+            is asked anything.
     """
     if fmt not in ("parquet", "jsonl"):
         raise ValueError(f"unknown format {fmt!r}: parquet or jsonl")
     if fmt == "parquet":
-        require_analytics("pyarrow")
+        require_analytics("pyarrow", "numpy")
     started = time.perf_counter()
     schema = change_schema() if source.kind == "changes" and fmt == "parquet" else (
         residency_schema() if fmt == "parquet" else None)
@@ -380,16 +381,22 @@ def export(bootstrap_servers: str, source: ExportSource, path: Path, fmt: str = 
     return ExportResult(source, path, writer.rows, time.perf_counter() - started)
 
 
-def require_analytics(module: str) -> Any:
-    """Import one of the ``analytics`` extra's modules (pyarrow, matplotlib).
+def require_analytics(*modules: str) -> Any:
+    """Import the ``analytics`` extra's ``modules`` (pyarrow, numpy, matplotlib); returns the first.
 
     Raises:
-        RuntimeError: it is not installed; the message says how to install it.
+        RuntimeError: one is not installed, or a module it imports is not (numpy under matplotlib); the message
+            names the missing one and says how to install the extra.
     """
     import importlib
 
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise RuntimeError(f"{module} is not installed: install the analytics extra, "
-                           "pip install -e '.[analytics]' (make install does)") from None
+    imported = []
+    for module in modules:
+        try:
+            imported.append(importlib.import_module(module))
+        except ImportError as exc:
+            missing = exc.name or module
+            needed_by = "" if missing == module else f" (needed by {module})"
+            raise RuntimeError(f"{missing} is not installed{needed_by}: install the analytics extra, "
+                               "pip install -e '.[analytics]' (make install does)") from None
+    return imported[0]

@@ -181,7 +181,7 @@ def parquet_batches(path: Path) -> Iterator[dict[str, list]]:
     Raises:
         RuntimeError: the file is missing or is not an export of the residency changes.
     """
-    pa = require_analytics("pyarrow")
+    pa = require_analytics("pyarrow", "numpy")
     import pyarrow.parquet as pq
 
     try:
@@ -431,7 +431,7 @@ def report(settings, source: str | None = None) -> ReportSummary:
         RuntimeError: the source is missing or unreadable, it holds no change, or the analytics extra is missing.
         TimeoutError: reading the topic took longer than ``settings.read_timeout_s``.
     """
-    require_analytics("matplotlib")
+    require_analytics("matplotlib", "numpy")
     replay = ChangeReplay(as_of=settings.as_of)
     if source is not None and is_parquet_source(source):
         batches = parquet_batches(Path(source))

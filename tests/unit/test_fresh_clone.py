@@ -35,3 +35,49 @@ def test_make_test_shows_why_tests_were_skipped():
     commands = subprocess.run(["make", "-n", "test"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     pytest_calls = [line.split() for line in commands.splitlines() if " -m pytest" in line]
     assert pytest_calls and all("-rs" in call for call in pytest_calls), commands
+
+
+def test_the_analytics_extra_pins_numpy_at_the_version_installed():
+    """export and report import numpy themselves; pyarrow installs without it."""
+    import tomllib
+    from importlib.metadata import version
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["analytics"]
+    assert f"numpy=={version('numpy')}" in extra
+
+
+def test_parquet_export_without_numpy_says_how_to_install_it_before_asking_kafka(monkeypatch, tmp_path):
+    import sys
+
+    from kvstream.export import ExportSource, export
+
+    monkeypatch.setitem(sys.modules, "numpy", None)  # import numpy now raises ImportError, as when it is absent
+    with pytest.raises(RuntimeError, match=r"^numpy is not installed.*pip install -e '\.\[analytics\]'"):
+        # nobody listens on port 9: asking Kafka first would fail otherwise, and later
+        export("127.0.0.1:9", ExportSource("changes", "kvstream-kv-residency-changes"), tmp_path / "c.parquet")
+    assert not list(tmp_path.iterdir())
+
+
+def test_report_without_numpy_says_how_to_install_it(monkeypatch, tmp_path):
+    import sys
+
+    from kvstream.report import report
+    from kvstream.settings import ReportSettings
+
+    monkeypatch.setitem(sys.modules, "numpy", None)
+    with pytest.raises(RuntimeError, match=r"^numpy is not installed.*pip install -e '\.\[analytics\]'"):
+        report(ReportSettings(bootstrap_servers="127.0.0.1:9", output_dir=tmp_path / "report"),
+               str(tmp_path / "changes.parquet"))
+
+
+def test_a_module_missing_under_another_is_named_with_it(monkeypatch, tmp_path):
+    """matplotlib without numpy fails to import with numpy's name: that is the one to report."""
+    import sys
+
+    from kvstream.export import require_analytics
+
+    (tmp_path / "kvstream_needs_numpy.py").write_text("import numpy\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(sys.modules, "numpy", None)
+    with pytest.raises(RuntimeError, match=r"^numpy is not installed \(needed by kvstream_needs_numpy\)"):
+        require_analytics("kvstream_needs_numpy")
