@@ -228,7 +228,8 @@ def _cmd_bridge(args: argparse.Namespace) -> int:
     finally:
         bridge.close()
         stats = producer.flush()
-        print(f"produced {stats.acked:,} messages, {stats.dead_lettered:,} to the dead-letter topic")
+        print(f"produced {stats.acked - stats.dead_lettered:,} messages to {settings.events_topic}; "
+              f"{stats.dead_lettered:,} inputs to the dead-letter topic {settings.dead_letter_topic}")
     return 0
 
 
@@ -263,19 +264,34 @@ def _cmd_capture(args: argparse.Namespace) -> int:
 def _cmd_produce(args: argparse.Namespace) -> int:
     from kvstream.options import settings_from_args
     from producers.bridge import BridgeMetrics, KafkaBatchSink
-    from producers.capture import produce_capture
+    from producers.capture import CaptureError, check_capture, produce_capture
     from producers.kafka_sink import KvEventProducer
     from producers.settings import ProduceSettings
 
     settings = settings_from_args(ProduceSettings, args)
     configure_logging(settings.log_level, settings.log_format)
+    try:  # the local input first: a missing file is no reason to wait for Kafka
+        check_capture(settings.jsonl, settings.engine)
+    except CaptureError as exc:
+        print(f"kvstream produce: error: --jsonl {exc}", file=sys.stderr)
+        return 2
     producer = KvEventProducer.from_settings(settings)
     metrics = BridgeMetrics()
     produce_capture(settings.jsonl, KafkaBatchSink(producer, metrics), metrics, settings.engine)
     stats = producer.flush()
-    print(f"produced {stats.acked:,} messages from {settings.jsonl}, {stats.dead_lettered:,} to the dead-letter "
-          "topic")
-    return 0
+    accepted = stats.acked - stats.dead_lettered
+    dead_letter = settings.dead_letter_topic
+    print(f"produced {accepted:,} messages to {settings.events_topic} from {settings.jsonl}; "
+          f"{stats.dead_lettered:,} inputs to the dead-letter topic {dead_letter}")
+    if accepted:
+        return 0
+    if stats.dead_lettered:
+        why = (f"every input went to the dead-letter topic: none became a KV event record (the reason of each is "
+               f"in its kvstream-error header: kvstream tail {dead_letter} --from-beginning)")
+    else:
+        why = f"{settings.jsonl} holds no block event"
+    print(f"kvstream produce: error: nothing was accepted: {why}", file=sys.stderr)
+    return 1
 
 
 def _cmd_tail(args: argparse.Namespace) -> int:

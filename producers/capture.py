@@ -136,6 +136,29 @@ def read_capture(path: Path, engine: str = "vllm") -> Iterator[tuple[PublisherEn
                 raise CaptureError(f"{path}:{number}: not a capture line ({type(exc).__name__}: {exc})") from None
 
 
+def check_capture(path: Path, engine: str = "vllm") -> None:
+    """Check a capture file before anything is sent anywhere: it exists, it is readable text, and its first
+    line is a batch. Later lines are read as they are published (:func:`read_capture` raises there).
+
+    Raises:
+        CaptureError: it is not; the message is one line naming the file.
+    """
+    lines = read_capture(path, engine)
+    try:
+        first = next(lines, None)
+    except FileNotFoundError:
+        raise CaptureError(f"{path}: no such file (give a capture file written by 'kvstream capture', "
+                           "docs/ingesting.md)") from None
+    except UnicodeDecodeError:
+        raise CaptureError(f"{path}: not a text file (a capture file is JSON lines, docs/ingesting.md)") from None
+    except OSError as exc:
+        raise CaptureError(f"{path}: cannot be read: {exc.strerror or exc}") from None
+    finally:
+        lines.close()
+    if first is None:
+        raise CaptureError(f"{path}: holds no capture line (empty)")
+
+
 def produce_capture(path: Path, sink, metrics=None, engine: str = "vllm") -> Bridge:
     """Publish a capture file through the bridge's sequencing into ``sink``; returns the bridge (its metrics).
 

@@ -38,3 +38,26 @@ def test_version():
     with pytest.raises(SystemExit) as exit_:
         main(["--version"])
     assert exit_.value.code == 0
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "no such file"),
+    (b"", "holds no capture line (empty)"),
+    (b"{not json\n", ":1: not a capture line (JSONDecodeError"),
+    (b'{"seq": 0, "ts": 1.0, "events": []}\n', ":1: not a capture line (KeyError: 'instance_id')"),
+    (b"\xff\xfe\x00binary", "not a text file"),
+])
+def test_produce_checks_its_capture_file_before_asking_kafka(tmp_path, capsys, content, message):
+    """Issue 28: a missing file printed a traceback, after waiting for Kafka. Nobody listens on port 9: had the
+    command asked Kafka first, it would fail with another message, and only after seconds."""
+    import time
+
+    capture = tmp_path / "capture.jsonl"
+    if content is not None:
+        capture.write_bytes(content)
+    started = time.monotonic()
+    assert main(["produce", "--jsonl", str(capture), "--bootstrap-servers", "127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvstream produce: error: --jsonl {capture}") and message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert time.monotonic() - started < 2
