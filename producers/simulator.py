@@ -147,7 +147,7 @@ def trace_block_tokens(hash_id: int) -> list[int]:
     return tokens.tolist()
 
 
-def trace_request_tokens(request: "Request | Sequence[int]") -> list[int]:
+def trace_request_tokens(request: Request | Sequence[int]) -> list[int]:
     """The token ids of a trace request's prompt: its blocks' tokens (:func:`trace_block_tokens`) concatenated in
     prefix order, 512 per block. The trace has whole blocks only, so every block is full: a query with these
     tokens and block size 512 computes the content hashes the simulated stores carry.

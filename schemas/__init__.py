@@ -1,7 +1,7 @@
 """The event contract: what a KV cache event is once it is in Kafka.
 
 * ``kv_event_v4.avsc`` (and v1 to v3): one block-level KV event (topic ``kv-events``).
-* ``residency_v2.avsc`` (and v1): one residency-table entry (the stream app's changelog).
+* ``residency_v3.avsc`` (and v1, v2): one residency-table entry (the stream app's changelog).
 * ``tier_occupancy_v1.avsc``, ``clear_watermark_v1.avsc``: the stream app's other tables.
 * ``ownership_batch_v1.avsc``: the stream app's repartition topic ``<app id>-kv-events-by-ownership``.
 * :mod:`schemas.codec`: fastavro codec with single-object framing.

@@ -71,10 +71,11 @@ def walk_items(bytes data not None, Py_ssize_t pos, list items not None, list so
     ``items`` (:data:`schemas.ownership_batch.BatchItem` tuples), as ``OwnershipBatchReader._walk`` does.
 
     ``sources`` and ``strings`` are the message's tables as the walk reads them (``strings`` with None first);
-    ``kinds``, ``tiers`` and ``parent_known`` the layout's symbol tuples (:mod:`schemas.block_event`);
+    ``kinds``, ``tiers`` and ``parent_known`` the layout's symbol tuples (:mod:`schemas.block_event`; a kind
+    byte whose entry in ``kinds`` is None, the first layout's, is refused);
     ``read_event(data, start, end)`` reads an item without block fields; ``clear_position`` is
     :class:`schemas.clear_position.ClearPosition` and ``no_clear`` its ``NO_CLEAR``; ``fields_size`` is
-    ``BLOCK_FIELDS.size`` (56).
+    ``BLOCK_FIELDS.size`` (66).
 
     Returns:
         The position after the array (the caller checks it is the message's end).
@@ -83,7 +84,7 @@ def walk_items(bytes data not None, Py_ssize_t pos, list items not None, list so
         IndexError, ValueError (UnicodeDecodeError included): a message this walk does not read; the caller
         then decodes it with its codec.
     """
-    if fields_size != 56:
+    if fields_size != 66:
         raise ValueError("block field layout changed: rebuild schemas/_hotpath.pyx")
     cdef _Cursor c = _Cursor()
     c.data = <const uint8_t*>PyBytes_AS_STRING(data)
@@ -92,16 +93,16 @@ def walk_items(bytes data not None, Py_ssize_t pos, list items not None, list so
         raise IndexError("start outside the message")
     c.pos = pos
     cdef int64_t count, n, i, epoch, seq, index
-    cdef Py_ssize_t start, end, fields
+    cdef Py_ssize_t start, end, fields, parent_end
     cdef const uint8_t* p
     cdef uint8_t b
-    cdef int64_t f_epoch, f_seq, content
+    cdef int64_t f_epoch, f_seq, content, content_hash
     cdef int32_t f_batch, f_block
     cdef uint32_t group
     cdef double ts
     cdef uint64_t bits
-    cdef Py_ssize_t kind, source, tier, medium, locality, ownership, known, n_sources, n_strings
-    cdef object key, mark
+    cdef Py_ssize_t kind, source, tier, medium, locality, ownership, known, n_sources, n_strings, parent_size
+    cdef object key, mark, kind_name, parent
     n_sources = len(sources)
     n_strings = len(strings)
     while True:
@@ -151,7 +152,8 @@ def walk_items(bytes data not None, Py_ssize_t pos, list items not None, list so
             fields = c.pos + fields_size
             if n < fields_size or n > c.size - c.pos:
                 raise ValueError("bad block length")
-            # BLOCK_FIELDS "<BHqqiidBHHIHBBq": offsets 0, 1, 3, 11, 19, 23, 27, 35, 36, 38, 40, 44, 46, 47, 48
+            # BLOCK_FIELDS "<BHqqiidBHHIHBBqBBq": offsets 0, 1, 3, 11, 19, 23, 27, 35, 36, 38, 40, 44, 46, 47, 48,
+            # 56, 57, 58
             p = c.data + c.pos
             kind = p[0]
             source = <Py_ssize_t>_le(p + 1, 2)
@@ -168,15 +170,27 @@ def walk_items(bytes data not None, Py_ssize_t pos, list items not None, list so
             ownership = <Py_ssize_t>_le(p + 44, 2)
             known = p[46]
             content = <int64_t>_le(p + 48, 8)
+            parent_size = p[56]
+            content_hash = <int64_t>_le(p + 58, 8)
             if (kind >= len(kinds) or source >= n_sources or tier >= len(tiers) or medium >= n_strings
                     or locality >= n_strings or ownership >= n_strings or known >= len(parent_known)):
                 raise IndexError("a block field's index is outside its table")
+            kind_name = kinds[kind]
+            if kind_name is None:
+                raise ValueError("block fields of the first layout")
             c.pos += n
+            if parent_size:
+                parent_end = fields + parent_size - 1
+                if parent_end > c.pos:
+                    raise ValueError("parent block hash past the block fields")
+                parent = PyBytes_FromStringAndSize(<const char*>c.data + fields, parent_end - fields)
+            else:
+                parent, parent_end = None, fields
             items.append((key, mark, data, start, end, (
-                kinds[kind], sources[source], f_epoch, f_seq, f_batch, f_block, ts,
-                PyBytes_FromStringAndSize(<const char*>c.data + fields, c.pos - fields),
+                kind_name, sources[source], f_epoch, f_seq, f_batch, f_block, ts,
+                PyBytes_FromStringAndSize(<const char*>c.data + parent_end, c.pos - parent_end),
                 tiers[tier], strings[medium], strings[locality], (group - 1) if group else None, strings[ownership],
-                parent_known[known], content if p[47] else None)))
+                parent_known[known], content if p[47] else None, parent, content_hash if p[57] else None)))
     return c.pos
 
 
@@ -350,11 +364,20 @@ cdef int _put_entry(_Buffer* out, dict entry, dict tiers, dict aggregations) exc
                 _put_long(out, _long_of(mark["seq"]))
                 _put_long(out, _long_of(mark["batch_index"]))
     _put_byte(out, 0)  # end of rows
+    parent = entry["parent_block_hash"]
+    if _put_branch(out, parent):
+        if type(parent) is not bytes:
+            raise _Unusual()
+        _put_long(out, PyBytes_GET_SIZE(parent))
+        _put(out, PyBytes_AS_STRING(parent), PyBytes_GET_SIZE(parent))
+    content_hash = entry["content_hash"]
+    if _put_branch(out, content_hash):
+        _put_long(out, _long_of(content_hash))
     return 0
 
 
 def encode_residency(entry, bytes header not None, dict tiers not None, dict aggregations not None):
-    """A ``residency`` v2 entry encoded with its framing ``header``, byte for byte as
+    """A ``residency`` v3 entry encoded with its framing ``header``, byte for byte as
     :meth:`schemas.avro_writers.ResidencyWriter.encode`; None when the entry holds a value of another shape
     than the agent writes (a missing field, a bool or float where an int belongs, an int for a double, an
     unknown enum symbol, a long out of range): the Python writer then encodes it, or raises what it raises.

@@ -259,6 +259,8 @@ class KvEventWriter:
 
 #: ``["null", "double"]`` with a value followed by a ``double``: branch 1 (the byte 2), then both doubles.
 _pack_branch_1_double_double = struct.Struct("<Bdd").pack
+#: A residency entry's ``parent_block_hash`` and ``content_hash`` (v3), both null: an entry without content keys.
+_NO_CONTENT_KEYS = b"\x00\x00"
 
 
 def avro_optional_string(value: str | None) -> bytes:
@@ -316,28 +318,28 @@ class ResidencyWriter(_TableRecordWriter):
 
     fastavro's generic writer is slow here (it resolves each optional field's union and looks up every
     field of the nested rows and workers), and the materializing agent encodes one entry per touched key.
-    This writer encodes the field layout of ``residency_v2.avsc`` directly. Checked against fastavro
+    This writer encodes the field layout of ``residency_v3.avsc`` directly. Checked against fastavro
     in ``tests/unit/test_writers.py`` (fixed cases and a hypothesis property) and
     ``tests/unit/test_writer_parity.py`` (edge values, refusals).
 
     Most entries hold one row with one worker, so that shape is encoded in a single join without a loop.
     What repeats across entries is encoded once and cached (each cache emptied when it grows past its
     bound): a row's identity fields (``instance_id`` .. ``aggregation``), optional strings, longs beyond
-    the small-int table (publisher epochs, content digests) and clear marks. A cache is keyed by value, so
-    a value equal to a cached one (``1.0`` and ``1``) gets its bytes where fastavro would refuse the float;
-    the agent's entries only hold ints there.
+    the small-int table (publisher epochs, content digests, content hashes) and clear marks. A cache is keyed
+    by value, so a value equal to a cached one (``1.0`` and ``1``) gets its bytes where fastavro would refuse
+    the float; the agent's entries only hold ints there.
 
     Every field must be present in the dicts (fastavro would write a missing optional field's default;
     here it is a KeyError). ``clear_mark`` is the ClearMark dict or None, as the codec decodes it.
-    Construction as :class:`_TableRecordWriter` (a ``residency`` v2 codec, or ValueError); ``compiled`` picks
+    Construction as :class:`_TableRecordWriter` (a ``residency`` v3 codec, or ValueError); ``compiled`` picks
     the compiled encoder (:func:`schemas._hotpath.encode_residency`) as :func:`schemas.compiled.choose` does
     (None: when built). The compiled one gives the same bytes; an entry of an unusual shape (a float where an
     int belongs, and the like) it hands back to the Python code here.
     """
 
     FAMILY = "residency"
-    VERSION = 2
-    FINGERPRINT = bytes.fromhex("80cac65e37b76889")
+    VERSION = 3
+    FINGERPRINT = bytes.fromhex("edf15354f4595dea")
 
     def __init__(self, codec: AvroCodec, compiled: bool | None = None) -> None:
         super().__init__(codec)
@@ -351,8 +353,8 @@ class ResidencyWriter(_TableRecordWriter):
         self._identities: dict[tuple, bytes] = {}
         #: ``["null", "string"]`` value -> encoded (``ownership``, ``medium``, ``locality``).
         self._optional_strings: dict[str | None, bytes] = {None: AVRO_NULL}
-        #: long -> varint, for longs outside the small-int table: publisher epochs (milliseconds, few) and
-        #: content digests (one per stored block, re-encoded at each of the block's events; 9-10 bytes).
+        #: long -> varint, for longs outside the small-int table: publisher epochs (milliseconds, few), content
+        #: digests and content hashes (one per stored block, re-encoded at each of the block's events; 9-10 bytes).
         self._longs: dict[int, bytes] = {}
         #: (publisher_epoch, seq, batch_index) -> the encoded ``["null", ClearMark]`` branch 1: one per source clear.
         self._marks: dict[tuple[int, int, int], bytes] = {}
@@ -394,7 +396,8 @@ class ResidencyWriter(_TableRecordWriter):
         return encoded
 
     def encode(self, entry: dict) -> bytes:
-        """Encode one entry (``block_hash``, ``ownership``, ``rows``), framing included.
+        """Encode one entry (``block_hash``, ``ownership``, ``rows``, ``parent_block_hash``, ``content_hash``),
+        framing included.
 
         Raises:
             KeyError, TypeError, AttributeError: a field is missing or has the wrong type (an unknown
@@ -416,6 +419,13 @@ class ResidencyWriter(_TableRecordWriter):
         size = len(block_hash)
         size = small[size + 1024] if size <= 4095 else long_(size)
         ownership = strings.get(ownership) or self._optional_string(ownership)
+        parent, content_hash = entry["parent_block_hash"], entry["content_hash"]
+        if parent is None and content_hash is None:
+            content_keys = _NO_CONTENT_KEYS
+        else:
+            content_keys = b"".join((AVRO_NULL if parent is None else _BRANCH_1 + avro_bytes(parent), AVRO_NULL
+                                     if content_hash is None else _BRANCH_1 + (longs.get(content_hash)
+                                                                               or self._long(content_hash))))
         row = rows[0] if len(rows) == 1 else None  # len, not truth: None is refused (TypeError), as by fastavro
         workers = None if row is None else row["workers"]
         if workers is not None and len(workers) == 1:
@@ -440,7 +450,8 @@ class ResidencyWriter(_TableRecordWriter):
                 small[copies + 1024] if -1024 <= copies <= 4095 else long_(copies),
                 AVRO_NULL + avro_double(last_ts) if since is None
                 else _pack_branch_1_double_double(2, since, last_ts),
-                b"\x00\x00" if mark is None else self._mark(mark) + b"\x00"))  # mark, end of rows
+                b"\x00\x00" if mark is None else self._mark(mark) + b"\x00",  # mark, end of rows
+                content_keys))
         out = [self.header, size, block_hash, ownership]
         if rows:
             out.append(long_(len(rows)))
@@ -469,7 +480,7 @@ class ResidencyWriter(_TableRecordWriter):
                         AVRO_NULL + avro_double(last_ts) if since is None
                         else _pack_branch_1_double_double(2, since, last_ts),
                         AVRO_NULL if mark is None else self._mark(mark))
-        out.append(b"\x00")  # end of rows
+        out += (b"\x00", content_keys)  # end of rows
         return b"".join(out)
 
 

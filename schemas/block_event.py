@@ -1,6 +1,6 @@
 """A block event as the residency rules read it: one tuple of the fields they use, and its compact form.
 
-The residency rules (``stream_apps/residency.py``) read 15 of a ``kv_event`` record's 31 fields. Decoding the
+The residency rules (``stream_apps/residency.py``) read 17 of a ``kv_event`` record's 32 fields. Decoding the
 whole record into two dicts in the materializing stage cost more than the rules themselves, so the
 repartition stage, which runs in a process of its own, decodes each block event instead and writes those
 fields in the fixed layout :data:`BLOCK_FIELDS` (``ownership_batch`` version 2, ``KeyedEvent.block``). The
@@ -12,7 +12,12 @@ few, so each is written once per message, in the message's ``strings`` and ``sou
 field names it by index.
 
 Anything that does not fit the layout (a string table past 65,535 entries, a ``group_idx`` outside
-0..2³²-2) is written without block fields, and the materializing stage decodes the record as before.
+0..2³²-2, a parent hash over 254 bytes) is written without block fields, and the materializing stage decodes the
+record as before.
+
+The layout changed once: the first one (56 bytes before the block hash, kinds 0 and 1) had no parent hash and
+content hash. Its kind bytes name no kind in this one (:data:`KINDS`), so during a rolling upgrade each version's
+agent decodes the other version's items from their records rather than misreading their block fields.
 """
 
 from __future__ import annotations
@@ -22,20 +27,24 @@ from typing import NamedTuple
 
 from schemas import BLOCK_REMOVED, BLOCK_STORED
 from schemas.avro_writers import avro_long, avro_optional, avro_string
+from schemas.content_hash import stored_content_hash
 from schemas.tiers import TIERS
 
-#: The layout of ``KeyedEvent.block`` before the block hash (little-endian): kind, source index,
-#: publisher_epoch, seq, batch_index, block_index, ts, tier index, medium, locality, group_idx + 1 (0: null),
-#: ownership, parent_known (0 null, 1 false, 2 true), has_content, content. String fields are indexes into
-#: the message's ``strings`` table plus one (0: null). The canonical block hash fills the rest of the bytes.
-BLOCK_FIELDS = struct.Struct("<BHqqiidBHHIHBBq")
+#: The layout of ``KeyedEvent.block`` before the parent and block hashes (little-endian, 66 bytes): kind, source
+#: index, publisher_epoch, seq, batch_index, block_index, ts, tier index, medium, locality, group_idx + 1 (0:
+#: null), ownership, parent_known (0 null, 1 false, 2 true), has_content, content, parent_block_hash's length + 1
+#: (0: null), has_content_hash, content_hash. String fields are indexes into the message's ``strings`` table plus
+#: one (0: null). The parent block hash's bytes follow, then the canonical block hash fills the rest.
+BLOCK_FIELDS = struct.Struct("<BHqqiidBHHIHBBqBBq")
 
-#: Event kinds in the layout's order (the kind byte is an index into it).
-KINDS = (BLOCK_STORED, BLOCK_REMOVED)
+#: Event kinds by the layout's kind byte (an index into this): 2 BlockStored, 3 BlockRemoved. 0 and 1, the kinds
+#: of the first layout, name none: a walker refuses such block fields, and their message is decoded from its
+#: records (a rolling upgrade), as an older walker refuses kinds 2 and 3.
+KINDS = (None, None, BLOCK_STORED, BLOCK_REMOVED)
 #: ``parent_known`` in the layout's order.
 PARENT_KNOWN = (None, False, True)
 
-_KIND_INDEX = {kind: i for i, kind in enumerate(KINDS)}
+_KIND_INDEX = {kind: i for i, kind in enumerate(KINDS) if kind is not None}
 _TIER_INDEX = {tier: i for i, tier in enumerate(TIERS)}
 _PARENT_KNOWN_INDEX = {None: 0, False: 1, True: 2}
 #: Largest index a u16 table reference can hold (0 is null).
@@ -95,19 +104,38 @@ class BlockEvent(NamedTuple):
     #: Digest of the stored content (``stream_apps.residency.content_digest``) for a store of a REPLICATED
     #: source with world size > 1, whose workers must agree; None otherwise.
     content: int | None
+    #: ``BlockStored.parent_block_hash``: the canonical hash of the block before this one in its chain; None for
+    #: a chain's first block (and in offload placeholder stores) and for removals.
+    parent_block_hash: bytes | None
+    #: The store's content hash (``BlockStored.content_hash``, :func:`store_content_hash`): a signed 64-bit int;
+    #: None for a store without tokens and for removals.
+    content_hash: int | None
+
+
+def store_content_hash(body: dict) -> int | None:
+    """The content hash of a decoded BlockStored body: its own ``content_hash`` (``kv_event`` v4), or, for a record
+    an older producer wrote, the one its token ids give by the producers' rule
+    (:func:`schemas.content_hash.stored_content_hash`); None for a store without tokens."""
+    found = body.get("content_hash")
+    if found is None and body.get("token_ids"):
+        return stored_content_hash(body)
+    return found
 
 
 def block_event_of(record: dict, content: int | None = None) -> BlockEvent:
     """The :class:`BlockEvent` of a decoded BlockStored or BlockRemoved ``kv_event`` record.
 
-    ``content``: the store's content digest when the rules need one (see :attr:`BlockEvent.content`).
+    ``content``: the store's content digest when the rules need one (see :attr:`BlockEvent.content`). A store's
+    content hash is :func:`store_content_hash`'s, so a record of an older producer gets one as well.
     """
     kind, body = record["event"]
     source = Source(record["instance_id"], record["data_parallel_rank"], record["worker_rank"],
                     record["world_size"], record["aggregation"])
+    stored = kind == BLOCK_STORED
     return BlockEvent(kind, source, record["publisher_epoch"], record["seq"], record["batch_index"],
                       record["block_index"], record["ts"], record["block_hash"], record["tier"], body["medium"],
-                      body["locality"], body["group_idx"], body["ownership"], body.get("parent_known"), content)
+                      body["locality"], body["group_idx"], body["ownership"], body.get("parent_known"), content,
+                      body.get("parent_block_hash") if stored else None, store_content_hash(body) if stored else None)
 
 
 class BlockFieldsWriter:
@@ -132,8 +160,19 @@ class BlockFieldsWriter:
 
     def block(self, record: dict, content: int | None = None) -> bytes | None:
         """``KeyedEvent.block`` of a decoded BlockStored/BlockRemoved record with its block hash and tier
-        set; None when a field does not fit the layout (the record is then decoded by the reader)."""
+        set; None when a field does not fit the layout (the record is then decoded by the reader).
+
+        A store's parent hash and content hash go in too; a store an older producer wrote without content hash
+        gets the one its tokens give (:func:`store_content_hash`), so the agent finds one for every store with
+        tokens."""
         kind, body = record["event"]
+        if kind == BLOCK_STORED:
+            parent = body["parent_block_hash"]
+            content_hash = body.get("content_hash")
+            if content_hash is None and body["token_ids"]:
+                content_hash = stored_content_hash(body)
+        else:
+            parent = content_hash = None
         source = (record["instance_id"], record["data_parallel_rank"], record["worker_rank"], record["world_size"],
                   record["aggregation"])
         group = body["group_idx"]
@@ -150,10 +189,13 @@ class BlockFieldsWriter:
                 _KIND_INDEX[kind], index, record["publisher_epoch"], record["seq"], record["batch_index"],
                 record["block_index"], record["ts"], _TIER_INDEX[record["tier"]], self._string(body["medium"]),
                 self._string(body["locality"]), 0 if group is None else group + 1, self._string(body["ownership"]),
-                _PARENT_KNOWN_INDEX[body.get("parent_known")], content is not None, content or 0)
+                _PARENT_KNOWN_INDEX[body.get("parent_known")], content is not None, content or 0,
+                0 if parent is None else len(parent) + 1, content_hash is not None, content_hash or 0)
         except (OverflowError, struct.error):
             return None
-        return fields + record["block_hash"]
+        if parent is None:
+            return fields + record["block_hash"]
+        return b"".join((fields, parent, record["block_hash"]))
 
     def tables(self) -> bytes:
         """The message's ``sources`` and ``strings`` fields in Avro binary (they precede ``events``)."""

@@ -48,7 +48,7 @@ def _long(data: bytes, pos: int) -> tuple[int, int]:
 
 
 class OwnershipBatchReader:
-    """Reads ``ownership_batch`` messages (schemas/ownership_batch_v1.avsc) into :data:`BatchItem` lists.
+    """Reads ``ownership_batch`` messages (schemas/ownership_batch_v2.avsc, and v1) into :data:`BatchItem` lists.
 
     Args:
         event_codec: the ``kv_event`` codec of the caller (its framing, registry and writer schemas); records
@@ -147,12 +147,23 @@ class OwnershipBatchReader:
                 if n < fields_size or pos + n > size:
                     raise ValueError("bad block length")
                 (kind, source, epoch, seq, batch_index, block_index, ts, tier, medium, locality, group, ownership,
-                 parent_known, has_content, content) = unpack(data, pos)
+                 parent_known, has_content, content, parent_size, has_content_hash, content_hash) = unpack(data, pos)
                 pos += n
+                kind = kinds[kind]
+                if kind is None:
+                    raise ValueError("block fields of the first layout")  # an older repartition process's
+                if parent_size:
+                    parent_end = fields + parent_size - 1
+                    if parent_end > pos:
+                        raise ValueError("parent block hash past the block fields")
+                    parent = data[fields:parent_end]
+                else:
+                    parent, parent_end = None, fields
                 items.append((key, mark, data, start, end, (
-                    kinds[kind], sources[source], epoch, seq, batch_index, block_index, ts, data[fields:pos],
+                    kind, sources[source], epoch, seq, batch_index, block_index, ts, data[parent_end:pos],
                     tiers[tier], strings[medium], strings[locality], group - 1 if group else None, strings[ownership],
-                    known[parent_known], content if has_content else None)))
+                    known[parent_known], content if has_content else None, parent,
+                    content_hash if has_content_hash else None)))
         if pos != size:
             raise ValueError("trailing bytes")
         return items

@@ -238,6 +238,8 @@ class BatchApplier:
     def apply_record(self, key: str, mark: ClearPosition, record: dict) -> None:
         """Apply one re-keyed event given as a decoded ``kv_event`` record: a source-wide event, or a block
         event the repartition stage wrote without block fields (then checked against the key it was routed by).
+        A store of an older producer gets its content hash here, as the repartition stage gives it
+        (:func:`schemas.block_event.block_event_of`): these records are the few that come without block fields.
 
         Raises:
             InvalidRecord: a block event without block hash or tier, or one that contradicts the key it was
@@ -316,7 +318,7 @@ class BatchApplier:
                 seen[0] = event
                 seen[1] += 1
         if delta:
-            (kind, _, _, _, _, _, ts, block_hash, tier, medium, locality, group, ownership, _, _) = event
+            (kind, _, _, _, _, _, ts, block_hash, tier, medium, locality, group, ownership, _, _, _, _) = event
             self.occupancy[(ownership, tier, source[0])] += delta
             if m.outputs.residency_changes:  # change() checks it too; here it spares the call per transition
                 m.outputs.change(block_hash, ownership, source[0], source[1], tier, medium, locality, group,

@@ -16,7 +16,11 @@ and, per batch:
    with the re-keyed topic and HTTP lookups route by key), and writes the
    fields the residency rules read as the item's block fields
    (:mod:`schemas.block_event`), so that the materializing stage, the
-   worker's bottleneck, does not decode the record again;
+   worker's bottleneck, does not decode the record again. A store written
+   without a content hash (by a producer of before ``kv_event`` v4, or from
+   an old capture) but with token ids gets the one its tokens give there
+   (:meth:`schemas.block_event.BlockFieldsWriter.block`), so every store with
+   tokens reaches the agent with its content keys; only such records pay for it;
 2. stamps it with its source's latest ``AllBlocksCleared`` before it on its
    kv-events partition (the *clear mark*: after re-keying, a clear's copy and
    a block's events can reach a partition in either order);
@@ -136,8 +140,8 @@ class ClearHistory:
 
 
 #: Bytes an item adds besides its key, mark and event, and its table entries besides their text, at most:
-#: length varints, the block fields (56 bytes before the block hash, which the event holds too), a source's
-#: ints and unions, the message's framing.
+#: length varints, the block fields (66 bytes before the parent and block hashes, which the event holds too), a
+#: source's ints and unions, the message's framing.
 _ITEM_OVERHEAD = 256
 
 

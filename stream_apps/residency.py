@@ -46,6 +46,7 @@ from murmurhash2 import murmurhash2
 from schemas import BLOCK_STORED
 from schemas.block_event import block_event_of
 from schemas.clear_position import ClearPosition, clear_mark_record
+from schemas.content_hash import stored_content_hash
 
 #: Table-key prefix for ownership null: the serving framework's own tiers.
 PRIMARY = "primary"
@@ -61,10 +62,10 @@ ALL_TIERS = frozenset({"GPU", "CPU", "STORAGE", "EXTERNAL", "UNKNOWN"})
 #: view. vLLM's ``KVEventAggregator`` publishes an event only when every worker reported an equal event,
 #: and its events compare every field (docs/residency.md, "Replicated agreement"). The identity fields
 #: (tier, locality, group, ownership, block hash, instance, data-parallel rank) select the row, so they
-#: agree by construction.
+#: agree by construction. ``content_hash`` (kv_event v4) is last: see :func:`content_digest`.
 AGREEMENT_FIELDS = ("parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "extra_keys",
                     "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "session_id", "lookahead_token_ids",
-                    "cache_salt", "token_id_width")
+                    "cache_salt", "token_id_width", "content_hash")
 
 
 def content_digest(body: dict) -> int:
@@ -73,8 +74,16 @@ def content_digest(body: dict) -> int:
     Stable across processes (a BLAKE2b digest of the fields' ``repr``, not Python's salted ``hash``),
     because it is stored in the residency changelog and compared by whichever worker recovers it. A
     field missing from an older contract version reads as None, as the Avro reader fills it.
+
+    ``content_hash`` counts only where the other fields do not give it (a producer gave it for a store without
+    tokens, or one that differs from its tokens'): the content hash a store's tokens give adds nothing to what
+    they say, and leaving it out keeps the digest of such a store the one workers before kv_event v4 wrote to
+    the changelog, so replicas whose stores straddle an upgrade still agree.
     """
-    values = tuple(body.get(name) for name in AGREEMENT_FIELDS)
+    values = tuple(body.get(name) for name in AGREEMENT_FIELDS[:-1])
+    given = body.get("content_hash")
+    if given is not None and given != stored_content_hash(body):
+        values += (given,)
     return int.from_bytes(blake2b(repr(values).encode(), digest_size=8).digest(), "big", signed=True)
 
 @dataclass(frozen=True)
@@ -215,7 +224,8 @@ def apply_block_event(entry: dict | None, record: dict, clear_mark: ClearPositio
                       stats: ApplyStats, aggregation: tuple[int, str] | None = None) -> tuple[dict | None, int, int]:
     """:func:`apply_block` for a decoded ``kv_event`` record (a BlockStored or BlockRemoved dict), with its
     content digest when the source's aggregation needs one (:func:`needs_content`); ``aggregation`` is the
-    source's configured (world_size, mode), used when the record declares none."""
+    source's configured (world_size, mode), used when the record declares none. A store's content hash is
+    :func:`schemas.block_event.block_event_of`'s (computed for a record of an older producer)."""
     event = block_event_of(record)
     resolved = source_aggregation(event.source, aggregation)
     if needs_content(event.kind, resolved):
@@ -239,12 +249,17 @@ def apply_block(entry: dict | None, event: tuple, clear_mark: ClearPosition, cle
         stats: counters to update.
         aggregation: the source's (world_size, mode) (:func:`source_aggregation`).
 
+    A store with a content hash (``BlockEvent.content_hash``) that is applied sets the entry's ``content_hash``
+    and ``parent_block_hash`` to its own (the parent may be None: a chain's first block); a store without one
+    (tokenless, e.g. a CPU offload placeholder) leaves them, so an entry keeps its content while any of its rows
+    remains. The entry is the block's in one ownership: every tier and source of it stores the same content.
+
     Returns:
         ``(new entry or None when no row is left, change in resident rows: -1, 0 or +1, the row's copies
         after the event)``.
     """
     (kind, source, epoch, seq, batch_index, block_index, ts, block_hash, tier, medium, locality, group, ownership,
-     parent_known, content) = event
+     parent_known, content, parent_block_hash, content_hash) = event
     in_clear_scope = tier in clear_tiers
     if in_clear_scope and clear_mark < clear_watermark:
         stats.cleared_late += 1
@@ -283,7 +298,12 @@ def apply_block(entry: dict | None, event: tuple, clear_mark: ClearPosition, cle
         if after > 0:
             stats.became_resident += 1
         if entry is None:
-            entry = {"block_hash": block_hash, "ownership": ownership, "rows": rows}
+            entry = {"block_hash": block_hash, "ownership": ownership, "rows": rows,
+                     "parent_block_hash": None if content_hash is None else parent_block_hash,
+                     "content_hash": content_hash}
+        elif content_hash is not None:
+            entry["parent_block_hash"] = parent_block_hash
+            entry["content_hash"] = content_hash
         return entry, (1 if after > 0 else 0), after
     #: The row's copies before this event, and before a clear it accounts for: the delta is against this.
     before = row["copies"]
@@ -323,6 +343,9 @@ def apply_block(entry: dict | None, event: tuple, clear_mark: ClearPosition, cle
     row["aggregation"] = mode
     if kind == BLOCK_STORED:
         worker["count"] += 1
+        if content_hash is not None:
+            entry["parent_block_hash"] = parent_block_hash
+            entry["content_hash"] = content_hash
         if parent_known is False:
             stats.unknown_parents += 1
         if world_size > 1 and mode == "REPLICATED":

@@ -161,11 +161,18 @@ def _records(rng: random.Random, count: int) -> list[dict]:
                  "medium": rng.choice([None, "GPU", "cpu", "DISK", "weird-é"]), "group_idx": rng.choice([None, 0, 7, 2**31 - 1]),
                  "locality": rng.choice([None, "node-1", ""]), "ownership": rng.choice([None, "kvcr", "ö"])}
         if kind == "BlockStored":
-            event.update(parent_block_hash=None, token_ids=[1, 2], block_size=16, lora_id=None, lora_name=None)
+            event.update(parent_block_hash=rng.choice([None, n + 1, bytes(rng.randrange(256) for _ in range(32))]),
+                         token_ids=rng.choice([[1, 2], [], list(range(16))]), block_size=16, lora_id=None,
+                         lora_name=None)
         record = EVENTS.decode(EVENTS.encode(split_event(publisher, rng.randrange(2**40), rng.random() * 2e9,
                                                          rng.randrange(100), event)[0]))
         if kind == "BlockStored":
-            record["event"][1]["parent_known"] = rng.choice([None, False, True])
+            body = record["event"][1]
+            body["parent_known"] = rng.choice([None, False, True])
+            # every content hash the layout holds, and none (a tokenless store, or one from before kv_event v4)
+            body["content_hash"] = rng.choice([body["content_hash"], None, -2**63, 2**63 - 1, 0])
+            if body["content_hash"] is None:
+                body["token_ids"] = []
         records.append(record)
     return records
 
@@ -202,6 +209,55 @@ def test_a_field_the_layout_cannot_hold_leaves_the_event_to_be_decoded():
     assert blocks == [None]
     (item,) = OwnershipBatchReader(EVENTS).read(message)
     assert item[5] == record
+    store = next(r for r in _records(random.Random(7), 40) if r["event"][0] == "kvstream.v1.BlockStored")
+    store["event"][1]["parent_block_hash"] = bytes(255)  # no canonical hash is that long; the length byte is full
+    assert BlockFieldsWriter().block(store) is None
+
+
+def test_block_fields_carry_a_stores_parent_and_content_hash_and_compute_a_missing_one():
+    """A store of an older producer (kv_event v3: no content_hash) with tokens gets the content hash its tokens
+    give, in the repartition process that writes the block fields; one without tokens has none."""
+    from schemas.content_hash import content_hash
+
+    event = {**STORE, "block_hashes": [7, 8], "parent_block_hash": 6, "token_ids": list(range(32))}
+    v3, records = AvroCodec("kv_event", 3), []
+    for record in split_event(Publisher("e1"), 3, 1.5, 0, event):
+        body = {k: v for k, v in record["event"][1].items() if k != "content_hash"}
+        records.append(EVENTS.decode(v3.encode({**record, "event": (record["event"][0], body)})))
+    tokenless = EVENTS.decode(_event())
+    tokenless["event"][1].update(token_ids=[], content_hash=None)
+    assert [r["event"][1]["content_hash"] for r in records] == [None, None]
+    message, _ = _block_message([*records, tokenless], [None] * 3)
+    events = [item[5] for item in OwnershipBatchReader(EVENTS).read(message)]
+    assert [(e.parent_block_hash, e.content_hash) for e in map(BlockEvent._make, events)] == [
+        ((6).to_bytes(8, "big"), content_hash(range(16))), ((7).to_bytes(8, "big"), content_hash(range(16, 32))),
+        (None, None)]
+    assert events == [block_event_of(r) for r in [*records, tokenless]]
+
+
+def _first_layout_block(record: dict, writer: BlockFieldsWriter) -> bytes:
+    """Block fields as a repartition process of before the parent and content hashes wrote them: 56 bytes, kinds
+    0 and 1, then the block hash."""
+    import struct
+
+    full = writer.block(record)
+    fields = BLOCK_FIELDS.unpack_from(full)
+    return struct.pack("<BHqqiidBHHIHBBq", fields[0] - 2, *fields[1:15]) + record["block_hash"]
+
+
+def test_block_fields_of_the_first_layout_are_not_misread_but_decoded_from_their_records():
+    """A rolling upgrade: items an older repartition process wrote reach a newer agent (and the other way round).
+    Their kind bytes name no kind in the other layout, so the message is decoded from its records."""
+    records = _records(random.Random(5), 12)
+    writer = BlockFieldsWriter()
+    old = [_first_layout_block(r, writer) for r in records]
+    items = [encode_keyed_event(f"k{n}", b"\x00", EVENTS.encode(r), b) for n, (r, b) in enumerate(zip(records, old))]
+    message = encode_ownership_batch(BATCH.header, items, writer.tables())
+    read = OwnershipBatchReader(EVENTS).read(message)
+    assert [item[5] for item in read] == [None] * len(records)  # the caller decodes each record
+    assert [EVENTS.decode(buffer[start:end]) for _, _, buffer, start, end, _ in read] == records
+    # and the kinds of this layout are outside the first one's table (KINDS was 2 long)
+    assert KINDS.index("kvstream.v1.BlockStored") >= 2 and KINDS.index("kvstream.v1.BlockRemoved") >= 2
 
 
 def test_a_source_shared_by_a_messages_events_is_one_object():
@@ -217,14 +273,18 @@ def test_a_source_shared_by_a_messages_events_is_one_object():
 def _reference_block_event(block: bytes, sources: list[dict], strings: list[str]) -> tuple:
     """The layout read independently of the reader: what schemas/ownership_batch_v2.avsc's doc says."""
     (kind, source, epoch, seq, batch_index, block_index, ts, tier, medium, locality, group, ownership, known,
-     has_content, content) = BLOCK_FIELDS.unpack_from(block)
+     has_content, content, parent_size, has_content_hash, content_hash) = BLOCK_FIELDS.unpack_from(block)
     text = [None, *strings]
     s = sources[source]
-    return BlockEvent(KINDS[kind], Source(s["instance_id"], s["data_parallel_rank"], s["worker_rank"],
-                                          s["world_size"], s["aggregation"]),
-                      epoch, seq, batch_index, block_index, ts, block[BLOCK_FIELDS.size:], TIERS[tier], text[medium],
+    assert BLOCK_FIELDS.size == 66 and kind in (2, 3)
+    hash_start = BLOCK_FIELDS.size + max(parent_size - 1, 0)
+    return BlockEvent(("kvstream.v1.BlockStored", "kvstream.v1.BlockRemoved")[kind - 2],
+                      Source(s["instance_id"], s["data_parallel_rank"], s["worker_rank"], s["world_size"],
+                             s["aggregation"]),
+                      epoch, seq, batch_index, block_index, ts, block[hash_start:], TIERS[tier], text[medium],
                       text[locality], None if group == 0 else group - 1, text[ownership], PARENT_KNOWN[known],
-                      content if has_content else None)
+                      content if has_content else None, block[BLOCK_FIELDS.size:hash_start] if parent_size else None,
+                      content_hash if has_content_hash else None)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -268,6 +328,12 @@ def test_the_compiled_walk_reads_any_message_exactly_as_the_python_walk(data):
     block fields, with up to three bytes changed anywhere: the same items, or the same refusal."""
     records = _records(random.Random(data.draw(st.integers(0, 1000))), data.draw(st.integers(1, 6)))
     message, _ = _block_message(records, [data.draw(st.none() | st.integers(-2**63, 2**63 - 1)) for _ in records])
+    if data.draw(st.booleans()):  # an item of the first layout, which both walks refuse
+        writer = BlockFieldsWriter()
+        blocks = [_first_layout_block(r, writer) if n == 0 else writer.block(r) for n, r in enumerate(records)]
+        message = encode_ownership_batch(BATCH.header, [
+            encode_keyed_event(f"k{n}", b"\x00", EVENTS.encode(r), b) for n, (r, b) in enumerate(zip(records, blocks))],
+            writer.tables())
     message = bytearray(message)
     for _ in range(data.draw(st.integers(0, 3))):
         message[data.draw(st.integers(0, len(message) - 1))] = data.draw(st.integers(0, 255))

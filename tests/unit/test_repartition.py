@@ -191,3 +191,43 @@ def test_each_rekeyed_message_stays_under_the_size_limit_with_the_tables_its_ite
     read = [event for m in messages for *_, event in OwnershipBatchReader(events).read(m)]
     assert read == [block_event_of(r) for r in records]
     assert all(type(event) is tuple for event in read)  # every item came with its block fields
+
+
+def test_a_store_without_content_hash_gets_one_in_the_repartition_process_and_others_keep_theirs():
+    """Records of a v3 producer (or an old capture) have no content hash: the repartition process gives each store
+    with tokens the one its tokens give, so every input reaches the agent with content keys. A store that has one
+    keeps it, and a store without tokens gets none."""
+    from types import SimpleNamespace
+
+    from producers.split import CONTENT_HASHES, Publisher, split_event
+    from schemas.block_event import BlockEvent
+    from schemas.content_hash import content_hash
+    from schemas.ownership_batch import OwnershipBatchReader
+
+    v3, v4 = AvroCodec("kv_event", 3), AvroCodec("kv_event")
+    store = {"type": "BlockStored", "block_hashes": [0x51, 0x52], "parent_block_hash": 0x50,
+             "token_ids": list(range(8)), "block_size": 4, "lora_id": None, "medium": "GPU", "lora_name": None}
+    values = []
+    for record in split_event(Publisher("old"), 0, 1.0, 0, store):  # as a v3 producer wrote them
+        body = {k: v for k, v in record["event"][1].items() if k != "content_hash"}
+        values.append(v3.encode({**record, "event": (record["event"][0], body)}))
+    given = {**store, "block_hashes": [0x53], "token_ids": [], "block_size": 512, CONTENT_HASHES: [77]}
+    placeholder = {**store, "block_hashes": [0x54], "parent_block_hash": None, "token_ids": [], "block_size": 0,
+                   "medium": "CPU"}
+    values += [v4.encode(split_event(Publisher("new"), 0, 1.0, i, e)[0]) for i, e in enumerate([given, placeholder])]
+    messages = [SimpleNamespace(error=lambda: None, partition=lambda: 0, offset=lambda n=n: n, value=lambda v=v: v,
+                                key=lambda: None, topic=lambda: "kv-events") for n, v in enumerate(values)]
+    produced = []
+    r = _repartitioner(_Consumer([]))
+    r.counters = {"repartitioned": 0, "dead_lettered": 0}
+    r._producer = SimpleNamespace(produce=lambda topic, value, key, **kwargs: produced.append((topic, value)),
+                                  flush=lambda *args: 0)
+    r._consumer = SimpleNamespace(commit=lambda **kwargs: None)
+    r.process(messages)
+    reader = OwnershipBatchReader(v4)
+    events = [BlockEvent._make(event) for topic, value in produced if topic == r.output_topic
+              for *_, event in reader.read(value)]
+    assert sorted((e.block_hash[-1], e.parent_block_hash, e.content_hash) for e in events) == [
+        (0x51, (0x50).to_bytes(8, "big"), content_hash(range(4))),
+        (0x52, (0x51).to_bytes(8, "big"), content_hash(range(4, 8))),
+        (0x53, (0x50).to_bytes(8, "big"), 77), (0x54, None, None)]

@@ -270,7 +270,9 @@ def test_replicated_workers_must_agree_on_every_content_field():
         block = 0x5A00 + number
         stats = ApplyStats()
         rank0 = _store(block, W0)
-        different = "other" if isinstance(rank0["event"][1][name], str) or rank0["event"][1][name] is None else 7
+        value = rank0["event"][1][name]
+        different = ([7] if isinstance(value, list) else 7 if name == "content_hash"
+                     else "other" if isinstance(value, str) or value is None else 7)
         entry = _apply(None, [rank0, _with(_store(block, W1), **{name: different})], stats)
         assert _copies(entry) == [("tp", "GPU", 0)], name
         assert stats.replica_disagreements == 1, name
@@ -291,3 +293,86 @@ def test_content_is_compared_only_where_replicated_workers_aggregate():
     entry = _apply(None, [_with(_store(0x5C, ENGINE), lora_name="a"), _with(_store(0x5C, ENGINE), lora_name="b")],
                    stats)
     assert _copies(entry) == [("e1", "GPU", 2)] and stats.replica_disagreements == 0
+
+
+# --------------------------------------------------------------------------- content keys (residency v3)
+
+def _with_tokens(record: dict, tokens: list[int], parent: bytes | None = None) -> dict:
+    """A store with tokens, and the content hash the producer gives them (kv_event v4)."""
+    from schemas.content_hash import content_hash
+
+    return _with(record, token_ids=tokens, content_hash=content_hash(tokens), parent_block_hash=parent)
+
+
+def _content_keys(entry) -> tuple:
+    return entry["parent_block_hash"], entry["content_hash"]
+
+
+def test_a_store_with_a_content_hash_gives_the_entry_its_content_keys_and_a_tokenless_one_keeps_them():
+    """The entry's content keys come from the latest applied store that has a content hash: a CPU copy stored
+    without tokens (an offload placeholder) keeps them, also once the GPU copy that gave them is gone."""
+    from schemas.content_hash import content_hash
+
+    parent = (0x70).to_bytes(8, "big")
+    gpu = _with_tokens(_store(0x71, ENGINE), [1, 2, 3], parent)
+    entry = _apply(None, [gpu])
+    assert _content_keys(entry) == (parent, content_hash([1, 2, 3]))
+    entry = _apply(entry, [_store(0x71, ENGINE, medium="CPU")])  # tokenless: content_hash null
+    assert _content_keys(entry) == (parent, content_hash([1, 2, 3]))
+    entry = _apply(entry, [_remove(0x71, ENGINE)])
+    assert _copies(entry) == [("e1", "CPU", 1)] and _content_keys(entry) == (parent, content_hash([1, 2, 3]))
+    # a later store with content sets them again: here the first block of a chain, whose parent is null
+    entry = _apply(entry, [_with_tokens(_store(0x71, Publisher("e2")), [4, 5])])
+    assert _content_keys(entry) == (None, content_hash([4, 5]))
+    assert _apply(entry, [_remove(0x71, ENGINE, "CPU"), _remove(0x71, Publisher("e2"))]) is None
+
+
+def test_an_entry_stored_only_without_tokens_has_no_content_keys_and_removals_never_set_them():
+    entry = _apply(None, [_store(0x72, ENGINE, medium="CPU"), _store(0x72, ENGINE)])
+    assert _content_keys(entry) == (None, None)
+    assert _content_keys(_apply(entry, [_remove(0x72, ENGINE)])) == (None, None)
+
+
+def test_a_store_that_is_not_applied_does_not_change_the_content_keys():
+    from schemas.content_hash import content_hash
+
+    first = _with_tokens(_store(0x73, ENGINE, seq=10), [1])
+    entry = _apply(None, [first])
+    late = _with_tokens(_store(0x73, ENGINE, seq=9), [2])  # older than the row's position: a redelivery
+    stats = ApplyStats()
+    entry = _apply(entry, [late], stats)
+    assert stats.duplicates == 1 and _content_keys(entry) == (None, content_hash([1]))
+
+
+def test_a_record_of_an_older_producer_gets_its_content_hash_from_its_tokens():
+    """kv_event v3 had no content_hash: a record read with it null but with tokens gets the one its tokens give."""
+    from schemas.content_hash import content_hash
+
+    old = _with(_store(0x74, ENGINE), token_ids=[9, 8, 7], content_hash=None)
+    assert _content_keys(_apply(None, [old])) == (None, content_hash([9, 8, 7]))
+
+
+def test_the_content_digest_of_a_store_is_the_one_workers_wrote_before_kv_event_v4():
+    """Replicated workers compare digests kept in the changelog: a content hash its tokens give adds nothing, and
+    leaves the digest what an older worker computed, so replicas whose stores straddle an upgrade still agree.
+    A content hash given without tokens (the simulator's) is part of the content."""
+    from hashlib import blake2b
+
+    from stream_apps.residency import AGREEMENT_FIELDS, content_digest
+
+    assert AGREEMENT_FIELDS[-1] == "content_hash"
+    body = _with_tokens(_store(0x75, W0), [1, 2, 3], (0x74).to_bytes(8, "big"))["event"][1]
+    before_v4 = tuple(body.get(name) for name in AGREEMENT_FIELDS[:-1])
+    expected = int.from_bytes(blake2b(repr(before_v4).encode(), digest_size=8).digest(), "big", signed=True)
+    assert content_digest(body) == content_digest({**body, "content_hash": None}) == expected
+    given = {**body, "token_ids": [], "content_hash": 5}
+    assert content_digest(given) != content_digest({**given, "content_hash": 6})
+    assert content_digest(given) != content_digest({**given, "content_hash": None})
+
+
+def test_replicated_workers_that_stored_different_content_hashes_disagree():
+    stats = ApplyStats()
+    entry = _apply(None, [_with(_store(0x76, W0), content_hash=5), _with(_store(0x76, W1), content_hash=6)], stats)
+    assert _copies(entry) == [("tp", "GPU", 0)] and stats.replica_disagreements == 1
+    entry = _apply(None, [_with(_store(0x77, W0), content_hash=5), _with(_store(0x77, W1), content_hash=5)], stats)
+    assert _copies(entry) == [("tp", "GPU", 1)] and entry["content_hash"] == 5

@@ -81,3 +81,26 @@ def test_every_version_is_kept_and_distinct():
     versions = schema_versions("kv_event")
     assert [v.version for v in versions] == [1, 2, 3, 4]
     assert len({v.fingerprint for v in versions}) == 4
+
+
+RESIDENCY_ROW = {"instance_id": "e", "data_parallel_rank": 0, "tier": "CPU", "medium": "CPU", "locality": None,
+                 "group_idx": 0, "world_size": 1, "aggregation": "REPLICATED", "copies": 1, "since": 1.5,
+                 "last_ts": 1.5, "clear_mark": None,
+                 "workers": [{"worker_rank": -1, "count": 1, "publisher_epoch": 5, "seq": 1, "batch_index": 0,
+                              "block_index": 0, "content": None}]}
+
+
+@pytest.mark.parametrize("old", [1, 2])
+def test_residency_entries_cross_versions_with_the_content_keys_null_or_dropped(old):
+    """residency v3 adds the entry's parent_block_hash and content_hash: older changelogs read with both null,
+    and a reader of an older version reads v3 entries without them."""
+    row = dict(RESIDENCY_ROW)
+    if old == 1:
+        row["workers"] = [{k: v for k, v in w.items() if k != "content"} for w in row["workers"]]
+    entry = {"block_hash": b"\x5a" * 8, "ownership": None, "rows": [row]}
+    newest = AvroCodec("residency")
+    assert newest.schema.version == 3
+    assert newest.decode(AvroCodec("residency", old).encode(entry)) == {
+        **entry, "rows": [RESIDENCY_ROW], "parent_block_hash": None, "content_hash": None}
+    written = newest.encode({**entry, "rows": [RESIDENCY_ROW], "parent_block_hash": b"\x59" * 8, "content_hash": -3})
+    assert AvroCodec("residency", old).decode(written) == entry

@@ -123,7 +123,7 @@ def test_a_requests_tokens_give_the_content_hashes_its_simulated_gpu_stores_carr
     from producers.split import CONTENT_HASHES, split_event
     from schemas.content_hash import block_content_hashes
 
-    sim, batches, requests = replay
+    _, batches, requests = replay
     published = {}
     for batch in batches:
         for index, event in enumerate(batch.events):

@@ -83,7 +83,8 @@ def test_residency_change_writer_accepts_what_fastavro_accepts(field, values):
     (("rows", 0, "copies"), INTS), (("rows", 0, "since"), [*DOUBLES, None]), (("rows", 0, "last_ts"), DOUBLES),
     (("rows", 0, "instance_id"), STRINGS), (("rows", 0, "workers", 0, "seq"), INTS),
     (("rows", 0, "workers", 0, "count"), INTS), (("rows", 0, "workers", 0, "content"), [*INTS, None]),
-    (("ownership",), STRINGS), (("rows",), [[], None])])
+    (("ownership",), STRINGS), (("rows",), [[], None]), (("content_hash",), [*INTS, None]),
+    (("parent_block_hash",), [b"", bytes(64), None, "not bytes", 5])])
 def test_residency_writer_accepts_what_fastavro_accepts(path, values, hotpath):
     codec = AvroCodec("residency")
     writer = ResidencyWriter(codec)

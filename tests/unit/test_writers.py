@@ -48,12 +48,15 @@ def _row(**fields) -> dict:
     return row
 
 
-def _entry(rows, block_hash=b"\x00" * 7 + b"\x2a", ownership=None) -> dict:
-    return {"block_hash": block_hash, "ownership": ownership, "rows": rows}
+def _entry(rows, block_hash=b"\x00" * 7 + b"\x2a", ownership=None, parent_block_hash=None, content_hash=None) -> dict:
+    return {"block_hash": block_hash, "ownership": ownership, "rows": rows, "parent_block_hash": parent_block_hash,
+            "content_hash": content_hash}
 
 
 ENTRIES = {
     "typical": _entry([_row()]),
+    "with content keys": _entry([_row()], parent_block_hash=b"\x01" * 8, content_hash=-8_141_230_954_287_003_614),
+    "content hash, first of its chain": _entry([_row(), _row(tier="CPU")], content_hash=LONG_MAX),
     "no rows": _entry([]),
     "row without workers": _entry([_row(workers=[], copies=0, since=None)]),
     # every optional field set, unicode strings, the extremes of int and long
@@ -64,10 +67,10 @@ ENTRIES = {
                  _worker(0, 0, LONG_MAX, LONG_MIN, INT_MAX, INT_MIN, LONG_MIN)],
         copies=INT_MIN, since=-0.0, last_ts=1e308,
         clear_mark={"publisher_epoch": LONG_MIN, "seq": LONG_MAX, "batch_index": INT_MIN})],
-        block_hash=bytes(range(32)), ownership="kvcr-ø"),
+        block_hash=bytes(range(32)), ownership="kvcr-ø", parent_block_hash=bytes(range(64)), content_hash=LONG_MIN),
     "empty strings and hash": _entry([_row(instance_id="", medium="", locality="", group_idx=0, since=0.0,
                                            clear_mark={"publisher_epoch": 0, "seq": 0, "batch_index": 0})],
-                                     block_hash=b"", ownership=""),
+                                     block_hash=b"", ownership="", parent_block_hash=b"", content_hash=0),
     # negative numbers around the varint boundaries, millisecond epochs, big seqs
     "negative and large": _entry([_row(data_parallel_rank=-1, group_idx=-65, workers=[
         _worker(-1, -1, -1, -1, -1, -1, -1), _worker(1, 8192, 1767225600123, 1 << 40, 4096, -1025, 64),
@@ -137,10 +140,12 @@ def test_residency_writer_caches_do_not_mix_up_entries(residency):
              {"publisher_epoch": 1767225600123, "seq": 5, "batch_index": 1},
              {"publisher_epoch": 1767225600124, "seq": 5, "batch_index": 1}]
     seen = [_entry([_row(**identity, clear_mark=mark, workers=[_worker(epoch=epoch, content=content)])],
-                   ownership=ownership)
+                   ownership=ownership, parent_block_hash=parent, content_hash=content_hash)
             for identity in identities for mark in marks
             for epoch, content in [(1767225600123, None), (1767225600124, -(1 << 62)), (1767225600124, 1 << 62)]
-            for ownership in (None, "kvcr", "CPU")]
+            for ownership in (None, "kvcr", "CPU")
+            # content hashes equal to a content digest or an epoch share the long cache: still their own bytes
+            for parent, content_hash in [(None, None), (b"\x07" * 8, 1 << 62), (None, 1767225600124)]]
     for entry in seen * 2:
         assert writer.encode(entry) == codec.encode(entry)
 
@@ -208,7 +213,7 @@ def test_writers_reuse_a_registry_codecs_confluent_header():
         assert data[:1] == b"\x00" and data == codec.encode(record)
 
 
-@pytest.mark.parametrize("family, version", [("residency", 2), ("residency_change", 1)])
+@pytest.mark.parametrize("family, version", [("residency", 3), ("residency_change", 1)])
 def test_writers_refuse_any_other_writer_schema(family, version):
     from schemas.avro_writers import ResidencyChangeWriter, ResidencyWriter
 
@@ -265,8 +270,9 @@ rows = st.fixed_dictionaries({
     "aggregation": st.sampled_from(["REPLICATED", "SHARDED"]), "workers": st.lists(workers, max_size=4),
     "copies": ints, "since": st.none() | doubles, "last_ts": doubles,
     "clear_mark": st.none() | st.fixed_dictionaries({"publisher_epoch": longs, "seq": longs, "batch_index": ints})})
+content_keys = {"parent_block_hash": st.none() | st.binary(max_size=64), "content_hash": st.none() | longs}
 entries = st.fixed_dictionaries({"block_hash": st.binary(max_size=40), "ownership": st.none() | texts,
-                                 "rows": st.lists(rows, max_size=4)})
+                                 "rows": st.lists(rows, max_size=4), **content_keys})
 change_records = st.fixed_dictionaries({
     "block_hash": st.binary(max_size=40), "ownership": st.none() | texts, "instance_id": texts,
     "data_parallel_rank": ints, "tier": st.sampled_from(TIERS), "medium": st.none() | texts,
@@ -295,7 +301,7 @@ one_worker_rows = rows.map(dict).flatmap(lambda row: st.builds(
 
 @PROPERTY
 @given(st.fixed_dictionaries({"block_hash": st.binary(max_size=40), "ownership": st.none() | texts,
-                              "rows": st.lists(one_worker_rows, min_size=1, max_size=1)}))
+                              "rows": st.lists(one_worker_rows, min_size=1, max_size=1), **content_keys}))
 def test_residency_writer_matches_fastavro_on_any_one_row_one_worker_entry(residency, entry):
     """The shape most entries have, which the writer encodes without its loops."""
     codec, writer = residency
@@ -344,15 +350,18 @@ def _encoded_or_refusal(writer, entry):
 @PROPERTY
 @given(st.fixed_dictionaries({"block_hash": st.binary(max_size=40) | st.sampled_from(["text", None]),
                               "ownership": st.none() | texts,
-                              "rows": st.lists(one_worker_rows, max_size=2)}),
+                              "rows": st.lists(one_worker_rows, max_size=2), **content_keys}),
        st.lists(st.tuples(st.sampled_from(["copies", "since", "last_ts", "data_parallel_rank", "group_idx",
-                                           "world_size", "medium", "tier", "aggregation", "clear_mark"]),
-                          odd_numbers), max_size=2))
+                                           "world_size", "medium", "tier", "aggregation", "clear_mark",
+                                           "parent_block_hash", "content_hash"]),
+                          odd_numbers | st.sampled_from([bytearray(b"12"), "12"])), max_size=2))
 def test_the_compiled_residency_encoder_agrees_with_the_python_one_on_odd_values(entry, odd):
     from schemas.avro_writers import ResidencyWriter
 
     codec = AvroCodec("residency")
     for field, value in odd:
+        if field in ("parent_block_hash", "content_hash"):  # the entry's own fields
+            entry[field] = value
         for row in entry["rows"]:
             row[field] = value
     assert _encoded_or_refusal(ResidencyWriter(codec, compiled=True), entry) == _encoded_or_refusal(
