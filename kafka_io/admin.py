@@ -12,16 +12,19 @@ from aiokafka.errors import KafkaError
 from confluent_kafka import KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
 
-from kafka_io.config import aiokafka_security, client_config, unreachable
+from kafka_io.config import CONNECT_TIMEOUT_S, aiokafka_security, client_config, unreachable
 
 
 def ensure_topics(bootstrap_servers: str, topics: dict[str, int], *, timeout_s: float = 30.0,
-                  configs: dict[str, dict[str, str]] | None = None) -> None:
+                  configs: dict[str, dict[str, str]] | None = None,
+                  connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
     """Create the topics that do not exist yet, replicated min(3, brokers) times.
 
     Args:
         topics: topic name -> partition count.
         configs: topic name -> topic configs for created topics (e.g. ``cleanup.policy``).
+        timeout_s: longest wait for the topics to be created.
+        connect_timeout_s: longest wait for the brokers' first answer (at most ``timeout_s``).
 
     Raises:
         RuntimeError: the broker did not answer or refused to create a topic; an
@@ -29,14 +32,15 @@ def ensure_topics(bootstrap_servers: str, topics: dict[str, int], *, timeout_s: 
             because producers and the stream app must agree on it.
     """
     admin = AdminClient(client_config(bootstrap_servers))
-    deadline = time.monotonic() + timeout_s
+    wait_s = min(timeout_s, connect_timeout_s)
+    deadline = time.monotonic() + wait_s
     while True:
         try:
-            metadata = admin.list_topics(timeout=5)
+            metadata = admin.list_topics(timeout=max(0.5, deadline - time.monotonic()))
             break
         except KafkaException as exc:
-            if time.monotonic() > deadline:
-                raise unreachable(admin, bootstrap_servers, exc) from None
+            if time.monotonic() >= deadline:
+                raise unreachable(admin, bootstrap_servers, exc, wait_s) from None
     for name, partitions in topics.items():
         existing = metadata.topics.get(name)
         if existing is not None and not existing.error and len(existing.partitions) != partitions:
@@ -55,7 +59,7 @@ def ensure_topics(bootstrap_servers: str, topics: dict[str, int], *, timeout_s: 
                 raise RuntimeError(f"could not create topic {name}: {exc}") from None
 
 
-def topic_partitions(bootstrap_servers: str, topic: str, timeout_s: float = 10.0) -> int:
+def topic_partitions(bootstrap_servers: str, topic: str, timeout_s: float = CONNECT_TIMEOUT_S) -> int:
     """Number of partitions of ``topic``.
 
     Raises:
@@ -65,7 +69,7 @@ def topic_partitions(bootstrap_servers: str, topic: str, timeout_s: float = 10.0
     try:
         metadata = admin.list_topics(topic, timeout=timeout_s)
     except KafkaException as exc:
-        raise unreachable(admin, bootstrap_servers, exc) from None
+        raise unreachable(admin, bootstrap_servers, exc, timeout_s) from None
     info = metadata.topics.get(topic)
     if info is None or info.error or not info.partitions:
         raise RuntimeError(f"topic {topic} does not exist on {bootstrap_servers}")

@@ -27,6 +27,10 @@ DEFAULT_BOOTSTRAP_SERVERS = "127.0.0.1:9092"
 #: tables use the same count (Faust requires co-partitioning).
 DEFAULT_PARTITIONS = 8
 
+#: Seconds a command waits for the bootstrap servers' first answer (their metadata) before it fails, naming
+#: them: a wrong address or a broker that is down fails in seconds, not after librdkafka's 30 s retries.
+CONNECT_TIMEOUT_S = 5.0
+
 
 def check_bootstrap_servers(servers: str) -> str:
     """``servers`` if it is a bootstrap list Kafka clients take: ``HOST:PORT[,HOST:PORT...]``.
@@ -156,7 +160,7 @@ def aiokafka_security() -> dict:
     return kwargs
 
 
-def unreachable(client, bootstrap_servers: str, exc: Exception) -> RuntimeError:
+def unreachable(client, bootstrap_servers: str, exc: Exception, waited_s: float | None = None) -> RuntimeError:
     """The error to raise when a confluent-kafka ``client`` got no answer from ``bootstrap_servers``.
 
     librdkafka hands its log lines (e.g. ``SSL handshake failed: ... certificate verify failed``,
@@ -166,6 +170,7 @@ def unreachable(client, bootstrap_servers: str, exc: Exception) -> RuntimeError:
     Args:
         client: the Producer, Consumer or AdminClient that failed (not subscribed: polling consumes nothing).
         exc: the KafkaException it raised.
+        waited_s: how long it waited, said in the message when given.
 
     Returns:
         A RuntimeError naming the servers, with a hint: the security settings when some are set, else whether
@@ -180,7 +185,10 @@ def unreachable(client, bootstrap_servers: str, exc: Exception) -> RuntimeError:
     else:
         hint = ("if the reason logged above is a TLS or SASL error, check KVSTREAM_SECURITY_PROTOCOL and the "
                 "KVSTREAM_SASL_*, KVSTREAM_SSL_* settings")
-    return RuntimeError(f"Kafka at {bootstrap_servers} did not answer: {exc} ({hint})")
+    error = exc.args[0] if exc.args else None
+    reason = error.str() if hasattr(error, "str") else str(exc)  # a KafkaError's text, without its codes
+    within = "" if waited_s is None else f" within {waited_s:g} s"
+    return RuntimeError(f"Kafka at {bootstrap_servers} did not answer{within}: {reason} ({hint})")
 
 
 def client_config(bootstrap_servers: str = DEFAULT_BOOTSTRAP_SERVERS, **overrides) -> dict:

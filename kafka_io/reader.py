@@ -10,7 +10,7 @@ from typing import Callable, Iterator, Mapping
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
-from kafka_io.config import client_config
+from kafka_io.config import CONNECT_TIMEOUT_S, client_config
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def messages_to_end(bootstrap_servers: str, topic: str, timeout_s: float = 60.0,
         # is read in fewer round trips
         "max.partition.fetch.bytes": 8 << 20, "fetch.max.bytes": 64 << 20}))
     try:
-        metadata = consumer.list_topics(topic, timeout=10)
+        metadata = consumer.list_topics(topic, timeout=CONNECT_TIMEOUT_S)
         if topic not in metadata.topics or metadata.topics[topic].error:
             if missing_ok:
                 return

@@ -22,7 +22,7 @@ from typing import Any, Callable, TextIO
 import msgspec
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaException, TopicPartition
 
-from kafka_io.config import client_config, unreachable
+from kafka_io.config import CONNECT_TIMEOUT_S, client_config, unreachable
 from schemas import AvroCodec, DecodeError
 from schemas.topics import topic_family
 
@@ -226,9 +226,9 @@ def tail(bootstrap_servers: str, topic: str, *, from_beginning: bool, max_messag
     printed = 0
     try:
         try:
-            metadata = consumer.list_topics(topic, timeout=10)
+            metadata = consumer.list_topics(topic, timeout=CONNECT_TIMEOUT_S)
         except KafkaException as exc:
-            raise unreachable(consumer, bootstrap_servers, exc) from None
+            raise unreachable(consumer, bootstrap_servers, exc, CONNECT_TIMEOUT_S) from None
         if topic not in metadata.topics or metadata.topics[topic].error:
             raise RuntimeError(f"topic {topic} does not exist on {bootstrap_servers}")
         partitions = sorted(metadata.topics[topic].partitions)

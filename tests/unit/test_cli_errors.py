@@ -61,3 +61,23 @@ def test_produce_checks_its_capture_file_before_asking_kafka(tmp_path, capsys, c
     assert err.startswith(f"kvstream produce: error: --jsonl {capture}") and message in err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert time.monotonic() - started < 2
+
+
+@pytest.mark.parametrize("command", [["simulate", "--requests", "1"], ["tail", "kv-events"]])
+def test_a_wrong_broker_address_fails_in_seconds_naming_it(capsys, monkeypatch, command):
+    """Issue 28: it took 30 s (ensure_topics retried list_topics until its topic-creation timeout)."""
+    import logging
+    import time
+
+    from kafka_io.config import CONNECT_TIMEOUT_S
+
+    # a command configures logging to the standard error it finds: an earlier test's captured one is closed now
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+
+    address = f"127.0.0.1:{free_port()}"  # nobody listens there
+    started = time.monotonic()
+    assert main([*command, "--bootstrap-servers", address]) == 1
+    assert time.monotonic() - started < CONNECT_TIMEOUT_S + 4
+    err = capsys.readouterr().err
+    assert f"error: Kafka at {address} did not answer within {CONNECT_TIMEOUT_S:g} s" in err
+    assert "KafkaError{" not in err  # the reason's text, not the error object's repr
