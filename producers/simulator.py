@@ -12,10 +12,15 @@ routed by prefix affinity to one of N instances. Each instance has
 
 The instances publish vLLM 0.33-shaped event batches: the scheduler publishes
 the GPU pool's events (removals, then stores, as ``BlockPool`` emits them) and,
-on single-worker instances, the connector's events after them; instances with
+on single-worker instances, the connector's events before them; instances with
 2 tensor-parallel workers have each worker publish the connector events on its
-own seq stream (``worker_rank``, ``world_size=2``, replicated), so the stream
-app's aggregation across workers is exercised. One instance resets its GPU
+own seq stream (``worker_rank``, ``world_size=2``, replicated), before the
+scheduler's batch, so the stream app's aggregation across workers is exercised.
+The connector's events come first because an offload copies a block out of the
+GPU before its slot is reused (vLLM's offloading connector stores blocks as they
+are computed, long before the pool evicts them): a block's CPU store precedes
+its GPU removal, and its residency entry keeps the content keys the GPU store
+gave it. One instance resets its GPU
 prefix cache half way through (``AllBlocksCleared``).
 
 The simulator keeps the ground truth: the final residency of every (instance,
@@ -369,14 +374,15 @@ class ClusterSimulator:
 
     def _publish(self, inst: _Instance, ts: float, scheduler_events: list[dict],
                  connector: list[dict]) -> Iterator[Batch]:
+        # the connector's copies first: a block is offloaded before its GPU slot is reused (module docstring)
         if inst.tp_workers == 1:
-            scheduler_events = scheduler_events + connector
+            scheduler_events = connector + scheduler_events
             connector = []
-        if scheduler_events:
-            yield self._batch(self._publisher(inst, None), ts, scheduler_events)
         if connector:
             for worker in range(inst.tp_workers):
                 yield self._batch(self._publisher(inst, worker), ts, connector)
+        if scheduler_events:
+            yield self._batch(self._publisher(inst, None), ts, scheduler_events)
 
     def _reset_gpu(self, inst: _Instance, ts: float) -> Iterator[Batch]:
         """vLLM ``reset_prefix_cache``: the GPU pool forgets every cached block; offloaded copies stay."""
