@@ -15,11 +15,14 @@ import logging.config
 LOG_FORMATS = ("text", "json")
 #: The text format (``[time] [pid] [LEVEL] logger: message``).
 TEXT_FORMAT = "[%(asctime)s] [%(process)d] [%(levelname)s] %(name)s: %(message)s"
+#: Loggers kept at WARNING unless the level is ``debug``: Faust's table recovery logs a table of every changelog
+#: partition (three rows per partition and table, twice) at every rebalance, which floods a terminal.
+QUIET_LOGGERS = ("faust.tables.recovery",)
 
 
 def logging_config(level: str, log_format: str) -> dict:
     """A :func:`logging.config.dictConfig` of the root logger at ``level`` in ``log_format`` (one of
-    :data:`LOG_FORMATS`), writing to standard error.
+    :data:`LOG_FORMATS`), writing to standard error; :data:`QUIET_LOGGERS` at WARNING unless ``level`` is debug.
 
     Raises:
         ValueError: an unknown format.
@@ -34,6 +37,7 @@ def logging_config(level: str, log_format: str) -> dict:
             "formatters": {"default": formatter},
             "handlers": {"default": {"class": "logging.StreamHandler", "formatter": "default",
                                      "stream": "ext://sys.stderr"}},
+            "loggers": {} if level.lower() == "debug" else {name: {"level": "WARNING"} for name in QUIET_LOGGERS},
             "root": {"level": level.upper(), "handlers": ["default"]}}
 
 

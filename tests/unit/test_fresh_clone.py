@@ -81,3 +81,24 @@ def test_a_module_missing_under_another_is_named_with_it(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "numpy", None)
     with pytest.raises(RuntimeError, match=r"^numpy is not installed \(needed by kvstream_needs_numpy\)"):
         require_analytics("kvstream_needs_numpy")
+
+
+@pytest.mark.parametrize("level, recovery_info", [("info", False), ("warning", False), ("debug", True)])
+def test_fausts_recovery_tables_are_logged_only_at_debug(level, recovery_info):
+    """A worker's foreground output was mostly Faust's recovery tables (INFO, at every rebalance)."""
+    import logging
+    import logging.config
+
+    from kafka_io.logs import logging_config
+
+    recovery = logging.getLogger("faust.tables.recovery")
+    saved = recovery.level, logging.getLogger().level, logging.getLogger().handlers[:]
+    try:
+        logging.config.dictConfig(logging_config(level, "text"))
+        assert recovery.isEnabledFor(logging.INFO) is recovery_info
+        assert recovery.isEnabledFor(logging.WARNING)  # its warnings and errors still show
+        assert logging.getLogger("faust.worker").isEnabledFor(logging.INFO) is (level != "warning")
+    finally:
+        recovery.setLevel(saved[0])
+        logging.getLogger().setLevel(saved[1])
+        logging.getLogger().handlers[:] = saved[2]
