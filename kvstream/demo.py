@@ -54,12 +54,17 @@ class DemoOptions:
     http_sample: int = 200
 
 
+#: How the occupancy table shows ownership null (the JSON's ``"ownership": null``): the serving framework's own
+#: tiers (docs/contract.md, "Ownership").
+NULL_OWNERSHIP = "null (framework)"
+
+
 def _print_occupancy(rows: list[dict]) -> None:
     print("\nTier occupancy (resident blocks)")
-    print(f"  {'ownership':<10} {'tier':<8} {'instance':<10} {'blocks':>9}")
+    print(f"  {'ownership':<16} {'tier':<8} {'instance':<10} {'blocks':>9}")
     for row in rows:
-        print(f"  {row['ownership'] or 'primary':<10} {row['tier']:<8} {row['instance_id']:<10} "
-              f"{row['resident_blocks']:>9,}")
+        ownership = NULL_OWNERSHIP if row["ownership"] is None else row["ownership"]
+        print(f"  {ownership:<16} {row['tier']:<8} {row['instance_id']:<10} {row['resident_blocks']:>9,}")
 
 
 def _http_json(url: str) -> dict:

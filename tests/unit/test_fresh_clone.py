@@ -102,3 +102,22 @@ def test_fausts_recovery_tables_are_logged_only_at_debug(level, recovery_info):
         recovery.setLevel(saved[0])
         logging.getLogger().setLevel(saved[1])
         logging.getLogger().handlers[:] = saved[2]
+
+
+def test_the_demos_occupancy_table_names_ownership_null_as_the_json_does(capsys):
+    """It said 'primary' where the JSON says "ownership": null; the README's sample shows the table."""
+    from kvstream.demo import _print_occupancy
+
+    _print_occupancy([{"ownership": None, "tier": "GPU", "instance_id": "sim-0", "resident_blocks": 4096},
+                      {"ownership": "kvcr", "tier": "STORAGE", "instance_id": "sim-0", "resident_blocks": 16384}])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2].split() == ["null", "(framework)", "GPU", "sim-0", "4,096"]
+    assert lines[-1].split() == ["kvcr", "STORAGE", "sim-0", "16,384"]
+    assert "primary" not in "\n".join(lines)
+    readme = (ROOT / "README.md").read_text()
+    for line in lines[-3:]:  # the header and the rows, up to the measured figures
+        assert line.rsplit(maxsplit=1)[0] in readme, line
+
+
+def test_the_readme_stays_short():
+    assert len((ROOT / "README.md").read_text().splitlines()) < 250
