@@ -296,13 +296,14 @@ def _cmd_produce(args: argparse.Namespace) -> int:
 
 def _cmd_tail(args: argparse.Namespace) -> int:
     from kvstream.options import settings_from_args
-    from kvstream.settings import TailSettings
+    from kvstream.settings import TailSettings, app_topic
     from kvstream.tail import reader_codecs, tail
-    from schemas.topics import SCHEMAS
+    from schemas.topics import TopicNames
 
     settings = settings_from_args(TailSettings, args)
-    codecs = reader_codecs(settings.bootstrap_servers, settings.schema_registry_url, settings.topic_prefix + SCHEMAS)
-    tail(settings.bootstrap_servers, args.topic, from_beginning=settings.from_beginning,
+    names = TopicNames(settings.app_id, settings.topic_prefix)
+    codecs = reader_codecs(settings.bootstrap_servers, settings.schema_registry_url, names.schemas)
+    tail(settings.bootstrap_servers, app_topic(args.topic, names), from_beginning=settings.from_beginning,
          max_messages=settings.max_messages, idle_timeout_s=settings.idle_timeout_s, to_end=settings.to_end,
          codecs=codecs)
     return 0
@@ -442,8 +443,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("tail", help="print a pipeline topic's messages decoded, as JSON lines",
                        description="Print the messages of kv-events, <app id>-kv-events-by-ownership, a table changelog "
                                    "(<app id>-<table>-changelog) or the dead-letter topic as JSON lines, values "
-                                   "decoded with the project's Avro schemas, bytes as hex.")
-    p.add_argument("topic", help="topic to read, e.g. kv-events or kvstream-residency-changelog")
+                                   "decoded with the project's Avro schemas, bytes as hex. The app's topics may be "
+                                   "named without their '<app id>-' (kv-residency-changes, residency-changelog): "
+                                   "those of --app-id, with --topic-prefix in front.")
+    p.add_argument("topic", help="topic to read, e.g. kv-events, kv-residency-changes (short for "
+                                 "<app id>-kv-residency-changes) or kvstream-residency-changelog")
     add_settings_arguments(p, TailSettings)
     p.set_defaults(func=_cmd_tail)
 
@@ -465,7 +469,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "--until-offset 0:5000,1:5000")
     p.add_argument("source", metavar="TOPIC|TABLE",
                    help="kv-residency-changes (or the topic <app id>-kv-residency-changes): one row per change; "
-                        "residency (or its changelog <app id>-residency-changelog): one row per resident row")
+                        "residency (or its changelog, residency-changelog or <app id>-residency-changelog): one "
+                        "row per resident row")
     add_settings_arguments(p, ExportSettings)
     p.set_defaults(func=_cmd_export)
 
@@ -487,7 +492,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "  kvstream report team-a.kvstream-kv-residency-changes --output-dir report-a")
     p.add_argument("source", metavar="SOURCE", nargs="?", default=None,
                    help="a Parquet file written by 'kvstream export' (a path ending in .parquet), or a residency "
-                        "changes topic (default: <app id>-kv-residency-changes of --app-id)")
+                        "changes topic: kv-residency-changes (the default) is <app id>-kv-residency-changes of "
+                        "--app-id")
     add_settings_arguments(p, ReportSettings)
     p.set_defaults(func=_cmd_report)
 

@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator
 from confluent_kafka import KafkaException
 
 from kafka_io.reader import ReadRange, messages_to_end
+from kvstream.settings import app_topic
 from schemas import AvroCodec, DecodeError
 from schemas.topics import KV_RESIDENCY_CHANGES, topic_family
 
@@ -98,20 +99,22 @@ def resolve_source(name: str, topics) -> ExportSource:
     """The source a user names: a topic of the app, or a short name (``kv-residency-changes``, ``residency``).
 
     Args:
-        topics: the app's :class:`schemas.topics.TopicNames` (app id and prefix of the short names).
+        topics: the app's :class:`schemas.topics.TopicNames` (app id and prefix of the short names: the app's
+            topics without their ``<app id>-``, :func:`kvstream.settings.app_topic`).
 
     Raises:
         ValueError: a name that is neither; the message lists what can be exported.
     """
-    if name in (KV_RESIDENCY_CHANGES, topics.residency_changes) or topic_family(name) == "residency_change":
-        return ExportSource("changes", topics.residency_changes if name == KV_RESIDENCY_CHANGES else name)
+    topic = app_topic(name, topics)
+    if topic == topics.residency_changes or topic_family(topic) == "residency_change":
+        return ExportSource("changes", topic)
     if name == "residency":
         return ExportSource("residency", topics.changelog("residency"))
-    if name.endswith("-residency-changelog") and topic_family(name) == "residency":
-        return ExportSource("residency", name)
+    if topic.endswith("-residency-changelog") and topic_family(topic) == "residency":
+        return ExportSource("residency", topic)
     raise ValueError(f"cannot export {name!r}: give the residency changes ({topics.residency_changes}, or "
-                     f"kv-residency-changes for the app of --app-id) or the residency table (residency, or its "
-                     f"changelog {topics.changelog('residency')})")
+                     f"{KV_RESIDENCY_CHANGES} for the app of --app-id) or the residency table (residency, or its "
+                     f"changelog {topics.changelog('residency')}, or residency-changelog)")
 
 
 class _Progress:

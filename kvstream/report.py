@@ -436,7 +436,7 @@ def report(settings, source: str | None = None) -> ReportSummary:
     if source is not None and is_parquet_source(source):
         batches = parquet_batches(Path(source))
     else:
-        source = source or settings.topics.residency_changes
+        source = settings.topic(source) if source else settings.topics.residency_changes
         from kafka_io.schema_registry import reader_codec
 
         codec = reader_codec("residency_change", settings.bootstrap_servers, settings.schema_registry_url,

@@ -16,7 +16,16 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kafka_io.config import DEFAULT_BOOTSTRAP_SERVERS, BootstrapServers
 from kafka_io.schema_registry import RegistryUrl, schema_registry_field
-from schemas.topics import TopicNames
+from schemas.topics import (
+    KV_EVENTS,
+    KV_EVENTS_BY_OWNERSHIP,
+    KV_EVENTS_DEAD_LETTER,
+    KV_RESIDENCY_CHANGES,
+    KV_TIER_OCCUPANCY,
+    SCHEMAS,
+    TABLE_FAMILIES,
+    TopicNames,
+)
 
 _OFFSETS = re.compile(r"^\d+$|^\d+:\d+(,\d+:\d+)*$")
 
@@ -62,6 +71,22 @@ def parse_offsets(text: str | None) -> int | dict[int, int] | None:
     return {int(p): int(o) for p, o in (pair.split(":") for pair in text.split(","))}
 
 
+def short_topic_names(topics: TopicNames) -> dict[str, str]:
+    """Short name -> full name of every topic of an app: its own topics without the ``<app id>-`` in front
+    (``kv-residency-changes``, ``residency-changelog``, ``kv-events-by-ownership``, ...) and the shared ones by
+    their base names (``kv-events``, ``kv-events-dead-letter``), the topic prefix in front of each."""
+    return {KV_EVENTS: topics.kv_events, KV_EVENTS_DEAD_LETTER: topics.dead_letter, SCHEMAS: topics.schemas,
+            KV_EVENTS_BY_OWNERSHIP: topics.by_ownership, "repartition-source-clears": topics.source_clears,
+            KV_RESIDENCY_CHANGES: topics.residency_changes, KV_TIER_OCCUPANCY: topics.tier_occupancy,
+            **{f"{table}-changelog": topics.changelog(table) for table in TABLE_FAMILIES}}
+
+
+def app_topic(name: str, topics: TopicNames) -> str:
+    """The topic a user names: a short name of the app's topics (:func:`short_topic_names`) is that topic;
+    any other name is a topic's full name, taken as it is."""
+    return short_topic_names(topics).get(name, name)
+
+
 class TailSettings(BaseSettings):
     """``kvstream tail TOPIC``: print a topic's records decoded, as JSON lines."""
 
@@ -77,8 +102,13 @@ class TailSettings(BaseSettings):
     idle_timeout_s: float | None = Field(None, gt=0, description="stop after this many seconds without a record")
     #: The schema registry that resolves Confluent-framed records' schema ids; empty: none.
     schema_registry_url: RegistryUrl = schema_registry_field()
-    #: Put in front of the schemas topic's name, where writer schemas this version does not ship are found.
-    topic_prefix: str = Field("", description="topic prefix of the pipeline (for its schemas topic); empty: none")
+    #: The stream app whose topics are meant by their short names (``kv-residency-changes``, ...).
+    app_id: str = Field("kvstream", min_length=1, description="app id of the stream app whose topics the short "
+                                                              "names mean")
+    #: Put in front of the short names and of the schemas topic's name (where writer schemas this version does
+    #: not ship are found).
+    topic_prefix: str = Field("", description="topic prefix of the pipeline (of the short names and its schemas "
+                                              "topic); empty: none")
     #: Stop at the end every partition has when the command starts (as ``kcat -e``); needs ``from_beginning``.
     to_end: bool = Field(False, description="stop at the end the topic has at the start, as kcat -e (with "
                                             "--from-beginning)")
@@ -122,6 +152,10 @@ class _AppTopicsSettings(BaseSettings):
     def topics(self) -> TopicNames:
         """The app's topic names."""
         return TopicNames(self.app_id, self.topic_prefix)
+
+    def topic(self, name: str) -> str:
+        """The topic ``name`` means: a short name's full name (:func:`app_topic`), or ``name`` itself."""
+        return app_topic(name, self.topics)
 
 
 class ExportSettings(_AppTopicsSettings):

@@ -197,7 +197,7 @@ def decode_message(topic: str, key: bytes | None, value: bytes | None, headers, 
 
 
 def tail(bootstrap_servers: str, topic: str, *, from_beginning: bool, max_messages: int | None,
-         idle_timeout_s: float | None, to_end: bool = False, out: TextIO = sys.stdout,
+         idle_timeout_s: float | None, to_end: bool = False, out: TextIO | None = None,
          codecs: dict[str, AvroCodec] | None = None) -> int:
     """Print a topic's messages as JSON lines (``topic``, ``partition``, ``offset``, ``key``, ``value``,
     ``error`` and ``headers`` when there are any) until ``max_messages``, ``idle_timeout_s`` seconds without a
@@ -205,7 +205,7 @@ def tail(bootstrap_servers: str, topic: str, *, from_beginning: bool, max_messag
 
     The partitions are assigned, not subscribed: no consumer group is joined and nothing is committed.
     ``codecs``: schema family -> reader, e.g. registry-aware ones (:func:`reader_codecs`); default: the schemas
-    this version ships.
+    this version ships. ``out``: default, standard output as it is at the call (redirected or not).
 
     Returns:
         The number of messages printed.
@@ -222,6 +222,7 @@ def tail(bootstrap_servers: str, topic: str, *, from_beginning: bool, max_messag
         "fetch.max.bytes": 64 << 20, "max.partition.fetch.bytes": 8 << 20}))
     decoder = TopicDecoder(topic, codecs)
     encode = msgspec.json.Encoder().encode
+    out = sys.stdout if out is None else out
     binary = getattr(out, "buffer", None)
     printed = 0
     try:

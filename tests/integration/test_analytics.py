@@ -243,3 +243,20 @@ def test_tail_decodes_every_topic_the_pipeline_writes(pipeline):
          max_messages=None, idle_timeout_s=10, to_end=True, out=out)
     epochs = [json.loads(line)["value"] for line in out.getvalue().splitlines()]
     assert {value["instance_id"] for value in epochs if value} == {"engine-r"}
+
+
+def test_tail_export_and_report_take_the_apps_topics_by_their_short_names(pipeline, tmp_path, capsys):
+    """Issue 28: export took kv-residency-changes, tail only <app id>-kv-residency-changes."""
+    topics, flags = pipeline["settings"].topics, pipeline["flags"]  # an app id and a topic prefix of its own
+    for short, full in (("kv-residency-changes", topics.residency_changes), ("kv-events", topics.kv_events),
+                        ("residency-changelog", topics.changelog("residency"))):
+        assert main(["tail", short, *flags, "--from-beginning", "--max-messages", "3"]) == 0
+        lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert len(lines) == 3 and {line["topic"] for line in lines} == {full}, short
+        assert all("error" not in line for line in lines)
+    by_short, by_full = tmp_path / "short.jsonl", tmp_path / "full.jsonl"
+    assert main(["export", "residency-changelog", *flags, "--format", "jsonl", "--output", str(by_short)]) == 0
+    assert main(["export", topics.changelog("residency"), *flags, "--format", "jsonl", "--output", str(by_full)]) == 0
+    assert sorted(by_short.read_text().splitlines()) == sorted(by_full.read_text().splitlines()) != []
+    assert main(["report", "kv-residency-changes", *flags, "--output-dir", str(tmp_path / "report")]) == 0
+    assert json.loads((tmp_path / "report" / "summary.json").read_text())["source"] == topics.residency_changes

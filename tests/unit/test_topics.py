@@ -43,3 +43,30 @@ def test_every_topic_of_an_app_maps_to_its_schema_family(topics):
 
 def test_unknown_topics_are_raw_bytes():
     assert topic_family("someone-elses-topic") is None
+
+
+@pytest.mark.parametrize("topics", [TopicNames("kvstream"), TopicNames("team", prefix="team-a.")])
+def test_the_tools_take_each_topic_of_an_app_by_its_short_name(topics):
+    """Issue 28: export took kv-residency-changes, tail only kvstream-kv-residency-changes. A short name is the
+    app's topic without its '<app id>-' (the prefix goes in front); a full name is taken as it is."""
+    from kvstream.export import resolve_source
+    from kvstream.settings import app_topic, short_topic_names
+
+    app = topics.scoped_app_id + "-"
+    full = {topics.kv_events, topics.dead_letter, topics.by_ownership, topics.residency_changes,
+            topics.tier_occupancy, topics.source_clears, topics.schemas, *(topics.changelog(t) for t in TABLE_FAMILIES)}
+    shorts = short_topic_names(topics)
+    assert set(shorts.values()) == full
+    for short, name in shorts.items():
+        assert name == topics.prefix + short or name == app + short
+        assert app_topic(short, topics) == name and app_topic(name, topics) == name
+    assert app_topic("kv-residency-changes", topics) == topics.residency_changes
+    assert app_topic("residency-changelog", topics) == topics.changelog("residency")
+    assert app_topic("someone-elses-topic", topics) == "someone-elses-topic"
+    for name in ("kv-residency-changes", topics.residency_changes):
+        assert resolve_source(name, topics).topic == topics.residency_changes
+    for name in ("residency", "residency-changelog", topics.changelog("residency")):
+        assert (resolve_source(name, topics).kind, resolve_source(name, topics).topic) == (
+            "residency", topics.changelog("residency"))
+    with pytest.raises(ValueError, match="cannot export 'sources-changelog'"):
+        resolve_source("sources-changelog", topics)
