@@ -237,6 +237,23 @@ def test_unknown_block_and_bad_hex_get_empty_rows_and_400(pipeline):
     assert _get(f"{pipeline['url']}/residency/{0xA1}/")["rows"] == _get(f"{pipeline['url']}/residency/{0xA1:016x}/")["rows"]
 
 
+def test_residency_answers_without_the_trailing_slash_too(pipeline):
+    """Issue 28: routers write ``GET /residency/<hash>``; it answers as the documented path does."""
+    block = (0xA1).to_bytes(8, "big").hex()
+    with_slash, without = (_get(f"{pipeline['url']}/residency/{block}{end}") for end in ("/", ""))
+    assert with_slash["rows"] and without["rows"] == with_slash["rows"]  # sources' lag_s moves with the clock
+    assert [s["instance_id"] for s in without["sources"]] == [s["instance_id"] for s in with_slash["sources"]]
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        _get(f"{pipeline['url']}/residency/3e9")
+    assert refused.value.code == 400
+
+
+def test_the_workers_log_has_no_recovery_tables_at_level_info(pipeline):
+    """Issue 28: Faust's recovery tables flooded a worker's foreground output."""
+    log = (pipeline["work"] / "worker.log").read_text()
+    assert "[^Worker]: Ready" in log and "Highwater" not in log and "Reading Starts At" not in log
+
+
 def test_occupancy_view_counts_every_resident_row(pipeline):
     occupancy = _get(f"{pipeline['url']}/occupancy/")["occupancy"]
     truth = pipeline["result"].ground_truth
