@@ -15,7 +15,9 @@ interrupted step leaves the others):
 6. the stream app with one worker, then event-to-table latency at a steady rate on that worker;
 7. the stream app with two workers;
 8. peak RSS of a worker (RocksDB store) at 1 million resident rows, then recovery of those rows by a
-   fresh worker with an empty data dir; optionally the same peak RSS at 10 million rows.
+   fresh worker with an empty data dir; optionally the same peak RSS at 10 million rows;
+9. the fleet index (bench/index_bench.py): lookups over HTTP and in process, a mixed run, memory per resident
+   pair, catch-up on a changelog, freshness at a steady rate.
 
 Definitions of every figure are in :data:`DEFINITIONS` (written into results.json) and in
 bench/README.md, "Figures".
@@ -47,6 +49,7 @@ from typing import Callable, Iterator
 
 from tqdm import tqdm
 
+from bench.index_bench import INDEX_DEFINITIONS
 from kvstream.broker import free_port
 
 #: Target, unit and definition of every figure, and which figure (if any) is its baseline.
@@ -178,6 +181,8 @@ DEFINITIONS: dict[str, dict] = {
         "definition": "tail_messages_per_s / kcat_messages_per_s on kv-events."},
 }
 
+DEFINITIONS.update(INDEX_DEFINITIONS)  # the index step's (bench/index_bench.py)
+
 #: The keys results.json always holds (value null when a step was skipped or failed); fastavro_encode_per_s is
 #: an extra, the producer path's baseline.
 FIGURES = tuple(DEFINITIONS)
@@ -219,6 +224,10 @@ class BenchOptions:
     peer_rounds: int = 3
     #: A schema registry: producers and workers then use the Confluent wire format (registry mode); empty: none.
     schema_registry: str = ""
+    #: Resident (block, holder) pairs of the index step's memory part (quick: 1M), and rows of its catch-up part's
+    #: changelog (quick: 400,000): the targets are stated for 10M of each.
+    index_pairs: int = 10_000_000
+    index_rows: int = 10_000_000
 
     def apply_quick(self) -> None:
         """Shrink every size for a smoke run (--requests and --stream-requests given explicitly are kept)."""
@@ -229,6 +238,8 @@ class BenchOptions:
         self.latency_s = min(self.latency_s, 5.0)
         self.memory_rows = min(self.memory_rows, 20_000)
         self.peer_rounds = min(self.peer_rounds, 1)
+        self.index_pairs = min(self.index_pairs, 1_000_000)
+        self.index_rows = min(self.index_rows, 400_000)
 
 
 def _say(text: str) -> None:
@@ -1248,6 +1259,15 @@ class Bench:
         if errors:
             raise RuntimeError("; ".join(errors))
 
+    # ---- the index step (bench/index_bench.py)
+
+    def step_index(self) -> None:
+        """The fleet index against issue 25's targets; last, so that its 10M-row changelog and its processes
+        load no other step."""
+        from bench.index_bench import run_step
+
+        run_step(self, _say)
+
     # ---- producers and workers in the run's framing
 
     def _kv_producer(self, topic: str, **kwargs):
@@ -1348,7 +1368,7 @@ def _kcat_with_avro() -> str | None:
 
 #: Steps in run order (``--only`` takes these names).
 STEPS = ("baselines", "memory", "producer", "plain-consumer", "bridge", "stream-1w", "latency", "stream-1w-rocksdb",
-         "stream-2w", "tail", "peers", "rss", "rss-large")
+         "stream-2w", "tail", "peers", "rss", "rss-large", "index")
 STEP_HELP = {
     "baselines": "fastavro decode/encode of the simulator's records, one core",
     "memory": "bytes per resident row: memory store and RocksDB store",
@@ -1363,6 +1383,7 @@ STEP_HELP = {
     "peers": "kvstream worker (rocksdb, memory) against the Kafka Streams peer, one at a time, medians of rounds",
     "rss": "worker peak RSS at --rows resident rows (rocksdb store), then recovery of them",
     "rss-large": "worker peak RSS at --rows-large resident rows",
+    "index": "the fleet index: HTTP and embedded lookups, a mixed run, memory, catch-up, freshness",
 }
 
 
@@ -1372,7 +1393,8 @@ def _is_full(options: BenchOptions) -> bool:
     return (options.only is None and options.requests is None and options.stream_requests is None
             and (options.rows, options.rows_large, options.latency_rate, options.latency_s, options.memory_rows)
             == (full.rows, full.rows_large, full.latency_rate, full.latency_s, full.memory_rows)
-            and options.peer_rounds == full.peer_rounds)
+            and options.peer_rounds == full.peer_rounds
+            and (options.index_pairs, options.index_rows) == (full.index_pairs, full.index_rows))
 
 
 def _deep_copy(value):
