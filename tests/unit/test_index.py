@@ -132,9 +132,11 @@ def test_query_speaks_msgpack_with_int32_token_bytes_as_mooncakes_proxy_sends(in
 @pytest.mark.parametrize("body, reason", [
     (b"not json", "not JSON"),
     (b'{"token_ids": "abc"}', "token_ids"),
-    (b'{"token_ids": [1, 2.5]}', "32-bit integers"),
+    (b'{"token_ids": [1, 2.5]}', "Expected `int`, got `float` - at `$.token_ids[1]`"),
+    (b'{"token_ids": [1, 4294967296]}', "Expected `int` <= 4294967295"),
     (b'{"token_ids": [1], "block_size": 0}', "block_size"),
-    (b"[1, 2]", "must be a map"),
+    (b'{"model": "m"}', "missing required field `token_ids`"),
+    (b"[1, 2]", "Expected `object`, got `array`"),
 ])
 def test_bad_queries_get_a_400_with_the_reason(index, body, reason):
     reply = IndexAPI(index, list).query(body, "application/json")
