@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import OrderedDict, defaultdict
 from itertools import islice
 from typing import TYPE_CHECKING, Any, Callable
@@ -169,7 +170,29 @@ class MemoryTableStore(_BoundStore, faust.stores.memory.Store):
     Values are the decoded dicts. The key -> partition map is Faust's own (it drops a revoked partition's
     keys by it); this class keeps it current on every write. The ``residency`` table uses
     :class:`CompactMemoryTableStore` instead.
+
+    :attr:`written_at` keeps, per key, the wall-clock time its value was last written by a worker: this one's
+    clock at :meth:`write`, or the timestamp of the changelog record it was read from (the writing worker's clock
+    when it produced the record, at most ``--changelog-interval-s`` after the write), so a restarted worker
+    knows it too. ``GET /sources/`` measures each publisher's arrival lag by it.
     """
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        #: Key -> seconds since the Unix epoch when a worker last wrote its value.
+        self.written_at: dict[str, float] = {}
+
+    def _create_batch_iterator(self, mark_as_delete, to_key, to_value, batch):
+        """Faust's changelog apply (one item per record, in order), each key's record timestamp kept in
+        :attr:`written_at`."""
+        batch = list(batch)
+        written_at = self.written_at
+        for event, item in zip(batch, super()._create_batch_iterator(mark_as_delete, to_key, to_value, batch)):
+            if event.message.value is None:
+                written_at.pop(item[0], None)
+            else:
+                written_at[item[0]] = event.message.timestamp or time.time()
+            yield item
 
     def apply_changelog_batch(self, batch, to_key, to_value) -> None:
         """Faust's apply of changelog records, except for a global table outside recovery: there the records of
@@ -196,8 +219,10 @@ class MemoryTableStore(_BoundStore, faust.stores.memory.Store):
         (:meth:`produce_changelog` encodes the key's value as it is then)."""
         if value is None:
             self.data.pop(key, None)
+            self.written_at.pop(key, None)
         else:
             self.data[key] = value
+            self.written_at[key] = time.time()
         self._key_partition[key] = partition
         self._unproduced[(partition, key)] = value
 

@@ -140,12 +140,14 @@ def pipeline(kafka_bootstrap, tmp_path_factory):
                     headers={"kvstream-ownership": b"kvcr"})  # a header that contradicts the record: the record wins
     garbage.flush(30)
     work = tmp_path_factory.mktemp("worker")
+    started = time.time()
     options = WorkerSettings(bootstrap_servers=kafka_bootstrap, web_port=free_port(), data_dir=work / "data", partitions=PARTITIONS,
                             app_id="kvstream-test", residency_changes=True, aggregation="skew=2:REPLICATED")
     process = spawn_worker(options, work / "worker.log")
     try:
         wait_until_consumed(kafka_bootstrap, options.app_id, process, timeout_s=300)
-        yield {"result": result, "options": options, "url": f"http://127.0.0.1:{options.web_port}", "work": work}
+        yield {"result": result, "options": options, "url": f"http://127.0.0.1:{options.web_port}", "work": work,
+               "started": started}
     except Exception:
         print((work / "worker.log").read_text()[-5000:])
         raise
@@ -246,6 +248,19 @@ def test_residency_answers_without_the_trailing_slash_too(pipeline):
     with pytest.raises(urllib.error.HTTPError) as refused:
         _get(f"{pipeline['url']}/residency/3e9")
     assert refused.value.code == 400
+
+
+def test_sources_measure_arrival_lag_by_the_workers_clock(pipeline):
+    """Issue 28: on the simulator's trace (engine clock 2026-01-01) lag_s is the trace's age; arrival_lag_s is how
+    long ago a worker applied the source's last event."""
+    before = time.time()
+    sources = [s for s in _get(f"{pipeline['url']}/sources/")["sources"] if s["instance_id"].startswith("sim-")]
+    after = time.time()
+    assert sources
+    for source in sources:
+        assert pipeline["started"] <= source["applied_ts"] <= before, source
+        assert before - source["applied_ts"] - 0.01 <= source["arrival_lag_s"] <= after - source["applied_ts"] + 0.01
+        assert source["lag_s"] == pytest.approx(before - source["last_event_ts"], abs=after - before + 1)
 
 
 def test_the_workers_log_has_no_recovery_tables_at_level_info(pipeline):
@@ -518,6 +533,7 @@ def test_two_workers_share_the_partitions_and_forward_lookups(pipeline, kafka_bo
     first = pipeline["options"]
     second = WorkerSettings(bootstrap_servers=kafka_bootstrap, web_port=free_port(), data_dir=pipeline["work"] / "data-2",
                            partitions=PARTITIONS, app_id=first.app_id, residency_changes=True)
+    second_started = time.time()
     process = spawn_worker(second, pipeline["work"] / "worker-2.log")
     urls = [pipeline["url"], f"http://127.0.0.1:{second.web_port}"]
     by_block = _rows_by_block(pipeline["result"].ground_truth)
@@ -537,6 +553,11 @@ def test_two_workers_share_the_partitions_and_forward_lookups(pipeline, kafka_bo
         hosts = {host for host, tables in assignment.items()
                  if tables.get(f"{first.app_id}-residency-changelog")}
         assert len(hosts) == 2, assignment  # both workers hold residency partitions: lookups were forwarded
+        # the second worker read the sources from their changelog: when the first applied each, not its own start
+        applied = [{s["instance_id"]: s["applied_ts"] for s in _get(f"{url}/sources/")["sources"]} for url in urls]
+        assert applied[0].keys() == applied[1].keys()
+        for instance, applied_ts in applied[1].items():
+            assert applied_ts < second_started and applied_ts == pytest.approx(applied[0][instance], abs=2), instance
     finally:
         stop_worker(process)
 
