@@ -124,12 +124,60 @@ def _query_tokens(args: argparse.Namespace, settings) -> int:
     return 0
 
 
+def _lag_text(answer: dict) -> str:
+    """How far the workers are behind, from a fleet view's answer (``lag``, ``lag_by_topic``, ``lag_error``)."""
+    if answer.get("lag") is None:
+        return f"their lag is unknown ({answer.get('lag_error') or 'no reading'})"
+    topics = ", ".join(f"{topic} {lag:,}" for topic, lag in sorted(answer.get("lag_by_topic", {}).items()) if lag)
+    return f"{answer['lag']:,} messages of their input to go" + (f" ({topics})" if topics else "")
+
+
+def _wait_caught_up(settings, poll_s: float = 1.0) -> int:
+    """Poll ``GET /occupancy/`` until the workers report ``caught_up``; progress on standard error. Returns 0
+    once they have, else the exit code (1: the wait timed out, or the URL is no worker's)."""
+    import time
+
+    url = settings.worker_url + "/occupancy/"
+    started = time.monotonic()
+    said = None
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=settings.request_timeout_s) as response:
+                answer = json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            print(f"error: --wait-caught-up: {url} answered HTTP {exc.code}: it needs a stream-app worker's URL "
+                  "(a 'kvstream index' replica has no /occupancy/)", file=sys.stderr)
+            return 1
+        except (OSError, ValueError) as exc:  # not up yet (a worker starting), or a broken answer
+            answer = {"lag": None, "lag_error": f"no worker answered at {settings.worker_url}: {exc}"}
+        if "caught_up" not in answer and "lag_error" not in answer:
+            print(f"error: --wait-caught-up: {url} does not say whether it has caught up (a worker older than this "
+                  "command?)", file=sys.stderr)
+            return 1
+        if answer.get("caught_up"):
+            if said is not None:
+                print(f"the workers have caught up ({time.monotonic() - started:.0f} s)", file=sys.stderr)
+            return 0
+        waited = time.monotonic() - started
+        if waited >= settings.wait_timeout_s:
+            print(f"error: the workers have not caught up after {settings.wait_timeout_s:g} s: {_lag_text(answer)}",
+                  file=sys.stderr)
+            return 1
+        text = _lag_text(answer)
+        if text != said:
+            print(f"waiting for the workers to catch up: {text}", file=sys.stderr)
+            said = text
+        time.sleep(min(poll_s, max(settings.wait_timeout_s - waited, 0.0)))
+
+
 def _cmd_query(args: argparse.Namespace) -> int:
     from kvstream.options import settings_from_args
     from kvstream.settings import QuerySettings
     from schemas import InvalidBlockHash, parse_block_hash
 
     settings = settings_from_args(QuerySettings, args)
+    if settings.wait_caught_up and (code := _wait_caught_up(settings)):
+        return code
     if args.what == "tokens":
         return _query_tokens(args, settings)
     data = None
@@ -158,8 +206,12 @@ def _cmd_query(args: argparse.Namespace) -> int:
                                      headers={"Content-Type": "application/json"} if data else {})
     try:
         with urllib.request.urlopen(request, timeout=settings.request_timeout_s) as response:
-            print(json.dumps(json.loads(response.read()), indent=2))
-            return 0
+            answer = json.loads(response.read())
+        print(json.dumps(answer, indent=2))
+        if isinstance(answer, dict) and answer.get("caught_up") is False:
+            print(f"warning: the workers have not caught up with their input, {_lag_text(answer)}: these figures "
+                  "are partial (--wait-caught-up waits for them)", file=sys.stderr)
+        return 0
     except urllib.error.HTTPError as exc:
         body = exc.read().decode(errors="replace")
         try:
@@ -503,6 +555,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "prefix-match, tokens, workers) and print the JSON answer. Any worker answers "
                                    "for the whole fleet.",
                        epilog="examples:\n"
+                              "  kvstream query occupancy --wait-caught-up    # once the workers have consumed "
+                              "everything\n"
                               "  kvstream query residency e220a8397b1dcdaf\n"
                               "  kvstream query prefix-match e220a8397b1dcdaf 5c1a5e1f3a0b7c44\n"
                               "  kvstream query tokens --token-file prompt.json --block-size 16 --model llama\n"

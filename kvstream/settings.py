@@ -123,6 +123,11 @@ class QuerySettings(BaseSettings):
     worker_url: str = Field("http://127.0.0.1:6066", description="base URL of any stream-app worker")
     #: Longest wait for the answer, in seconds.
     request_timeout_s: float = Field(10.0, gt=0, description="longest wait for the answer, seconds")
+    #: Before asking, wait until the workers have consumed their input (``caught_up`` of ``GET /occupancy/``).
+    wait_caught_up: bool = Field(False, description="first wait until the workers have consumed their input "
+                                                    "(caught_up of GET /occupancy/), progress on standard error")
+    #: Longest wait of ``wait_caught_up``, in seconds.
+    wait_timeout_s: float = Field(600.0, gt=0, description="longest wait of --wait-caught-up, seconds")
 
     @field_validator("worker_url")
     @classmethod

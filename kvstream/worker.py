@@ -16,13 +16,13 @@ from pathlib import Path
 
 from confluent_kafka.admin import AdminClient
 
-from kafka_io.admin import GroupProgress, ensure_topics, group_progress
+from kafka_io.admin import GroupProgress, ensure_topics
 from kafka_io.config import client_config
 from kafka_io.logs import logging_config
 from kvstream.broker import port_in_use
 from kvstream.options import settings_to_argv
 from schemas.topics import TopicNames
-from stream_apps.repartition import repartition_group
+from stream_apps.fleet import input_progress
 from stream_apps.settings import WorkerSettings
 
 
@@ -84,9 +84,7 @@ def app_progress(bootstrap_servers: str, app: str | TopicNames,
         RuntimeError: as :func:`group_progress`.
     """
     names = app if isinstance(app, TopicNames) else TopicNames(app)
-    admin = admin or AdminClient(client_config(bootstrap_servers))
-    return {**group_progress(bootstrap_servers, repartition_group(names.scoped_app_id), [names.kv_events], admin),
-            **group_progress(bootstrap_servers, names.scoped_app_id, [names.by_ownership], admin)}
+    return input_progress(bootstrap_servers, names, admin or AdminClient(client_config(bootstrap_servers)))
 
 
 def wait_until_consumed(bootstrap_servers: str, app: str | TopicNames, process: subprocess.Popen | None, *,

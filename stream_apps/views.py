@@ -190,14 +190,18 @@ def register_views(app: faust.App, tables: Tables, materializer: Materializer, i
     @app.page("/occupancy/")
     @counted("occupancy")
     async def occupancy_view(web, request):
-        """Resident blocks per (ownership, tier, instance): ``{"occupancy": [...]}``."""
-        return web.json({"occupancy": occupancy_rows(tables)})
+        """Resident blocks per (ownership, tier, instance), and whether the workers have consumed their input:
+        ``{"occupancy": [...], "caught_up": bool, "lag": n, "lag_by_topic": {...}}`` (docs/querying.md)."""
+        lag = await metrics.input_lag.reading()  # first: the rows are then at least as new as the reading
+        return web.json({"occupancy": occupancy_rows(tables), **lag.json()})
 
     @app.page("/sources/")
     @counted("sources")
     async def sources_view(web, request):
-        """Per publisher: epoch, restarts, stale and the last lost seqs: ``{"sources": [...]}``."""
-        return web.json({"sources": source_rows(tables)})
+        """Per publisher: epoch, restarts, stale, the last lost seqs, lags; and whether the workers have consumed
+        their input: ``{"sources": [...], "caught_up": bool, "lag": n, "lag_by_topic": {...}}``."""
+        lag = await metrics.input_lag.reading()
+        return web.json({"sources": source_rows(tables), **lag.json()})
 
     @app.page("/stats/")
     @counted("stats")

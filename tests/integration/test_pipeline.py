@@ -250,6 +250,31 @@ def test_residency_answers_without_the_trailing_slash_too(pipeline):
     assert refused.value.code == 400
 
 
+def test_the_fleet_views_say_whether_the_workers_have_caught_up_with_their_input(pipeline, kafka_bootstrap, capsys):
+    """Issue 28: ``query occupancy`` right after ``simulate`` answered partial figures without a word."""
+    import asyncio
+
+    from kafka_io.admin import group_progress
+    from kvstream.cli import main
+    from stream_apps.fleet import InputLagReader
+
+    url, names = pipeline["url"], TopicNames(pipeline["options"].app_id)
+    deadline = time.monotonic() + 60
+    while not (occupancy := _get(f"{url}/occupancy/"))["caught_up"]:  # the module's other tests may add events
+        assert time.monotonic() < deadline, {k: v for k, v in occupancy.items() if k != "occupancy"}
+        time.sleep(1)
+    assert occupancy["lag"] == 0 and occupancy["lag_by_topic"] == {KV_EVENTS: 0, names.by_ownership: 0}
+    sources = _get(f"{url}/sources/")
+    assert sources["caught_up"] is True and sources["lag"] == 0 and sources["sources"]
+    assert main(["query", "occupancy", "--wait-caught-up", "--worker-url", url]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["caught_up"] is True and "warning" not in err
+    # an app whose workers never ran has all of kv-events to go: what a fleet view says right after simulate
+    never = asyncio.run(InputLagReader.for_app(kafka_bootstrap, TopicNames("never-started")).reading())
+    events = group_progress(kafka_bootstrap, "never-started-repartition", [KV_EVENTS])[KV_EVENTS].end
+    assert never.caught_up is False and never.lag == never.topics[KV_EVENTS] == events > 0
+
+
 def test_sources_measure_arrival_lag_by_the_workers_clock(pipeline):
     """Issue 28: on the simulator's trace (engine clock 2026-01-01) lag_s is the trace's age; arrival_lag_s is how
     long ago a worker applied the source's last event."""
