@@ -1107,9 +1107,15 @@ def _http_agrees(answers: dict, truth: dict) -> int:
                if block != "occupancy" and _rows_of(answer["rows"]) != by_block.get(block, {}))
 
 
+#: Fields of a ``/sources/`` row that each worker measures by its own clock (``applied_ts``: a worker's own
+#: writes at the write, the others' at their changelog record, up to ``--changelog-interval-s`` later).
+_OWN_CLOCK_FIELDS = frozenset({"lag_s", "applied_ts", "arrival_lag_s"})
+
+
 def _fleet_views(workers: list, truth: dict, settle_s: float = 20.0) -> dict:
     """Each worker's ``/occupancy/`` against the truth's resident rows per (ownership, tier, instance), and
-    ``/sources/`` compared across workers (without ``lag_s``), retried for ``settle_s`` while the global
+    ``/sources/`` compared across workers (without what each worker measures by its own clock: ``lag_s``,
+    ``applied_ts``, ``arrival_lag_s``), retried for ``settle_s`` while the global
     tables reach every worker. Returns each worker's occupancy total, the truth's, and whether all agree."""
     expected = Counter((own, tier, inst) for (inst, _, tier, own, _, _, _) in truth)
     deadline = time.monotonic() + settle_s
@@ -1118,7 +1124,7 @@ def _fleet_views(workers: list, truth: dict, settle_s: float = 20.0) -> dict:
         for worker in workers:
             occupancy[worker.url] = {(r["ownership"], r["tier"], r["instance_id"]): r["resident_blocks"]
                                      for r in _get_json(f"{worker.url}/occupancy/")["occupancy"]}
-            sources[worker.url] = [{k: v for k, v in s.items() if k != "lag_s"}
+            sources[worker.url] = [{k: v for k, v in s.items() if k not in _OWN_CLOCK_FIELDS}
                                    for s in _get_json(f"{worker.url}/sources/")["sources"]]
         occupancy_equal = all(o == expected for o in occupancy.values())
         sources_equal = all(s == next(iter(sources.values())) for s in sources.values())

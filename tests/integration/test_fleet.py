@@ -100,9 +100,12 @@ def _occupancy(url: str) -> dict[tuple, int]:
 
 
 def _sources(url: str) -> list[dict]:
+    """A worker's ``/sources/`` rows without the fields it measures by its own clock (``applied_ts`` is its
+    write time, or another worker's changelog record's, up to ``--changelog-interval-s`` later)."""
     status, body = _get(f"{url}/sources/")
     assert status == 200
-    return [{k: v for k, v in s.items() if k != "lag_s"} for s in body["sources"]]
+    return [{k: v for k, v in s.items() if k not in ("lag_s", "applied_ts", "arrival_lag_s")}
+            for s in body["sources"]]
 
 
 def _rows(url: str, block: bytes) -> dict[tuple, int]:
