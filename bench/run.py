@@ -379,7 +379,8 @@ class _Workers:
             options = WorkerSettings(bootstrap_servers=self.bootstrap, web_port=port, data_dir=data_dir, store=self.store,
                                     partitions=self.partitions, app_id=self.app_id, log_level="info",
                                     topic_prefix=self.topic_prefix, residency_changes=self.residency_changes,
-                                    schema_registry_url=self.schema_registry_url)
+                                    schema_registry_url=self.schema_registry_url,
+                                    source_lease_s=BENCH_SOURCE_LEASE_S)
             self.processes.append(spawn_worker(options, log))
             self.ports.append(port)
             self.logs.append(log)
@@ -1365,6 +1366,9 @@ def _kcat_with_avro() -> str | None:
                 return candidate
     return None
 
+
+#: The bench workers' --source-lease-s: the bench's sources publish once and are asked about long after, so a day.
+BENCH_SOURCE_LEASE_S = 86_400.0
 
 #: Steps in run order (``--only`` takes these names).
 STEPS = ("baselines", "memory", "producer", "plain-consumer", "bridge", "stream-1w", "latency", "stream-1w-rocksdb",

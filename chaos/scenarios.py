@@ -388,7 +388,9 @@ class RunEnv:
         """Spawn a worker (log ``<run dir>/<name>.log``, data dir ``<run dir>/<name>`` unless given)."""
         options = WorkerSettings(bootstrap_servers=self.bootstrap, web_port=web_port or broker.free_port(),
                                 data_dir=data_dir or self.dir / name, store=store, partitions=self.partitions,
-                                app_id=app_id, standby_replicas=standby_replicas)
+                                app_id=app_id, standby_replicas=standby_replicas,
+                                # the scenarios' sources publish once and are checked long after: a day's lease
+                                source_lease_s=86_400.0)
         worker = Worker(options, self.dir / f"{name}.log")
         worker.start()
         self.workers.append(worker)

@@ -19,6 +19,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from kafka_io.config import DEFAULT_BOOTSTRAP_SERVERS as DEFAULT_BOOTSTRAP
 from kafka_io.config import DEFAULT_PARTITIONS
 from kafka_io.logs import configure_logging
 from kvstream import broker, registry
@@ -88,6 +89,20 @@ def _cmd_index(args: argparse.Namespace) -> int:
     settings = settings_from_args(IndexSettings, args)
     configure_logging(settings.log_level, settings.log_format)
     return run_index(settings)
+
+
+def _cmd_unregister(args: argparse.Namespace) -> int:
+    from kafka_io.config import check_bootstrap_servers
+    from schemas.topics import TopicNames
+    from stream_apps.index.liveness import write_unregister
+
+    bootstrap = check_bootstrap_servers(args.bootstrap_servers)
+    topic = TopicNames(prefix=args.topic_prefix).kv_events
+    partitions = write_unregister(bootstrap, topic, args.instance_id, args.dp_rank, args.reason)
+    which = "every rank" if args.dp_rank is None else f"rank {args.dp_rank}"
+    print(f"unregistered {args.instance_id} ({which}): a SourceUnregistered is on all {partitions} partitions of "
+          f"{topic}; every worker and index removes its rows on every tier as it reads it", file=sys.stderr)
+    return 0
 
 
 def _query_tokens(args: argparse.Namespace, settings) -> int:
@@ -462,6 +477,21 @@ def build_parser() -> argparse.ArgumentParser:
                                    "reads. Answers 503 until it has read the changelog to its end as of its start.")
     add_settings_arguments(p, IndexSettings)
     p.set_defaults(func=_cmd_index)
+
+    p = sub.add_parser("unregister", help="remove an instance's blocks from every answer: a source-scoped clear of "
+                                          "every tier in kv-events",
+                       description="Write a SourceUnregistered of INSTANCE to every partition of kv-events: every "
+                                   "worker and every index removes the instance's rows on every tier and ownership, "
+                                   "in order with its events (events it publishes later apply again). The path for "
+                                   "a Kubernetes endpoint deletion, or for an operator. POST /unregister does the "
+                                   "same over HTTP.")
+    p.add_argument("instance_id", metavar="INSTANCE", help="the instance, as its events name it")
+    p.add_argument("--dp-rank", type=int, default=None, help="only this data-parallel rank (default: every rank)")
+    p.add_argument("--reason", default="kvstream unregister", help="why, recorded in the event and the workers' logs")
+    p.add_argument("--bootstrap-servers", default=DEFAULT_BOOTSTRAP, help="Kafka bootstrap servers "
+                                                                         "(default: %(default)s)")
+    p.add_argument("--topic-prefix", default="", help="prefix of every topic name (default: none)")
+    p.set_defaults(func=_cmd_unregister)
 
     p = sub.add_parser("bridge", help="subscribe to running vLLM/SGLang KV event publishers (ZMQ) and produce to "
                                       "kv-events",

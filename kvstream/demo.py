@@ -106,6 +106,10 @@ def _stop_hint(work: Path) -> str:
             f"{kvstream} registry stop --data-dir {work / 'registry'}")
 
 
+#: The demo workers' --source-lease-s (a day): see run_demo.
+DEMO_SOURCE_LEASE_S = 86_400.0
+
+
 def run_demo(options: DemoOptions) -> int:
     """Run the demo; returns the exit code (0 when the residency matches the ground truth)."""
     work = options.work_dir.resolve()
@@ -139,7 +143,10 @@ def run_demo(options: DemoOptions) -> int:
               f"at {registry_url}: records in the Confluent wire format")
     worker_options = WorkerSettings(bootstrap_servers=bootstrap, web_port=options.web_port, data_dir=worker_dir,
                                    partitions=options.partitions, schema_registry_url=registry_url,
-                                   residency_changes=True)  # the demo's data feeds kvstream report
+                                   residency_changes=True,  # the demo's data feeds kvstream report
+                                   # the simulated instances publish the trace once and stop: a day's lease keeps
+                                   # their blocks in the answers while you explore with --keep-running
+                                   source_lease_s=DEMO_SOURCE_LEASE_S)
     ensure_topics(bootstrap, {KV_EVENTS: options.partitions})
     process = None
     try:

@@ -20,15 +20,21 @@ ALL_BLOCKS_CLEARED = "kvstream.v1.AllBlocksCleared"
 #: Events the bridge makes itself (schema v2): the publisher restarted / batches were lost for good.
 PUBLISHER_RESTARTED = "kvstream.v1.PublisherRestarted"
 SOURCE_STALE = "kvstream.v1.SourceStale"
+#: Events the producers make for liveness (schema v4): the source is alive / the source was deregistered.
+SOURCE_HEARTBEAT = "kvstream.v1.SourceHeartbeat"
+SOURCE_UNREGISTERED = "kvstream.v1.SourceUnregistered"
 #: Events without a block hash, written to every partition of kv-events.
-SOURCE_WIDE_EVENTS = frozenset({ALL_BLOCKS_CLEARED, PUBLISHER_RESTARTED, SOURCE_STALE})
+SOURCE_WIDE_EVENTS = frozenset({ALL_BLOCKS_CLEARED, PUBLISHER_RESTARTED, SOURCE_STALE, SOURCE_HEARTBEAT,
+                                SOURCE_UNREGISTERED})
 
 __all__ = [
     "ALL_BLOCKS_CLEARED",
     "BLOCK_REMOVED",
     "BLOCK_STORED",
     "PUBLISHER_RESTARTED",
+    "SOURCE_HEARTBEAT",
     "SOURCE_STALE",
+    "SOURCE_UNREGISTERED",
     "SOURCE_WIDE_EVENTS",
     "TIERS",
     "AvroCodec",

@@ -244,6 +244,11 @@ class KvEventWriter:
             event = avro_optional(body.get("previous_epoch"), avro_long)
         elif kind == "kvstream.v1.SourceStale":
             event = avro_long(body["first_lost_seq"]) + avro_long(body["last_lost_seq"])
+        elif kind == "kvstream.v1.SourceHeartbeat":
+            event = avro_optional(body.get("evidence"), avro_string)
+        elif kind == "kvstream.v1.SourceUnregistered":
+            event = (b"\x01" if body.get("all_ranks", True) else b"\x00") + avro_optional(body.get("reason"),
+                                                                                          avro_string)
         else:
             raise ValueError(f"{kind!r} is not a branch of the kv_event event union")
         return b"".join((

@@ -18,12 +18,14 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import faust
 
 from kafka_io.config import aiokafka_security
 from kafka_io.schema_registry import reader_codec
+from schemas import AvroCodec
 from schemas.topics import DEAD_LETTER_TOPIC_CONFIG
 from stream_apps import consumer_fixes
 from stream_apps.agent_progress import AgentProgress
@@ -31,6 +33,7 @@ from stream_apps.applier import Materializer
 from stream_apps.checkpoint import Checkpoint, CheckpointError, CommitSensor, tune_gc, warn_on_long_gc_pauses
 from stream_apps.health import Readiness
 from stream_apps.index.fleet_index import FleetIndex
+from stream_apps.index.liveness import SourceLeases, leases_from_sources_table, unregister_record
 from stream_apps.index.server import open_feed
 from stream_apps.materialize import register_agent
 from stream_apps.metrics import WorkerMetrics
@@ -57,6 +60,8 @@ def broker_credentials():
     return None
 
 
+#: How often the worker takes its sources' leases from the sources table and clears expired ones (seconds).
+LEASE_CHECK_EVERY_S = 1.0
 #: How often the worker serves its output producer's delivery reports between checkpoints (seconds).
 DELIVERY_REPORTS_EVERY_S = 0.05
 
@@ -165,7 +170,36 @@ def create_app(settings: WorkerSettings) -> StreamApp:
     index = FleetIndex(settings.weights)
     index_feed = open_feed(index, settings.bootstrap_servers, topics, settings.schema_registry_url)
     stream_app.index, stream_app.index_feed = index, index_feed
-    register_views(app, tables, materializer, index, index_feed.not_ready, stream_app.counters, readiness, metrics)
+    # Sources' leases from the global sources table: a worker writes a source's row whenever it applies one of
+    # its events or heartbeats, and the store keeps when (stream_apps/index/liveness.py).
+    index.leases = leases = SourceLeases(settings.source_lease_s)
+    sources_store = tables.sources.data
+    kv_event_codec = AvroCodec("kv_event")
+
+    def unregister(instance: str, rank: int | None, reason: str) -> None:
+        """Write a SourceUnregistered to every partition of kv-events, through the output producer."""
+        value = kv_event_codec.encode(unregister_record(instance, rank, reason))
+        for partition in range(settings.partitions):
+            outputs.produce(topics.kv_events, None, value, partition=partition)
+        log.info("unregistering %s%s: %s", instance, "" if rank is None else f" rank {rank}", reason)
+
+    register_views(app, tables, materializer, index, index_feed.not_ready, stream_app.counters, readiness, metrics,
+                   unregister)
+    expired: set[tuple[str, int]] = set()
+
+    @app.timer(LEASE_CHECK_EVERY_S)
+    async def _check_leases() -> None:
+        leases_from_sources_table(leases, tables.sources.items(), getattr(sources_store, "written_at", {}))
+        if not settings.source_expiry_s:
+            return
+        now = time.time()
+        for source, state in leases.states(now).items():
+            if state.live:
+                expired.discard(source)
+            elif now - state.down_since >= settings.source_expiry_s and source not in expired:
+                expired.add(source)  # once per time down; every worker may write it: a second one removes nothing
+                unregister(source[0], source[1], f"down for {now - state.down_since:.0f} s "
+                                                 f"(--source-expiry-s {settings.source_expiry_s:g})")
 
     @app.task
     async def _feed_index() -> None:

@@ -12,7 +12,14 @@ import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from schemas import ALL_BLOCKS_CLEARED, BLOCK_STORED, SOURCE_STALE, SOURCE_WIDE_EVENTS
+from schemas import (
+    ALL_BLOCKS_CLEARED,
+    BLOCK_STORED,
+    SOURCE_HEARTBEAT,
+    SOURCE_STALE,
+    SOURCE_UNREGISTERED,
+    SOURCE_WIDE_EVENTS,
+)
 from schemas.block_event import block_event_of
 from schemas.clear_position import ClearPosition
 from stream_apps.checkpoint import Checkpoint
@@ -23,6 +30,7 @@ from stream_apps.residency import (
     SourceSettings,
     apply_block,
     apply_clear,
+    apply_unregister,
     content_digest,
     needs_content,
     residency_key,
@@ -147,12 +155,37 @@ class Materializer:
         log.info("AllBlocksCleared from %s/%s applied on partition %d: %d resident rows removed", instance,
                  dp_rank, partition, cleared)
 
+    def apply_unregister(self, partition: int, record: dict, occupancy: dict[tuple, int]) -> None:
+        """``SourceUnregistered``: remove every row of the instance (one rank, or all) on ``partition``, every
+        tier, and its ``sources`` rows there (after a checkpoint: the removals reach the changelog first)."""
+        instance, body = record["instance_id"], record["event"][1]
+        rank = None if body.get("all_ranks", True) else record["data_parallel_rank"]
+        removed = self.rewrite_partition(partition, instance, occupancy, lambda entry: apply_unregister(
+            entry, instance, rank, self.stats), record["ts"], "SourceUnregistered")
+        self.checkpoint.commit()
+        sources = self.tables.sources
+        prefix = f"{partition}/"
+        for key, status in list(sources.items()):
+            if key.startswith(prefix) and status["instance_id"] == instance and (
+                    rank is None or status["data_parallel_rank"] == rank):
+                self.write_small_table(sources, partition, key, None)
+        log.info("instance %s%s unregistered (%s): %d resident rows removed on partition %d", instance,
+                 "" if rank is None else f" rank {rank}", body.get("reason") or "no reason given", removed, partition)
+
     def apply_source_event(self, partition: int, record: dict, occupancy: dict[tuple, int]) -> None:
         """``PublisherRestarted``: retire the earlier epochs' rows on ``partition``; ``SourceStale``: mark the
-        source stale (both reported by the bridge)."""
+        source stale (both reported by the bridge); ``SourceHeartbeat``: renew the source's lease (its ``sources``
+        row is written again, which is when the workers' clock says it was last heard of)."""
         kind, body = record["event"]
+        if kind == SOURCE_UNREGISTERED:
+            self.apply_unregister(partition, record, occupancy)
+            return
         key = publisher_key(partition, record)
         status = self.source_status(partition, key, record)
+        if kind == SOURCE_HEARTBEAT:
+            if record["publisher_epoch"] >= status["publisher_epoch"]:  # a late heartbeat of an ended epoch: not
+                self.write_small_table(self.tables.sources, partition, key, status)  # evidence of the new one
+            return
         if kind == SOURCE_STALE:
             if record["publisher_epoch"] < status["publisher_epoch"]:
                 return  # a loss in an epoch that has since ended

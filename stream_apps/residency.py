@@ -445,6 +445,33 @@ def apply_clear(entry: dict, instance_id: str, data_parallel_rank: int, mark: Cl
     return (entry if kept else None), removed, True
 
 
+def apply_unregister(entry: dict, instance_id: str, data_parallel_rank: int | None,
+                     stats: ApplyStats) -> tuple[dict | None, list[dict], bool]:
+    """Apply a ``SourceUnregistered`` of ``instance_id`` to one entry: every row of the instance (of one
+    data-parallel rank, or of all when ``data_parallel_rank`` is None) goes, on every tier, whatever its position.
+
+    Unlike a clear, this is not a watermark: an unregistration comes from an operator or a lapsed lease, not from
+    the source's own stream, so it has no place among the source's events. Events of the instance that follow it
+    in the partition apply again (docs/residency.md, "Liveness").
+
+    Returns:
+        As :func:`apply_clear`.
+    """
+    kept, removed = [], []
+    for row in entry["rows"]:
+        if row["instance_id"] == instance_id and (data_parallel_rank is None
+                                                  or row["data_parallel_rank"] == data_parallel_rank):
+            if row["copies"] > 0:
+                removed.append(row)
+                stats.stopped_resident += 1
+        else:
+            kept.append(row)
+    if len(kept) == len(entry["rows"]):
+        return entry, [], False
+    entry["rows"] = kept
+    return (entry if kept else None), removed, True
+
+
 #: Default tier weights of the prefix-match score (llm-d's defaults for GPU and CPU); tiers not named weigh
 #: ``stream_apps.index.scoring.OTHER_TIER_WEIGHT`` (0.25).
 DEFAULT_TIER_WEIGHTS = {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5}

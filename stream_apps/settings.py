@@ -97,6 +97,13 @@ class WorkerSettings(BaseSettings):
     rocksdb_block_cache_mib: int = Field(16, ge=1, description="RocksDB block cache per residency partition, MiB")
     #: Longest the changelog copy of one rebalance may take before the worker gives up (seconds).
     recovery_timeout_s: float = Field(600.0, gt=0, description="longest changelog copy of one rebalance, seconds")
+    #: Seconds without an event or heartbeat after which a source is down: its rows are kept but left out of every
+    #: answer (docs/residency.md, "Liveness"). The workers' clock of arrival, not the engine's timestamps.
+    source_lease_s: float = Field(30.0, gt=0, description="seconds without an event or heartbeat after which a "
+                                                          "source is down (left out of every answer)")
+    #: Seconds a source stays down before this worker clears it (a ``SourceUnregistered`` to kv-events); 0: never.
+    source_expiry_s: float = Field(600.0, ge=0, description="seconds a down source stays before it is cleared; "
+                                                            "0: never")
     #: Log level of the worker and of Faust.
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
     #: ``text``, or ``json``: one JSON object per line (kafka_io/logs.py).

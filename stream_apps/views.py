@@ -58,12 +58,15 @@ async def _read_body(request, limit: int) -> bytes:
 
 def register_views(app: faust.App, tables: Tables, materializer: Materializer, index: FleetIndex,
                    index_not_ready: Callable[[], list[str]], counters: Callable[[], dict[str, int]],
-                   readiness: Readiness, metrics: WorkerMetrics) -> None:
+                   readiness: Readiness, metrics: WorkerMetrics,
+                   unregister: Callable[[str, int | None, str], None] | None = None) -> None:
     """Declare the HTTP views on ``app``.
 
     Args:
         index: the worker's fleet index, which prefix matches and the router APIs answer from.
         index_not_ready: why the index may not answer yet (its feed has not caught up).
+        unregister: writes a ``SourceUnregistered`` of (instance, rank or None, reason) to kv-events
+            (``POST /unregister``).
         counters: this worker's event counters (``/stats/``), including the repartition process's.
         readiness: the conditions of ``GET /ready``; lookups answer 503 until they hold.
         metrics: ``GET /metrics``; every view's answers are counted there.
@@ -131,8 +134,9 @@ def register_views(app: faust.App, tables: Tables, materializer: Materializer, i
         return await residency_answer(web, block_hash_hex)
 
     async def residency_answer(web, block_hash_hex: str):
-        """Every resident row of a block, over all ownerships, and the freshness of each source holding it:
-        ``{"block_hash": hex, "rows": [...], "sources": [{..., "last_event_ts", "lag_s", "stale"}]}``."""
+        """Every resident row of a block, over all ownerships, of the sources that are live, and the freshness of
+        each source holding it: ``{"block_hash": hex, "rows": [...], "sources": [{..., "last_event_ts", "lag_s",
+        "stale"}]}``."""
         try:
             block_hash = parse_block_hash(block_hash_hex)
         except InvalidBlockHash as exc:
@@ -144,6 +148,9 @@ def register_views(app: faust.App, tables: Tables, materializer: Materializer, i
         except (aiohttp.ClientError, OSError, KeyError) as exc:  # the owner is gone or not yet assigned
             return web.json({"error": f"the worker holding this block did not answer ({type(exc).__name__}); "
                                       "the group is probably rebalancing: retry"}, status=503)
+        down = index.leases.down() if index.leases is not None else frozenset()
+        if down:  # a source whose lease lapsed answers nothing: its rows are kept, not shown
+            rows = [row for row in rows if (row["instance_id"], row["data_parallel_rank"]) not in down]
         holders = {(row["instance_id"], row["data_parallel_rank"]) for row in rows}
         freshness = [{name: source[name] for name in ("instance_id", "data_parallel_rank", "worker_rank",
                                                       "publisher_epoch", "last_event_ts", "lag_s", "stale")}
@@ -152,7 +159,7 @@ def register_views(app: faust.App, tables: Tables, materializer: Materializer, i
         return web.json({"block_hash": block_hash.hex(), "rows": rows, "sources": freshness})
 
     api = IndexAPI(index, lambda: readiness.reasons() + index_not_ready(),
-                   prefix_match_limits=(MAX_REQUEST_BYTES, MAX_PREFIX_BLOCKS))
+                   prefix_match_limits=(MAX_REQUEST_BYTES, MAX_PREFIX_BLOCKS), on_unregister=unregister)
 
     def reply(web, answer: Reply):
         return web.bytes(answer.body, content_type=answer.content_type, status=answer.status)
@@ -174,6 +181,7 @@ def register_views(app: faust.App, tables: Tables, materializer: Materializer, i
     post_view("/query", "query", api.query)
     post_view("/query_by_hash", "query_by_hash", api.query_by_hash)
     post_view("/register", "register", api.register)
+    post_view("/unregister", "unregister", api.unregister)
 
     @app.page("/workers")
     @counted("workers")

@@ -5,6 +5,11 @@ import os
 
 import pytest
 
+# Sources' leases (stream_apps/index/liveness.py) run on the workers' clock: a source not heard of for 30 s is left
+# out of every answer. Most tests publish their events once and ask about them for minutes after, so their workers
+# get a lease of a day; the liveness tests give theirs a short one explicitly.
+os.environ.setdefault("KVSTREAM_SOURCE_LEASE_S", "86400")
+
 pytest_plugins = ["tests.broker_fixture", "tests.registry_fixture"]
 
 #: The two implementations of the hot path's codecs (schemas/compiled.py); tests of those codecs run with each.

@@ -161,8 +161,11 @@ class IndexAPI:
 
     def __init__(self, index: FleetIndex, not_ready: Callable[[], list[str]],
                  on_register: Callable[[SourceInfo], None] | None = None,
-                 prefix_match_limits: tuple[int, int] = (MAX_BODY_BYTES, MAX_CHAIN_BLOCKS)) -> None:
+                 prefix_match_limits: tuple[int, int] = (MAX_BODY_BYTES, MAX_CHAIN_BLOCKS),
+                 on_unregister: Callable[[str, int | None, str], None] | None = None) -> None:
         self.index = index
+        #: Writes a ``SourceUnregistered`` of (instance, rank or None for all, reason) to ``kv-events``.
+        self._on_unregister = on_unregister
         self._not_ready = not_ready
         self._on_register = on_register
         #: (body bytes, block hashes) ``POST /prefix-match/`` takes at most: the worker keeps its older, lower
@@ -269,6 +272,30 @@ class IndexAPI:
         except BadRequest as exc:
             return encode({"error": str(exc)}, msgpack, 400)
         return encode({"status": "registered successfully", "instance_id": instance}, msgpack)
+
+    def unregister(self, body: bytes, content_type: str | None = None, accept: str | None = None) -> Reply:
+        """``POST /unregister`` with Mooncake's conductor body (``instance_id``, and optionally ``dp_rank``,
+        ``type``, ``modelname``, ``block_size``, ``tenant_id``): writes a ``SourceUnregistered`` to ``kv-events``,
+        so every worker and every index removes the instance's rows on every tier, in order; answers
+        ``{"status": "unregistered successfully", "removed_instances": [...]}``."""
+        msgpack = wants_msgpack(content_type, accept)
+        try:
+            request = decode_body(body, content_type)
+            instance = _optional_str(request, "instance_id")
+            if instance is None:
+                raise BadRequest("instance_id is required")
+            rank = _optional_int(request, "dp_rank", 0)
+        except BadRequest as exc:
+            return encode({"error": str(exc)}, msgpack, 400)
+        if self._on_unregister is None:
+            return encode({"error": "this process cannot write to kv-events"}, msgpack, 501)
+        try:
+            self._on_unregister(instance, rank, "POST /unregister")
+        except (RuntimeError, OSError) as exc:
+            return encode({"error": f"the unregistration was not written: {exc}; retry"}, msgpack, 503)
+        with self.index.lock:
+            self.index.sources.unregister(instance)
+        return encode({"status": "unregistered successfully", "removed_instances": [instance]}, msgpack)
 
     def workers(self, accept: str | None = None) -> Reply:
         """``GET /workers``: every instance and rank known, its blocks per tier, and the index's own figures."""

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from aiohttp import web
+from confluent_kafka import KafkaException
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import CollectorRegistry
@@ -25,6 +27,7 @@ from schemas.topics import TopicNames
 from stream_apps.index.api import IndexAPI, Reply
 from stream_apps.index.feed import ChangelogFeed
 from stream_apps.index.fleet_index import DEFAULT_BLOCK_SIZE, FleetIndex
+from stream_apps.index.liveness import DEFAULT_LEASE_S, SourceLeases, SourcesFeed, write_unregister
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +125,7 @@ def build_web_app(api: IndexAPI, feed: ChangelogFeed, metrics: IndexMetrics) -> 
               ("POST", "/query_by_hash", post("query_by_hash", api.query_by_hash)),
               ("POST", "/prefix-match", post("prefix-match", api.prefix_match)),
               ("POST", "/register", post("register", api.register)),
+              ("POST", "/unregister", post("unregister", api.unregister)),
               ("GET", "/workers", workers), ("GET", "/dump", dump), ("GET", "/health", health),
               ("GET", "/ready", ready), ("GET", "/metrics", metrics_view)]
     for method, path, handler in routes:
@@ -137,19 +141,47 @@ def api_body_limit() -> int:
     return MAX_BODY_BYTES + 1024
 
 
+def open_sources_feed(index: FleetIndex, bootstrap_servers: str, topics: TopicNames, schema_registry_url: str,
+                      lease_s: float) -> SourcesFeed:
+    """Give ``index`` the sources' leases, read from ``<app id>-sources-changelog`` (not started)."""
+    index.leases = SourceLeases(lease_s)
+    codec = reader_codec("source_status", bootstrap_servers, schema_registry_url, topics.schemas)
+    return SourcesFeed(index.leases, bootstrap_servers, topics.changelog("sources"), codec)
+
+
+async def _follow_sources(sources: SourcesFeed) -> None:
+    while True:
+        try:
+            read = sources.poll()
+        except KafkaException as exc:
+            log.warning("index: %s; retrying", exc)
+            read = 0
+        await asyncio.sleep(0 if read else 0.1)
+
+
 def run_index(settings) -> int:
     """Run ``kvstream index`` with :class:`~stream_apps.index.settings.IndexSettings` until interrupted."""
     index = FleetIndex(settings.weights, settings.default_block_size)
     feed = open_feed(index, settings.bootstrap_servers, settings.topics, settings.schema_registry_url)
-    api = IndexAPI(index, feed.not_ready)
+    sources = open_sources_feed(index, settings.bootstrap_servers, settings.topics, settings.schema_registry_url,
+                                settings.source_lease_s)
+
+    def unregister(instance: str, rank: int | None, reason: str) -> None:
+        # the one write a replica makes: an operator's or a router's explicit deregistration
+        write_unregister(settings.bootstrap_servers, settings.topics.kv_events, instance, rank, reason)
+
+    api = IndexAPI(index, feed.not_ready, on_unregister=unregister)
     app = build_web_app(api, feed, IndexMetrics(index, feed))
 
     async def start_feed(app: web.Application) -> None:
         app["feed"] = asyncio.get_running_loop().create_task(feed.run())
+        app["sources"] = asyncio.get_running_loop().create_task(_follow_sources(sources))
 
     async def stop_feed(app: web.Application) -> None:
         app["feed"].cancel()
+        app["sources"].cancel()
         feed.close()
+        sources.close()
 
     app.on_startup.append(start_feed)
     app.on_cleanup.append(stop_feed)
@@ -170,13 +202,17 @@ class EmbeddedIndex:
         schema_registry_url: the registry the workers write through, if any.
         weights: tier weights of the prefix-match score.
         default_block_size: tokens per block of an instance that registered none.
+        source_lease_s: seconds without an event or heartbeat after which a source is left out of the answers.
     """
 
     def __init__(self, bootstrap_servers: str, app_id: str = "kvstream", topic_prefix: str = "",
                  schema_registry_url: str = "", weights: Mapping[str, float] | None = None,
-                 default_block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+                 default_block_size: int = DEFAULT_BLOCK_SIZE, source_lease_s: float = DEFAULT_LEASE_S) -> None:
         self.index = FleetIndex(weights, default_block_size)
-        self.feed = open_feed(self.index, bootstrap_servers, TopicNames(app_id, topic_prefix), schema_registry_url)
+        topics = TopicNames(app_id, topic_prefix)
+        self.feed = open_feed(self.index, bootstrap_servers, topics, schema_registry_url)
+        self.sources = open_sources_feed(self.index, bootstrap_servers, topics, schema_registry_url, source_lease_s)
+        self._stop = threading.Event()
 
     def start(self, wait_s: float | None = None) -> EmbeddedIndex:
         """Start the feed's thread; with ``wait_s``, wait that long for it to catch up.
@@ -185,6 +221,7 @@ class EmbeddedIndex:
             TimeoutError: not caught up within ``wait_s`` (the reasons in the message).
         """
         self.feed.start_thread()
+        threading.Thread(target=self._follow_sources, name="kvstream-index-sources", daemon=True).start()
         if wait_s is not None and not self.feed.wait_caught_up(wait_s):
             raise TimeoutError("; ".join(self.feed.not_ready()))
         return self
@@ -206,8 +243,19 @@ class EmbeddedIndex:
         """:meth:`FleetIndex.prefix_match` (``/prefix-match/``'s ``matches``)."""
         return self.index.prefix_match(chain)
 
+    def _follow_sources(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if not self.sources.poll():
+                    self._stop.wait(0.1)
+            except KafkaException as exc:
+                log.warning("index: %s; retrying", exc)
+                self._stop.wait(1.0)
+        self.sources.close()
+
     def close(self) -> None:
-        """Stop the feed."""
+        """Stop the feeds."""
+        self._stop.set()
         self.feed.close()
 
     def __enter__(self) -> EmbeddedIndex:

@@ -41,6 +41,10 @@ class IndexSettings(BaseSettings):
     #: default is 16.
     default_block_size: int = Field(DEFAULT_BLOCK_SIZE, ge=1, description="tokens per block of an instance that "
                                                                            "registered none")
+    #: Seconds without an event or heartbeat after which a source is down: its rows are left out of every answer
+    #: (as the workers' ``--source-lease-s``; a replica clears nothing itself).
+    source_lease_s: float = Field(30.0, gt=0, description="seconds without an event or heartbeat after which a "
+                                                          "source is down (left out of every answer)")
     #: Tier weights of the prefix-match score: ``GPU=1.0,CPU=0.8,STORAGE=0.5``; tiers not named weigh 0.25.
     tier_weights: str = Field("", description="tier weights of the prefix-match score, e.g. GPU=1.0,CPU=0.8")
     #: Log level of the process.
