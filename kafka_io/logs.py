@@ -37,7 +37,8 @@ def logging_config(level: str, log_format: str) -> dict:
             "formatters": {"default": formatter},
             "handlers": {"default": {"class": "logging.StreamHandler", "formatter": "default",
                                      "stream": "ext://sys.stderr"}},
-            "loggers": {} if level.lower() == "debug" else {name: {"level": "WARNING"} for name in QUIET_LOGGERS},
+            # NOTSET at debug: the root's level, also when an earlier configuration of the process quieted them
+            "loggers": {name: {"level": "NOTSET" if level.lower() == "debug" else "WARNING"} for name in QUIET_LOGGERS},
             "root": {"level": level.upper(), "handlers": ["default"]}}
 
 

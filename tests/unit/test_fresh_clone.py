@@ -95,6 +95,7 @@ def test_fausts_recovery_tables_are_logged_only_at_debug(level, recovery_info):
     recovery = logging.getLogger("faust.tables.recovery")
     saved = recovery.level, logging.getLogger().level, logging.getLogger().handlers[:]
     try:
+        logging.config.dictConfig(logging_config("info", "text"))  # as a process configured twice: the last wins
         logging.config.dictConfig(logging_config(level, "text"))
         assert recovery.isEnabledFor(logging.INFO) is recovery_info
         assert recovery.isEnabledFor(logging.WARNING)  # its warnings and errors still show
