@@ -198,10 +198,17 @@ def register_views(app: faust.App, tables: Tables, materializer: Materializer, i
     @app.page("/occupancy/")
     @counted("occupancy")
     async def occupancy_view(web, request):
-        """Resident blocks per (ownership, tier, instance), and whether the workers have consumed their input:
-        ``{"occupancy": [...], "caught_up": bool, "lag": n, "lag_by_topic": {...}}`` (docs/querying.md)."""
+        """Resident blocks per (ownership, tier, instance), each row saying whether its instance is live (a row
+        of a source whose lease lapsed is counted apart: ``live`` false), and whether the workers have consumed
+        their input: ``{"occupancy": [...], "caught_up": bool, "lag": n, "lag_by_topic": {...}}``
+        (docs/querying.md)."""
         lag = await metrics.input_lag.reading()  # first: the rows are then at least as new as the reading
-        return web.json({"occupancy": occupancy_rows(tables), **lag.json()})
+        states = index.leases.states() if index.leases is not None else {}
+        live_instances = {instance for (instance, _), state in states.items() if state.live}
+        known_instances = {instance for instance, _ in states}
+        rows = [{**row, "live": row["instance_id"] in live_instances if row["instance_id"] in known_instances
+                 else None} for row in occupancy_rows(tables)]
+        return web.json({"occupancy": rows, **lag.json()})
 
     @app.page("/sources/")
     @counted("sources")
