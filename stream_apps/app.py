@@ -172,7 +172,7 @@ def create_app(settings: WorkerSettings) -> StreamApp:
     stream_app.index, stream_app.index_feed = index, index_feed
     # Sources' leases from the global sources table: a worker writes a source's row whenever it applies one of
     # its events or heartbeats, and the store keeps when (stream_apps/index/liveness.py).
-    index.leases = leases = SourceLeases(settings.source_lease_s)
+    index.leases = metrics.leases = leases = SourceLeases(settings.source_lease_s)
     sources_store = tables.sources.data
     kv_event_codec = AvroCodec("kv_event")
 

@@ -56,6 +56,8 @@ class WorkerMetrics(Collector):
         self.repartition = repartition
         self.readiness = readiness
         self.recovering = recovering
+        #: The fleet index's source leases (set by :func:`stream_apps.app.create_app`); None: not counted.
+        self.leases = None
         #: (view, status) -> HTTP requests answered.
         self.http_requests: Counter[tuple[str, int]] = Counter()
         #: Rebalances this worker took part in (partition assignments received).
@@ -136,6 +138,13 @@ class WorkerMetrics(Collector):
         for row in occupancy_rows(self.materializer.tables):
             blocks.add_metric([row["ownership"] or "primary", row["tier"], row["instance_id"]], row["resident_blocks"])
         yield blocks
+        if self.leases is not None:
+            states = GaugeMetricFamily("kvstream_sources", "Sources (instance, data-parallel rank) by liveness: live, "
+                                       "or down (no event or heartbeat for --source-lease-s)", labels=["state"])
+            leases = self.leases.states().values()
+            states.add_metric(["live"], sum(1 for state in leases if state.live))
+            states.add_metric(["down"], sum(1 for state in leases if not state.live))
+            yield states
         yield GaugeMetricFamily("kvstream_store_bytes", "Bytes of the worker's data directory on disk (RocksDB)",
                                 value=directory_bytes(self.settings.data_dir))
         changelogs = CounterMetricFamily("kvstream_changelog_records", "Table changelog records produced (one per "
