@@ -129,6 +129,11 @@ def test_a_source_without_events_or_heartbeats_leaves_every_answer_within_a_leas
     assert states["alive"] == (True, False) and states["dying"] == (False, True)
     rows = _get(f"{worker}/residency/{((2 << 32) + 1).to_bytes(8, 'big').hex()}/")["rows"]
     assert rows == []  # dying's block: kept in the table, not answered
+    with urllib.request.urlopen(f"{worker}/metrics", timeout=30) as response:
+        metrics = response.read().decode()
+    assert 'kvstream_sources{state="down"} 1.0' in metrics and 'kvstream_sources{state="live"} 2.0' in metrics
+    occupancy = {(r["instance_id"], r["live"]) for r in _get(f"{worker}/occupancy/")["occupancy"]}
+    assert ("dying", False) in occupancy and ("alive", True) in occupancy
     for url in fleet["all"]:
         assert _until(lambda url=url: _matched(url), {"alive", "leaving"}, 60) == {"alive", "leaving"}
 
