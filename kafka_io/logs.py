@@ -15,14 +15,24 @@ import logging.config
 LOG_FORMATS = ("text", "json")
 #: The text format (``[time] [pid] [LEVEL] logger: message``).
 TEXT_FORMAT = "[%(asctime)s] [%(process)d] [%(levelname)s] %(name)s: %(message)s"
-#: Loggers kept at WARNING unless the level is ``debug``: Faust's table recovery logs a table of every changelog
-#: partition (three rows per partition and table, twice) at every rebalance, which floods a terminal.
-QUIET_LOGGERS = ("faust.tables.recovery",)
+#: Loggers whose multi-line INFO records are dropped unless the level is ``debug``: Faust's table recovery logs a
+#: table of every changelog partition (a row per partition and table, twice) at every rebalance, which floods a
+#: terminal. Its one-line records stay: ``Recovery complete`` and ``Worker ready``, which ``make chaos`` and
+#: ``make bench`` wait for in the workers' logs.
+TABLE_LOGGERS = ("faust.tables.recovery",)
+
+
+class DropLogTables(logging.Filter):
+    """A handler filter: drops the records of :data:`TABLE_LOGGERS` at INFO or below that span several lines."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno > logging.INFO or record.name not in TABLE_LOGGERS or "\n" not in record.getMessage()
 
 
 def logging_config(level: str, log_format: str) -> dict:
     """A :func:`logging.config.dictConfig` of the root logger at ``level`` in ``log_format`` (one of
-    :data:`LOG_FORMATS`), writing to standard error; :data:`QUIET_LOGGERS` at WARNING unless ``level`` is debug.
+    :data:`LOG_FORMATS`), writing to standard error; below debug, without Faust's recovery tables
+    (:class:`DropLogTables`).
 
     Raises:
         ValueError: an unknown format.
@@ -33,12 +43,13 @@ def logging_config(level: str, log_format: str) -> dict:
         "()": "pythonjsonlogger.json.JsonFormatter",
         "fmt": "%(asctime)s %(levelname)s %(name)s %(process)d %(message)s",
         "rename_fields": {"asctime": "time", "levelname": "level", "name": "logger"}}
+    # on the handler, which each configuration makes anew: a later one at debug shows the tables again
+    tables = level.lower() == "debug"
     return {"version": 1, "disable_existing_loggers": False,
             "formatters": {"default": formatter},
+            "filters": {"log_tables": {"()": DropLogTables}},
             "handlers": {"default": {"class": "logging.StreamHandler", "formatter": "default",
-                                     "stream": "ext://sys.stderr"}},
-            # NOTSET at debug: the root's level, also when an earlier configuration of the process quieted them
-            "loggers": {name: {"level": "NOTSET" if level.lower() == "debug" else "WARNING"} for name in QUIET_LOGGERS},
+                                     "stream": "ext://sys.stderr", "filters": [] if tables else ["log_tables"]}},
             "root": {"level": level.upper(), "handlers": ["default"]}}
 
 
