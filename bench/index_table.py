@@ -9,6 +9,13 @@ Builds the compiled table (stream_apps/index/_table.pyx; the pure-Python twin wi
   router's path): p50 / p99 / mean in µs, target p99 <= 100 µs with the aggregation, aim <= 20 µs;
 - **content_walk** of a 27-deep token path that two engines of different hash seeds both hold (two candidate
   blocks per depth);
+- **FleetIndex lookups**, embedded: ``prefix_match`` and ``query_hashes`` of a 27-block chain over an index of
+  2.5M blocks fed with ``apply_entry`` (4 holders of 64 instances per block, as ``make bench``'s index step lays
+  it out), each walked and scored by the table in one call (``BlockTable.chain_runs``); beside them the same
+  answers scored in Python over ``holders_at`` (``scoring.prefix_runs``, the reference: the path before),
+  ``query_hashes`` with every instance registered (a holder filter on every call), and a fleet of 2 ranks x
+  (GPU, CPU) per instance; wall p50 / p99 / mean and the p99 of the thread's CPU time per call (on a shared
+  machine the wall p99 is mostly the waits for a CPU); target p99 <= 100 µs;
 - **replace** rates: new blocks, holder changes on present blocks, removals (calls per second from a Python
   loop over prepared arguments; the same loop calling a no-op function is printed beside them).
 
@@ -24,6 +31,8 @@ import random
 import statistics
 import time
 
+from stream_apps.index.fleet_index import FleetIndex, SourceInfo
+from stream_apps.index.scoring import instances_answer, prefix_match_rows, prefix_runs
 from stream_apps.index.table import CompiledBlockTable, PyBlockTable
 
 MASK = (1 << 64) - 1
@@ -116,6 +125,103 @@ def memory_figures(table_class, blocks: int, holders_per_block: int, rng: random
     gc.collect()
 
 
+def fleet_index(table_class, blocks: int, rng: random.Random, tiers: bool = False) -> FleetIndex:
+    """A FleetIndex of ``blocks`` blocks fed with ``apply_entry``: chains of 27, each chain's blocks held by the
+    same 4 of 64 instances on the GPU of rank 0 (``tiers``: 2 of them, each on rank 0 and 1, on GPU and CPU, the
+    chain's last 7 blocks off the GPU of rank 1), a parent and a content hash per block."""
+    index = FleetIndex(table=table_class())
+    patterns = [sorted(rng.sample(range(64), 2 if tiers else 4)) for _ in range(1024)]
+    apply = index.apply_entry
+    parent = None
+    for i in range(blocks):
+        block = ((i * GOLDEN) & MASK).to_bytes(8, "big")
+        held = patterns[(i // CHAIN) & 1023]
+        if tiers:
+            far = i % CHAIN >= 20
+            rows = [{"instance_id": f"sim-{h}", "data_parallel_rank": rank, "tier": tier, "copies": 1}
+                    for h in held for rank in (0, 1) for tier in ("GPU", "CPU") if not (far and rank and tier == "GPU")]
+        else:
+            rows = [{"instance_id": f"sim-{h}", "data_parallel_rank": 0, "tier": "GPU", "copies": 1} for h in held]
+        apply(f"primary/{block.hex()}", {"rows": rows, "parent_block_hash": parent if i % CHAIN else None,
+                                         "content_hash": ((i * GOLDEN) >> 1 & MASK) - (1 << 63)})
+        parent = block
+    return index
+
+
+def _timed(call, arguments: list, queries: int) -> str:
+    """Percentiles of ``queries`` calls of ``call`` over ``arguments`` in turn, after a warm-up: wall time, and
+    the thread's CPU time beside it (``cpu p99``: a call's own cost, without the time the thread waited for a
+    CPU, which on a shared machine is most of the wall p99). No collection runs inside a call (it would scan
+    the bench's objects, not the lookup's)."""
+    for argument in arguments[:1000]:
+        call(argument)
+    wall, cpu = time.perf_counter_ns, time.thread_time_ns
+    ns, cpu_ns = [], []
+    gc.collect()
+    gc.disable()
+    try:
+        for i in range(queries):
+            argument = arguments[i % len(arguments)]
+            c0 = cpu()
+            t0 = wall()
+            call(argument)
+            t1 = wall()
+            cpu_ns.append(cpu() - c0)
+            ns.append(t1 - t0)
+    finally:
+        gc.enable()
+    cpu_ns.sort()
+    return f"{_percentiles(ns)}  cpu p99 {cpu_ns[min(len(cpu_ns) - 1, int(0.99 * len(cpu_ns)))] / 1000:6.2f} µs"
+
+
+def lookup_figures(table_class, blocks: int, queries: int, rng: random.Random) -> None:
+    """Prints the embedded FleetIndex lookups of a 27-block chain over a ``blocks``-block index."""
+    started = time.perf_counter()
+    index = fleet_index(table_class, blocks, rng)
+    print(f"fleet index: {index.stats()['blocks']:,} blocks, {index.stats()['resident_pairs']:,} pairs "
+          f"(apply_entry: {blocks / (time.perf_counter() - started):,.0f}/s)")
+    whole = blocks // CHAIN
+    chains = [[(((c * CHAIN + d) * GOLDEN) & MASK).to_bytes(8, "big") for d in range(CHAIN)]
+              for c in (rng.randrange(whole) for _ in range(4096))]
+    assert all(m["matched_blocks"] == CHAIN for m in index.prefix_match(chains[0]))
+
+    def reference_prefix_match(chain):  # the lookup before the table scored it: holders_at, then Python
+        with index.lock:
+            runs = prefix_runs(index._table.holders_at([int.from_bytes(h, "big") for h in chain]), index._holders,
+                               index.weights, index._allowed(None, None, None))
+        return prefix_match_rows(runs)
+
+    def reference_query_hashes(chain):
+        with index.lock:
+            runs = prefix_runs(index._table.holders_at([int.from_bytes(h, "big") for h in chain]), index._holders,
+                               index.weights, index._allowed(None, None, None))
+            return instances_answer(runs, index.sources.block_size)
+
+    for chain in chains[:64]:
+        assert index.prefix_match(chain) == reference_prefix_match(chain)
+        assert index.query_hashes(chain) == reference_query_hashes(chain)
+    label = f"{CHAIN}-block chain, embedded:"
+    print(f"  {'prefix_match, ' + label:<56}{_timed(index.prefix_match, chains, queries)}")
+    print(f"  {'query_hashes, ' + label:<56}{_timed(index.query_hashes, chains, queries)}")
+    print(f"  {'  before (Python scoring over holders_at): prefix_match':<56}"
+          f"{_timed(reference_prefix_match, chains, queries)}")
+    print(f"  {'  before: query_hashes':<56}{_timed(reference_query_hashes, chains, queries)}")
+    for i in range(64):  # every instance registered: a holder filter on every call
+        index.sources.register(SourceInfo(f"sim-{i}", block_size=16, dp_ranks={0}))
+    print(f"  {'query_hashes, instances registered (filtered):':<56}{_timed(index.query_hashes, chains, queries)}")
+    del index
+    gc.collect()
+
+    index = fleet_index(table_class, blocks // 4, rng, tiers=True)
+    whole = blocks // 4 // CHAIN
+    chains = [[(((c * CHAIN + d) * GOLDEN) & MASK).to_bytes(8, "big") for d in range(CHAIN)]
+              for c in (rng.randrange(whole) for _ in range(4096))]
+    detail = index.query_hashes(chains[0])["kvstream"]
+    assert all(ranks["1"]["prefix_blocks"] == {"CPU": CHAIN, "GPU": 20} for ranks in detail.values()), detail
+    print(f"  query_hashes, {blocks // 4:,} blocks of 2 instances x 2 ranks x (GPU, CPU):")
+    print(f"  {'':<56}{_timed(index.query_hashes, chains, queries)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.index_table", description=__doc__.split("\n\n")[0])
     parser.add_argument("--python", action="store_true", help="bench the pure-Python twin (small sizes only)")
@@ -166,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
         ns.append(timer() - t0)
     assert len(rows) == CHAIN and len(table.content_walk_blocks(path)[0]) >= 2
     print(f"{f'content_walk, {CHAIN} deep x 2 seeds:':<45}{_percentiles(ns)}")
+
+    print("FleetIndex lookups (walk and scoring; target p99 <= 100 µs)")
+    lookup_figures(table_class, 2_500_000 // scale, args.queries // (10 if table_class is PyBlockTable else 1), rng)
 
     print("replace rates (calls from a Python loop over prepared arguments, into the fleet table)")
     patterns = [tuple(sorted(rng.sample(range(64), 4))) for _ in range(1024)]

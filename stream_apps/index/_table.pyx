@@ -18,6 +18,10 @@ Layout (all plain C arrays, grown by 1.5x, never by a Python object per block):
   skips repeats) sit in the record itself when there is one, else in a segment of ``_pool`` of 2**k slots;
   free segments are kept on one free list per size class.
 - ``_holders``: holder id -> blocks it holds, for ``holder_blocks`` (a handful of holders: a small open table).
+- ``_info``: holder id -> (group, tier) of ``set_holder``, and ``_gstate``: group id -> the run of the group in
+  the current scored lookup (``chain_runs``, ``content_runs``), both arrays indexed by id (ids below 2**24):
+  the scoring reads them once per (depth, holder) with no hashing. A call stamps the group states it uses
+  rather than clearing them, so a lookup costs its own groups, not the fleet's.
 
 Bytes for a block of one holder: 40 (record) + 8 / load (block slot) + 8 / load (content slot), the tables'
 loads between 0.47 and 0.7, and the record array up to a third unused after a growth: 63 to 94 bytes (73.6 at
@@ -29,6 +33,9 @@ A table of millions of blocks is far larger than the caches, so a lookup costs i
 run in stages that prefetch the next stage's slots, records and link segments for every block of the call at
 once (``holders_at``) or every candidate of a depth (the content walk, whose depths depend on each other), and
 arrays of 4 MiB or more ask Linux for transparent huge pages, so those loads rarely miss the TLB as well.
+The scored lookups (``chain_runs``, ``content_runs``) take the same walks, gather each depth's distinct holders
+into one array and score them there, so a router's whole lookup costs the walk and one Python object per
+group answered.
 ``python -m bench.index_table`` measures the bytes and the times.
 
 ``boundscheck=False``: every index here is below a length or capacity checked by the code beside it.
@@ -37,10 +44,15 @@ arrays of 4 MiB or more ask Linux for transparent huge pages, so those loads rar
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc, qsort, realloc
 from libc.string cimport memcpy, memmove, memset
+from cpython.float cimport PyFloat_AsDouble
 from cpython.long cimport PyLong_FromUnsignedLong, PyLong_FromUnsignedLongLong
 from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
 from cpython.number cimport PyNumber_Index
 from cpython.ref cimport Py_INCREF
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+from cpython.list cimport PyList_New, PyList_SET_ITEM
+
+import xxhash
 
 cdef extern from *:
     """
@@ -91,6 +103,21 @@ cdef enum:
 #: Mixed into the content hash of a block without parent, so (ROOT, c) and (p, c) hash apart.
 cdef uint64_t ROOT_SALT = 0x243F6A8885A308D3ULL
 
+#: Holder and group ids of set_holder are below this: their metadata and state are arrays indexed by id
+#: (table.MAX_INFO_ID).
+cdef uint32_t MAX_INFO_ID = 1 << 24
+cdef enum:
+    #: Tier indices of the holder metadata (schemas.TIERS: GPU, CPU, STORAGE, EXTERNAL, UNKNOWN).
+    NTIERS = 5
+    #: Cumulative tier classes of the runs (scoring.TIER_CLASSES: GPU, CPU, DISK).
+    NCLASSES = 3
+    #: ``HInfo.tier`` of a holder id never given to set_holder.
+    NO_TIER = 0xFF
+#: Tier index -> bit i set when the tier counts in class i: GPU in all three, CPU in CPU and DISK, STORAGE and
+#: EXTERNAL in DISK, UNKNOWN in none (scoring._CLASS_MASK; the differential tests compare the two).
+cdef uint8_t TIER_CLASS_MASK[5]
+TIER_CLASS_MASK[:] = [7, 6, 4, 4, 0]
+
 cdef enum:
     #: The block has a parent.
     F_PARENT = 1
@@ -140,6 +167,32 @@ ctypedef struct HEnt:
     uint32_t holder
     # 1 when the entry is taken (entries are never removed: holders are few)
     uint32_t used
+
+
+ctypedef struct HInfo:
+    # the holder's group (set_holder)
+    uint32_t group
+    # its tier index, NO_TIER when never set
+    uint32_t tier
+
+
+ctypedef struct GState:
+    # the scored lookup (its stamp) that last used the group; _runs[run] is its run when that is this one
+    uint32_t stamp
+    uint32_t run
+
+
+ctypedef struct Run:
+    # the sum of the best tier weight of each block of the run
+    double score
+    uint32_t group
+    # the run on any tier
+    uint32_t any
+    uint32_t tiers[NTIERS]
+    uint32_t classes[NCLASSES]
+    # depth + 1 of the last depth the group was seen at, and the tiers (bits) holding that depth
+    uint32_t mark
+    uint32_t mask
 
 
 cdef inline uint64_t _mix(uint64_t x) noexcept nogil:
@@ -338,6 +391,59 @@ cdef void _ht_del_rec(HTab* t, uint32_t tag, uint32_t rec) noexcept nogil:
     _ht_del_at(t, i)
 
 
+def block_keys(hashes):
+    """``[table.block_key(h) for h in hashes]``, the 8-byte ``bytes`` read in C (a lookup's chain is 27 of them,
+    and the Python loop took several times the walk's own time). Same errors as ``block_key``."""
+    cdef Py_ssize_t i, n
+    cdef const unsigned char* p
+    cdef uint64_t v
+    cdef list out
+    if type(hashes) is not list and type(hashes) is not tuple:
+        hashes = list(hashes)
+    n = len(hashes)
+    out = PyList_New(n)
+    for i in range(n):
+        h = hashes[i]
+        if type(h) is bytes and PyBytes_GET_SIZE(h) == 8:
+            p = <const unsigned char*>PyBytes_AS_STRING(h)
+            v = ((<uint64_t>p[0] << 56) | (<uint64_t>p[1] << 48) | (<uint64_t>p[2] << 40) | (<uint64_t>p[3] << 32)
+                 | (<uint64_t>p[4] << 24) | (<uint64_t>p[5] << 16) | (<uint64_t>p[6] << 8) | <uint64_t>p[7])
+            key = PyLong_FromUnsignedLongLong(v)
+        elif len(h) == 8:  # another bytes-like object: as block_key reads it
+            key = int.from_bytes(h, "big")
+        else:
+            key = xxhash.xxh3_64_intdigest(h)
+        Py_INCREF(key)
+        PyList_SET_ITEM(out, i, key)
+    return out
+
+
+cdef int _load_weights(weights, double* w) except -1:
+    """The 5 tier weights into ``w``: ValueError unless 5, TypeError for a non-number (a str is refused, not
+    parsed: ``table._tier_weights``), ValueError for NaN (a block's best weight would depend on the order of
+    the comparisons)."""
+    cdef Py_ssize_t i
+    cdef tuple ws = tuple(weights)
+    if len(ws) != NTIERS:
+        raise ValueError(f"weights: {NTIERS} tier weights expected (schemas.TIERS order), got {len(ws)}")
+    for i in range(NTIERS):
+        x = ws[i]
+        if isinstance(x, (str, bytes, bytearray)):
+            raise TypeError(f"weights: a tier weight must be a number, not {type(x).__name__}")
+        w[i] = PyFloat_AsDouble(x)
+        if w[i] != w[i]:
+            raise ValueError("weights: a tier weight is NaN (the best weight of a block would be undefined)")
+    return 0
+
+
+cdef object _holder_filter(allowed):
+    """``allowed`` of a scored lookup: None, a callable, or a buffer read as unsigned bytes
+    (``memoryview(allowed).cast("B")``: TypeError for anything else), as ``table._holder_filter``."""
+    if allowed is None or callable(allowed):
+        return allowed
+    return memoryview(allowed).cast("B")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The table
 
@@ -395,6 +501,25 @@ cdef class BlockTable:
     cdef size_t _tags_cap
     cdef uint64_t* _match
     cdef size_t _match_cap
+    #: holder -> (group, tier): _info_n entries initialized (1 + the highest holder set)
+    cdef HInfo* _info
+    cdef size_t _info_cap
+    cdef size_t _info_n
+    #: group -> its run in the current scored lookup, when its stamp is _stamp: _gstate_n entries initialized
+    cdef GState* _gstate
+    cdef size_t _gstate_cap
+    cdef size_t _gstate_n
+    cdef uint32_t _stamp
+    # scored lookups' scratch: the runs, the runs present at one depth, the walk's holders of every depth
+    # (distinct per depth) and each depth's end in them
+    cdef Run* _runs
+    cdef size_t _runs_cap
+    cdef uint32_t* _present
+    cdef size_t _present_cap
+    cdef uint32_t* _hold
+    cdef size_t _hold_cap
+    cdef size_t* _hends
+    cdef size_t _hends_cap
 
     def __cinit__(self):
         self._init()
@@ -434,6 +559,21 @@ cdef class BlockTable:
         self._tags_cap = 0
         self._match = NULL
         self._match_cap = 0
+        self._info = NULL
+        self._info_cap = 0
+        self._info_n = 0
+        self._gstate = NULL
+        self._gstate_cap = 0
+        self._gstate_n = 0
+        self._stamp = 0
+        self._runs = NULL
+        self._runs_cap = 0
+        self._present = NULL
+        self._present_cap = 0
+        self._hold = NULL
+        self._hold_cap = 0
+        self._hends = NULL
+        self._hends_cap = 0
         _ht_alloc(&self._blocks, 16)
         _ht_alloc(&self._content, 16)
         self._h_cap = 16
@@ -456,6 +596,18 @@ cdef class BlockTable:
         free(self._ends)
         free(self._tags)
         free(self._match)
+        free(self._info)
+        free(self._gstate)
+        free(self._runs)
+        free(self._present)
+        free(self._hold)
+        free(self._hends)
+        self._info = NULL
+        self._gstate = NULL
+        self._runs = NULL
+        self._present = NULL
+        self._hold = NULL
+        self._hends = NULL
         self._recs = NULL
         self._blocks.slots = NULL
         self._content.slots = NULL
@@ -856,6 +1008,16 @@ cdef class BlockTable:
         segment), so a long chain in a table far larger than the cache waits for about three memory round
         trips rather than three per block.
         """
+        cdef Py_ssize_t found = self._chain(chain)
+        cdef Py_ssize_t i
+        cdef list out = []
+        for i in range(found):
+            out.append(self._holder_tuple(&self._recs[self._cand[i]]))
+        return out
+
+    cdef Py_ssize_t _chain(self, chain) except -1:
+        """The first three passes of :meth:`holders_at`: ``_cand[i]`` is the record of ``chain[i]`` for each
+        i below the returned count, the blocks up to the first absent one, their link segments prefetched."""
         cdef Py_ssize_t n = self._load_u64(chain)
         cdef Py_ssize_t i, found
         cdef uint32_t r, tag
@@ -863,7 +1025,6 @@ cdef class BlockTable:
         cdef size_t slot
         cdef Slot* slots = self._blocks.slots
         cdef Rec* rec
-        cdef list out = []
         _reserve(<void**>&self._cand, &self._cand_cap, n, sizeof(uint32_t), 64)
         for i in range(n):
             _prefetch(&slots[_home(_block_tag(self._keys[i]), cap)])
@@ -892,9 +1053,7 @@ cdef class BlockTable:
             rec = &self._recs[r]
             if rec.cls:
                 _prefetch(self._pool + rec.link)
-        for i in range(found):
-            out.append(self._holder_tuple(&self._recs[self._cand[i]]))
-        return out
+        return found
 
     def content_walk(self, contents):
         """Per depth of the token path ``contents``, the holders of the depth's candidate blocks, ascending;
@@ -966,17 +1125,12 @@ cdef class BlockTable:
                 _prefetch(self._pool + rec.link)
         return count
 
-    cdef list _walk(self, contents, bint blocks):
-        """The content walk: every depth's candidates first, appended to ``_cand`` (depth d's end at
-        ``_ends[d]``), then the rows, so the candidates' link segments load while the walk goes on."""
+    cdef Py_ssize_t _candidates(self, contents) except -1:
+        """The content walk's candidates: every depth's, appended to ``_cand`` (depth d's end at ``_ends[d]``),
+        up to the first depth without one; returns how many depths have some."""
         cdef Py_ssize_t depths = self._load_u64(contents)
         cdef Py_ssize_t d, reached = 0
-        cdef size_t begin = 0, end = 0, count = 0, c, total, i, k
-        cdef Rec* rec
-        cdef uint64_t* links
-        cdef uint32_t l
-        cdef tuple row
-        cdef list out = []
+        cdef size_t begin = 0, end = 0, count = 0
         _reserve(<void**>&self._ends, &self._ends_cap, depths, sizeof(size_t), 64)
         for d in range(depths):
             count = self._depth(d, begin, end)
@@ -986,34 +1140,51 @@ cdef class BlockTable:
             end = count
             self._ends[d] = end
             reached = d + 1
-        begin = 0
+        return reached
+
+    cdef size_t _row(self, size_t begin, size_t end, bint blocks) except? 0:
+        """One depth's row of the content walk, in ``_out``, ascending and distinct: the keys of the candidates
+        ``_cand[begin:end]``, or their links' holders; returns its length."""
+        cdef size_t total = end - begin
+        cdef size_t c, i, k = 0
+        cdef Rec* rec
+        cdef uint64_t* links
+        cdef uint32_t l
+        if not blocks:
+            total = 0
+            for c in range(begin, end):
+                total += self._recs[self._cand[c]].n
+        _reserve(<void**>&self._out, &self._out_cap, total, sizeof(uint64_t), 64)
+        for c in range(begin, end):
+            rec = &self._recs[self._cand[c]]
+            if blocks:
+                self._out[k] = rec.key
+                k += 1
+            else:
+                links = self._links(rec)
+                for l in range(rec.n):
+                    self._out[k] = links[l] >> 32
+                    k += 1
+        if end - begin > 1:  # one candidate's links are sorted by holder already
+            _sort_u64(self._out, k)
+        total = 0
+        for i in range(k):
+            if i == 0 or self._out[i] != self._out[total - 1]:
+                self._out[total] = self._out[i]
+                total += 1
+        return total
+
+    cdef list _walk(self, contents, bint blocks):
+        """The content walk: every depth's candidates first (:meth:`_candidates`), then the rows, so the
+        candidates' link segments load while the walk goes on."""
+        cdef Py_ssize_t reached = self._candidates(contents)
+        cdef Py_ssize_t d
+        cdef size_t begin = 0, end, total, i
+        cdef tuple row
+        cdef list out = []
         for d in range(reached):
             end = self._ends[d]
-            # one depth's row, gathered in _out: the candidates' keys, or their links' holders
-            total = end - begin
-            if not blocks:
-                total = 0
-                for c in range(begin, end):
-                    total += self._recs[self._cand[c]].n
-            _reserve(<void**>&self._out, &self._out_cap, total, sizeof(uint64_t), 64)
-            k = 0
-            for c in range(begin, end):
-                rec = &self._recs[self._cand[c]]
-                if blocks:
-                    self._out[k] = rec.key
-                    k += 1
-                else:
-                    links = self._links(rec)
-                    for l in range(rec.n):
-                        self._out[k] = links[l] >> 32
-                        k += 1
-            if end - begin > 1:  # one candidate's links are sorted by holder already
-                _sort_u64(self._out, k)
-            total = 0
-            for i in range(k):
-                if i == 0 or self._out[i] != self._out[total - 1]:
-                    self._out[total] = self._out[i]
-                    total += 1
+            total = self._row(begin, end, blocks)
             row = PyTuple_New(total)
             for i in range(total):
                 v = PyLong_FromUnsignedLongLong(self._out[i])
@@ -1021,6 +1192,244 @@ cdef class BlockTable:
                 PyTuple_SET_ITEM(row, i, v)
             out.append(row)
             begin = end
+        return out
+
+    # -- scored lookups -----------------------------------------------------------------------------------
+
+    def set_holder(self, holder, group, tier):
+        """Registers the group and tier index of ``holder`` for :meth:`chain_runs`; see
+        ``PyBlockTable.set_holder`` (same errors). O(1), amortized for the arrays' growth to the ids."""
+        cdef uint32_t h = _u32(holder)
+        cdef uint32_t g = _u32(group)
+        tier = PyNumber_Index(tier)
+        if h >= MAX_INFO_ID:
+            raise OverflowError(f"holder {h} is not below 2**24 (holder metadata is indexed by id)")
+        if g >= MAX_INFO_ID:
+            raise OverflowError(f"group {g} is not below 2**24 (group state is indexed by id)")
+        if not 0 <= tier < NTIERS:
+            raise ValueError(f"tier {tier} is not a tier index (0..{NTIERS - 1}, schemas.TIERS)")
+        # both arrays grown before either is written, so a MemoryError changes nothing
+        _reserve(<void**>&self._info, &self._info_cap, <size_t>h + 1, sizeof(HInfo), 64)
+        _reserve(<void**>&self._gstate, &self._gstate_cap, <size_t>g + 1, sizeof(GState), 64)
+        while self._info_n <= h:
+            self._info[self._info_n].tier = NO_TIER
+            self._info[self._info_n].group = 0
+            self._info_n += 1
+        while self._gstate_n <= g:
+            self._gstate[self._gstate_n].stamp = 0  # no call has stamp 0
+            self._gstate[self._gstate_n].run = 0
+            self._gstate_n += 1
+        self._info[h].group = g
+        self._info[h].tier = <uint32_t>tier
+
+    def holder_info(self, holder):
+        """``(group, tier)`` of ``holder`` as :meth:`set_holder` registered it, or None."""
+        cdef uint32_t h = _u32(holder)
+        if h >= self._info_n or self._info[h].tier == NO_TIER:
+            return None
+        return (self._info[h].group, self._info[h].tier)
+
+    @property
+    def holder_info_end(self):
+        """1 + the highest holder id given to :meth:`set_holder` since the table was made or cleared; 0 if
+        none."""
+        return self._info_n
+
+    def chain_runs(self, chain, weights, allowed=None):
+        """The prefix runs of each group holding the chain's block 0: :meth:`holders_at`'s walk and the scoring
+        of ``scoring.prefix_runs`` in one call; see ``PyBlockTable.chain_runs`` (same answer and errors).
+
+        O(len(chain) + links walked + groups of block 0) in C; Python objects only for the answer (and the
+        calls of a callable ``allowed``). Returns ``[(group, any, score, (5 tier runs), (3 class runs))]``.
+        """
+        cdef double w[NTIERS]
+        cdef Py_ssize_t depths
+        _load_weights(weights, w)
+        allowed = _holder_filter(allowed)
+        depths = self._gather_chain(chain)
+        return self._scored(depths, w, allowed)
+
+    def content_runs(self, contents, weights, allowed=None):
+        """:meth:`chain_runs` over the depths of the token path ``contents`` (:meth:`content_walk`); see
+        ``PyBlockTable.content_runs``."""
+        cdef double w[NTIERS]
+        cdef Py_ssize_t depths
+        _load_weights(weights, w)
+        allowed = _holder_filter(allowed)
+        depths = self._gather_content(contents)
+        return self._scored(depths, w, allowed)
+
+    cdef Py_ssize_t _gather_chain(self, chain) except -1:
+        """The chain's walk into ``_hold``: the distinct holders of block i (its links' holders, adjacent
+        repeats skipped: links are sorted by holder) at ``_hold[_hends[i-1]:_hends[i]]``; returns the blocks
+        found."""
+        cdef Py_ssize_t found = self._chain(chain)
+        cdef Py_ssize_t i
+        cdef size_t total = 0
+        cdef uint32_t l, h
+        cdef Rec* rec
+        cdef uint64_t* links
+        _reserve(<void**>&self._hends, &self._hends_cap, found, sizeof(size_t), 64)
+        for i in range(found):
+            rec = &self._recs[self._cand[i]]
+            _reserve(<void**>&self._hold, &self._hold_cap, total + rec.n, sizeof(uint32_t), 256)
+            links = self._links(rec)
+            for l in range(rec.n):
+                h = <uint32_t>(links[l] >> 32)
+                if l == 0 or h != <uint32_t>(links[l - 1] >> 32):
+                    self._hold[total] = h
+                    total += 1
+            self._hends[i] = total
+        return found
+
+    cdef Py_ssize_t _gather_content(self, contents) except -1:
+        """The content walk into ``_hold`` as :meth:`_gather_chain` (a depth's holders: those of any of its
+        candidates, ascending and distinct); returns the depths with candidates."""
+        cdef Py_ssize_t reached = self._candidates(contents)
+        cdef Py_ssize_t d
+        cdef size_t begin = 0, end, k, i, total = 0
+        _reserve(<void**>&self._hends, &self._hends_cap, reached, sizeof(size_t), 64)
+        for d in range(reached):
+            end = self._ends[d]
+            k = self._row(begin, end, False)
+            _reserve(<void**>&self._hold, &self._hold_cap, total + k, sizeof(uint32_t), 256)
+            for i in range(k):
+                self._hold[total + i] = <uint32_t>self._out[i]
+            total += k
+            self._hends[d] = total
+            begin = end
+        return reached
+
+    cdef list _scored(self, Py_ssize_t depths, double* w, allowed):
+        """The runs of the walk in ``_hold`` / ``_hends``, under ``allowed`` (None, a callable or a byte
+        memoryview: :func:`_holder_filter`)."""
+        cdef const uint8_t[::1] view
+        cdef size_t total = self._hends[depths - 1] if depths else 0
+        cdef uint32_t* hold = NULL
+        cdef size_t* ends = NULL
+        cdef uint32_t* distinct = NULL
+        cdef size_t i, n
+        cdef bytearray verdicts
+        if allowed is None:
+            return self._score(self._hold, self._hends, depths, NULL, 0, False, w)
+        if not callable(allowed):
+            view = allowed
+            return self._score(self._hold, self._hends, depths, &view[0] if view.shape[0] else NULL,
+                               view.shape[0], True, w)
+        # The callable runs Python code, which may query or change this table and so reuse its scratch: the
+        # walk is copied out first, and the scoring (no Python code) runs on the copy once every verdict is in.
+        hold = <uint32_t*>malloc((total + 1) * sizeof(uint32_t))
+        ends = <size_t*>malloc((depths + 1) * sizeof(size_t))
+        distinct = <uint32_t*>malloc((total + 1) * sizeof(uint32_t))
+        try:
+            if hold == NULL or ends == NULL or distinct == NULL:
+                raise MemoryError()
+            memcpy(hold, self._hold, total * sizeof(uint32_t))
+            memcpy(ends, self._hends, depths * sizeof(size_t))
+            memcpy(distinct, self._hold, total * sizeof(uint32_t))
+            _sort_u32(distinct, total)
+            n = 0
+            for i in range(total):
+                if n == 0 or distinct[i] != distinct[n - 1]:
+                    distinct[n] = distinct[i]
+                    n += 1
+            # holders from MAX_INFO_ID on never have metadata (the scoring raises KeyError on reaching one,
+            # before it reads a verdict): the verdicts stop there, whatever ids the table's links hold
+            verdicts = bytearray(min(distinct[n - 1] + 1, MAX_INFO_ID) if n else 0)
+            for i in range(n):
+                if allowed(distinct[i]) and distinct[i] < MAX_INFO_ID:
+                    verdicts[distinct[i]] = 1
+            view = verdicts
+            return self._score(hold, ends, depths, &view[0] if view.shape[0] else NULL, view.shape[0], True, w)
+        finally:
+            free(hold)
+            free(ends)
+            free(distinct)
+
+    cdef uint32_t _next_stamp(self) noexcept:
+        """A stamp no group state has: the previous one + 1, the states reset when the counter wraps."""
+        cdef size_t g
+        self._stamp += 1
+        if self._stamp == 0:
+            for g in range(self._gstate_n):
+                self._gstate[g].stamp = 0
+            self._stamp = 1
+        return self._stamp
+
+    cdef list _score(self, const uint32_t* hold, const size_t* ends, Py_ssize_t depths, const uint8_t* mask,
+                     size_t mask_len, bint masked, double* w):
+        """``scoring.runs_by_group``'s loop over a walk: per depth, the allowed holders mark their groups present
+        (the tiers holding the block ORed per group), then each present group whose run reached this depth
+        extends it; the first depth that extends none ends the loop. Runs are made at depth 0 only, in the
+        order of their first holder (the holders are ascending), so the answer's order is the reference's."""
+        cdef uint32_t stamp = self._next_stamp()
+        cdef size_t nruns = 0, npresent, begin = 0, i
+        cdef uint32_t h, g, d, bits, classes
+        cdef int t, c
+        cdef double best = 0
+        cdef bint first
+        cdef GState* gs
+        cdef Run* run
+        cdef list out
+        for d in range(<uint32_t>depths):
+            npresent = 0
+            for i in range(begin, ends[d]):
+                h = hold[i]
+                if h >= self._info_n or self._info[h].tier == NO_TIER:
+                    raise KeyError(f"holder {h} has no metadata: set_holder({h}, group, tier) first")
+                if masked and (h >= mask_len or mask[h] == 0):
+                    continue
+                g = self._info[h].group
+                gs = &self._gstate[g]
+                if gs.stamp != stamp:
+                    if d:
+                        continue  # did not hold block 0: nothing it holds later counts
+                    _reserve(<void**>&self._runs, &self._runs_cap, nruns + 1, sizeof(Run), 16)
+                    _reserve(<void**>&self._present, &self._present_cap, nruns + 1, sizeof(uint32_t), 16)
+                    gs.stamp = stamp
+                    gs.run = <uint32_t>nruns
+                    run = &self._runs[nruns]
+                    memset(run, 0, sizeof(Run))
+                    run.group = g
+                    nruns += 1
+                run = &self._runs[gs.run]
+                if run.any != d:
+                    continue  # its run ended earlier
+                if run.mark != d + 1:
+                    run.mark = d + 1
+                    run.mask = 0
+                    self._present[npresent] = gs.run
+                    npresent += 1
+                run.mask |= 1u << self._info[h].tier
+            if npresent == 0:
+                break  # every run has ended: deeper blocks change nothing
+            for i in range(npresent):
+                run = &self._runs[self._present[i]]
+                run.any = d + 1
+                bits = run.mask
+                first = True
+                classes = 0
+                for t in range(NTIERS):
+                    if bits >> t & 1:
+                        # the largest weight of the tiers holding the block (bits is never 0); no NaN, which
+                        # _load_weights refuses, so the order of the comparisons does not matter
+                        if first or w[t] > best:
+                            best = w[t]
+                            first = False
+                        classes |= TIER_CLASS_MASK[t]
+                        if run.tiers[t] == d:
+                            run.tiers[t] = d + 1
+                run.score += best
+                for c in range(NCLASSES):
+                    if classes >> c & 1 and run.classes[c] == d:
+                        run.classes[c] = d + 1
+            begin = ends[d]
+        out = []
+        for i in range(nruns):
+            run = &self._runs[i]
+            out.append((run.group, run.any, run.score,
+                        (run.tiers[0], run.tiers[1], run.tiers[2], run.tiers[3], run.tiers[4]),
+                        (run.classes[0], run.classes[1], run.classes[2])))
         return out
 
     def holder_blocks(self, holder):
@@ -1048,8 +1457,9 @@ cdef class BlockTable:
         return (self._rec_cap * sizeof(Rec) + (self._blocks.cap + self._content.cap) * sizeof(Slot)
                 + self._pool_cap * sizeof(uint64_t) + self._h_cap * sizeof(HEnt)
                 + (self._keys_cap + self._out_cap + self._match_cap) * sizeof(uint64_t)
-                + (self._hbuf_cap + self._cand_cap + self._tags_cap) * sizeof(uint32_t)
-                + self._ends_cap * sizeof(size_t))
+                + (self._hbuf_cap + self._cand_cap + self._tags_cap + self._present_cap + self._hold_cap)
+                * sizeof(uint32_t) + (self._ends_cap + self._hends_cap) * sizeof(size_t)
+                + self._info_cap * sizeof(HInfo) + self._gstate_cap * sizeof(GState) + self._runs_cap * sizeof(Run))
 
     cdef tuple _item(self, size_t r):
         """Record ``r`` as ``items()`` gives it, its links sorted by (scope, holder)."""

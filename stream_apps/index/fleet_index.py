@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 from schemas.content_hash import block_content_hashes
 from schemas.engine_hashes import HashProfile, engine_block_hashes
-from stream_apps.index.scoring import HolderInfo, PrefixRun, instances_answer, prefix_match_rows, prefix_runs
-from stream_apps.index.table import BlockTable, block_key
+from stream_apps.index.scoring import HolderInfo, PrefixRun, instances_answer, prefix_match_rows, table_prefix_runs
+from stream_apps.index.table import BlockTable, block_key, block_keys
 
 _U64 = (1 << 64) - 1
 #: Residency-table key prefix of ownership null (``stream_apps.residency.PRIMARY``).
@@ -230,7 +230,8 @@ class FleetIndex:
     def prefix_match(self, chain: Sequence[bytes]) -> list[dict]:
         """``POST /prefix-match/``'s ``matches`` for a chain of engine block hashes (prefix order)."""
         with self.lock:
-            runs = prefix_runs(self._table.holders_at([block_key(h) for h in chain]), self._holders, self.weights)
+            # the walk and its scoring in one call of the table (compiled: in C)
+            runs = table_prefix_runs(self._table, block_keys(chain), self._holders, self.weights)
         return prefix_match_rows(runs)
 
     def query_hashes(self, chain: Sequence[bytes], model_name: str | None = None, tenant_id: str | None = None,
@@ -238,8 +239,8 @@ class FleetIndex:
         """Mooncake's ``/query_by_hash`` answer for a chain of the engines' own block hashes: per instance the
         longest held prefix in tokens (each instance's own block size), per tier class and per rank."""
         with self.lock:
-            held = self._table.holders_at([block_key(h) for h in chain])
-            runs = prefix_runs(held, self._holders, self.weights, self._allowed(model_name, tenant_id, None))
+            runs = table_prefix_runs(self._table, block_keys(chain), self._holders, self.weights,
+                                     self._allowed(model_name, tenant_id, None))
             return instances_answer(runs, self.sources.block_size)
 
     def query_tokens(self, token_ids: Sequence[int] | bytes, *, block_size: int | None = None,
@@ -274,9 +275,8 @@ class FleetIndex:
                 blocks = self._table.content_walk_blocks(contents)
                 if any(len(candidates) > 1 for candidates in blocks):
                     self._note_mixed_hashes(blocks)
-                held = self._table.content_walk(contents)
-                for key, run in prefix_runs(held, self._holders, self.weights,
-                                            self._allowed(model_name, tenant_id, size)).items():
+                for key, run in table_prefix_runs(self._table, contents, self._holders, self.weights,
+                                                  self._allowed(model_name, tenant_id, size), by_content=True).items():
                     if key not in runs or run.any > runs[key].any:
                         runs[key] = run
             self._check_hash_profiles(runs, token_ids, lora_name, cache_salt)

@@ -10,12 +10,19 @@ the cumulative tier classes Mooncake's and Dynamo's indexers report. The two ans
   ``pkg/kvcache/backend.go`` convention);
 * :func:`instances_answer`: Mooncake's and Dynamo's ``/query`` answer, in tokens (docs/querying.md, "For router
   authors").
+
+Two ways to the runs, with identical results: :func:`prefix_runs` (the reference, in Python, over the holders
+of each depth) and :func:`table_prefix_runs`, which has the block table walk the chain and score it in one call
+(``BlockTable.chain_runs`` / ``content_runs``: compiled in ``_table.pyx``, the reference's loop in
+``PyBlockTable``), given each holder's group (its (instance, data-parallel rank)) and tier, registered once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import NamedTuple
+
+from schemas.tiers import TIERS
 
 #: Weight of a tier the weights do not name (``POST /prefix-match/``'s score).
 OTHER_TIER_WEIGHT = 0.25
@@ -31,9 +38,16 @@ TIER_CLASSES: dict[str, tuple[str, ...]] = {
     "DISK": ("GPU", "CPU", "STORAGE", "EXTERNAL"),
 }
 _CLASS_NAMES = tuple(TIER_CLASSES)
+#: Each class at 0 tokens: where an instance's answer starts.
+_CLASS_ZERO = dict.fromkeys(_CLASS_NAMES, 0)
 #: tier -> bit mask of the classes it counts in.
 _CLASS_MASK = {tier: sum(1 << i for i, name in enumerate(_CLASS_NAMES) if tier in TIER_CLASSES[name])
-               for tier in ("GPU", "CPU", "STORAGE", "EXTERNAL", "UNKNOWN")}
+               for tier in TIERS}
+#: tier -> its index in the block table's holder metadata (``set_holder``'s ``tier``): ``schemas.TIERS``'s order.
+TIER_INDEX = {tier: i for i, tier in enumerate(TIERS)}
+#: (tier, index) in tier-name order: a table run's per-tier runs become a dict already in the order in which
+#: the answers list the tiers.
+_TIERS_BY_NAME = tuple(sorted(TIER_INDEX.items()))
 
 
 class HolderInfo(NamedTuple):
@@ -54,15 +68,16 @@ class PrefixRun:
 
     __slots__ = ("any", "classes", "score", "tiers")
 
-    def __init__(self) -> None:
+    def __init__(self, any: int = 0, score: float = 0.0, tiers: dict[str, int] | None = None,
+                 classes: list[int] | None = None) -> None:
         #: Longest consecutive prefix held on any tier.
-        self.any = 0
+        self.any = any
         #: Sum over those blocks of the best tier weight among the tiers holding each.
-        self.score = 0.0
-        #: tier -> longest consecutive prefix held on that tier alone.
-        self.tiers: dict[str, int] = {}
+        self.score = score
+        #: tier -> longest consecutive prefix held on that tier alone (tiers of 0 absent).
+        self.tiers: dict[str, int] = {} if tiers is None else tiers
         #: Longest consecutive prefix per class of :data:`TIER_CLASSES`, in its order.
-        self.classes = [0] * len(_CLASS_NAMES)
+        self.classes = [0] * len(_CLASS_NAMES) if classes is None else classes
 
 
 def prefix_runs(holders_per_depth: Sequence[Sequence[int]], holders: Sequence[HolderInfo],
@@ -80,23 +95,48 @@ def prefix_runs(holders_per_depth: Sequence[Sequence[int]], holders: Sequence[Ho
     Returns:
         (instance_id, data_parallel_rank) -> :class:`PrefixRun`; only keys holding block 0 appear, since a run
         that misses block 0 is empty.
+
+    Raises:
+        IndexError, KeyError: a holder id that ``holders`` does not have.
     """
-    runs: dict[tuple[str, int], PrefixRun] = {}
+    def identify(holder_id: int):
+        info = holders[holder_id]
+        if allowed is not None and not allowed(info):
+            return None
+        return (info.instance_id, info.data_parallel_rank), info.tier
+    return runs_by_group(holders_per_depth, identify, weights)
+
+
+def runs_by_group(holders_per_depth: Sequence[Sequence[int]], identify: Callable[[int], tuple | None],
+                  weights: Mapping[str, float]) -> dict[Hashable, PrefixRun]:
+    """:func:`prefix_runs` over any grouping of holders: the reference loop, which ``PyBlockTable.chain_runs``
+    runs as it is and ``_table.pyx`` runs compiled.
+
+    Args:
+        holders_per_depth: as :func:`prefix_runs`'s.
+        identify: holder id -> ``(group, tier)``, or None for a holder left out; called for each holder of each
+            depth, in order, until the runs end (its exceptions propagate).
+        weights: tier -> weight (others :data:`OTHER_TIER_WEIGHT`).
+
+    Returns:
+        group -> :class:`PrefixRun`, for the groups holding block 0, in the order they first appear there.
+    """
+    runs: dict[Hashable, PrefixRun] = {}
     for depth, held in enumerate(holders_per_depth):
-        present: dict[tuple[str, int], list] = {}
+        present: dict[Hashable, list] = {}
         for holder_id in held:
-            info = holders[holder_id]
-            if allowed is not None and not allowed(info):
+            who = identify(holder_id)
+            if who is None:
                 continue
-            key = (info.instance_id, info.data_parallel_rank)
+            key, tier = who
             if depth and key not in runs:
                 continue  # did not hold block 0: nothing it holds later counts
             seen = present.get(key)
             if seen is None:
-                present[key] = [{info.tier}, _CLASS_MASK.get(info.tier, 0)]
+                present[key] = [{tier}, _CLASS_MASK.get(tier, 0)]
             else:
-                seen[0].add(info.tier)
-                seen[1] |= _CLASS_MASK.get(info.tier, 0)
+                seen[0].add(tier)
+                seen[1] |= _CLASS_MASK.get(tier, 0)
         extended = False
         for key, (tiers, mask) in present.items():
             run = runs.get(key)
@@ -119,14 +159,80 @@ def prefix_runs(holders_per_depth: Sequence[Sequence[int]], holders: Sequence[Ho
     return runs
 
 
+def _register_holders(table, holders: Sequence[HolderInfo]) -> bool:
+    """Gives the table the group and tier of every holder it has not been given yet (holder ids are registered
+    in order, so the table's ``holder_info_end`` is how many it has). A holder's group is the smallest holder
+    id of its (instance, data-parallel rank): so group -> key is ``holders[group]``, and no other state is
+    kept. False when a holder's tier is not one of ``schemas.TIERS`` (the table has five tier slots): the
+    caller then scores in Python, the reference handling any tier string."""
+    start = table.holder_info_end
+    if start >= len(holders):
+        return True
+    if holders[start].tier not in TIER_INDEX:
+        return False  # checked before the groups are rebuilt: every later call stops here at O(1)
+    groups: dict[tuple[str, int], int] = {}
+    for holder_id in range(start):
+        info = holders[holder_id]
+        groups.setdefault((info.instance_id, info.data_parallel_rank), holder_id)
+    for holder_id in range(start, len(holders)):
+        info = holders[holder_id]
+        tier = TIER_INDEX.get(info.tier)
+        if tier is None:
+            return False
+        table.set_holder(holder_id, groups.setdefault((info.instance_id, info.data_parallel_rank), holder_id),
+                         tier)
+    return True
+
+
+def table_prefix_runs(table, keys: Sequence[int], holders: Sequence[HolderInfo], weights: Mapping[str, float],
+                      allowed=None, *, by_content: bool = False) -> dict[tuple[str, int], PrefixRun]:
+    """:func:`prefix_runs` of the table's walk of ``keys``, walked and scored by the table in one call.
+
+    Equal to ``prefix_runs(table.holders_at(keys), holders, weights, allowed)`` (``content_walk`` with
+    ``by_content``), run by ``table.chain_runs`` (``content_runs``): the compiled table does it in C.
+
+    Args:
+        table: a ``BlockTable`` or ``PyBlockTable`` whose holder ids index ``holders``. The table keeps each
+            holder's group and tier (``set_holder``, given here for the holders it lacks, so a holder added to
+            ``holders`` since the last call is registered on this one); its ``clear()`` forgets them and they
+            are given again. One ``holders`` per table.
+        keys: block keys (u64) in prefix order, or with ``by_content`` the content keys of the token path.
+        holders: holder id -> :class:`HolderInfo`; append-only (a holder id never changes its identity).
+        weights: tier -> weight (others :data:`OTHER_TIER_WEIGHT`); taken as floats, NaN refused.
+        allowed: None, or a predicate on a :class:`HolderInfo`, pure (called once per distinct holder of the
+            walk, possibly for holders the runs end before).
+        by_content: walk ``keys`` as a token path (``content_walk``) rather than a chain (``holders_at``).
+
+    Returns:
+        As :func:`prefix_runs`: (instance_id, data_parallel_rank) -> :class:`PrefixRun`.
+
+    Raises:
+        OverflowError, TypeError: a key out of range or not an integer. ValueError: a NaN weight.
+    """
+    if not _register_holders(table, holders):
+        walk = table.content_walk if by_content else table.holders_at
+        return prefix_runs(walk(keys), holders, weights, allowed)
+    tier_weights = [weights.get(tier, OTHER_TIER_WEIGHT) for tier in TIERS]
+    verdict = None if allowed is None else (lambda holder_id: allowed(holders[holder_id]))
+    rows = (table.content_runs if by_content else table.chain_runs)(keys, tier_weights, verdict)
+    runs: dict[tuple[str, int], PrefixRun] = {}
+    for group, matched, score, tiers, classes in rows:
+        info = holders[group]
+        runs[(info.instance_id, info.data_parallel_rank)] = PrefixRun(
+            matched, score, {tier: tiers[i] for tier, i in _TIERS_BY_NAME if tiers[i]}, list(classes))
+    return runs
+
+
 def prefix_match_rows(runs: Mapping[tuple[str, int], PrefixRun]) -> list[dict]:
     """``POST /prefix-match/``'s ``matches``: best first, ``{"instance_id", "data_parallel_rank",
     "matched_blocks", "prefix_blocks": {tier: n}, "score"}`` (docs/querying.md)."""
-    rows = [{"instance_id": instance, "data_parallel_rank": rank, "matched_blocks": run.any,
-             "prefix_blocks": {tier: n for tier, n in sorted(run.tiers.items()) if n},
-             "score": round(run.score, 6)}
-            for (instance, rank), run in runs.items() if run.any]
-    return sorted(rows, key=lambda r: (-r["score"], -r["matched_blocks"], r["instance_id"], r["data_parallel_rank"]))
+    # ranked on tuples, then the dicts made in order (a sort keyed by a lambda over the dicts cost as much as
+    # the lookup); (instance, rank) is unique, so no comparison reaches the run
+    ranked = sorted((-round(run.score, 6), -run.any, instance, rank, run)
+                    for (instance, rank), run in runs.items() if run.any)
+    return [{"instance_id": instance, "data_parallel_rank": rank, "matched_blocks": run.any,
+             "prefix_blocks": {tier: n for tier, n in sorted(run.tiers.items()) if n}, "score": -score}
+            for score, _, instance, rank, run in ranked]
 
 
 def instances_answer(runs: Mapping[tuple[str, int], PrefixRun], block_size_of) -> dict:
@@ -145,19 +251,30 @@ def instances_answer(runs: Mapping[tuple[str, int], PrefixRun], block_size_of) -
     instances: dict[str, dict] = {}
     scores: dict[str, dict] = {}
     detail: dict[str, dict] = {}
-    for (instance, rank), run in sorted(runs.items()):
-        if not run.any:
+    # (instance, rank) is unique, so sorting the keys orders the runs as sorting the items did
+    for key in sorted(runs):
+        run = runs[key]
+        matched = run.any
+        if not matched:
             continue
+        instance, rank = key
         size = block_size_of(instance)
+        tokens = matched * size
+        rank_key = str(rank)
         answer = instances.get(instance)
         if answer is None:
-            answer = instances[instance] = {"longest_matched": 0, **{name: 0 for name in _CLASS_NAMES}, "DP": {}}
-        answer["longest_matched"] = max(answer["longest_matched"], run.any * size)
+            answer = instances[instance] = {"longest_matched": 0, **_CLASS_ZERO, "DP": {}}
+            per_rank = scores[instance] = {}
+            per_rank_detail = detail[instance] = {}
+        else:
+            per_rank = scores[instance]
+            per_rank_detail = detail[instance]
+        answer["longest_matched"] = max(answer["longest_matched"], tokens)
         for name, blocks in zip(_CLASS_NAMES, run.classes):
             answer[name] = max(answer[name], blocks * size)
-        answer["DP"][str(rank)] = run.any * size
-        scores.setdefault(instance, {})[str(rank)] = run.any * size
-        detail.setdefault(instance, {})[str(rank)] = {
-            "matched_blocks": run.any, "block_size": size,
+        answer["DP"][rank_key] = tokens
+        per_rank[rank_key] = tokens
+        per_rank_detail[rank_key] = {
+            "matched_blocks": matched, "block_size": size,
             "prefix_blocks": {tier: n for tier, n in sorted(run.tiers.items()) if n}, "score": round(run.score, 6)}
     return {"instances": instances, "scores": scores, "kvstream": detail}

@@ -10,7 +10,12 @@ the strings; here every value is an integer:
 - **content key**: u64, a block's content hash as unsigned (``value & (2**64 - 1)`` of a signed long);
 - **holder**: u32 id the caller assigns (an instance and data-parallel rank on a tier);
 - **scope**: u32 id of an ownership, assigned by the caller; a block's holders are kept per scope, as the
-  residency entries of its ownerships list them.
+  residency entries of its ownerships list them;
+- **group** and **tier index** of a holder, for the scored lookups (:meth:`~PyBlockTable.chain_runs`,
+  :meth:`~PyBlockTable.content_runs`): the caller registers each holder once with
+  :meth:`~PyBlockTable.set_holder` (group: an id it interns per (instance, data-parallel rank); tier: the index
+  in ``schemas.TIERS``, 0..4 for GPU, CPU, STORAGE, EXTERNAL, UNKNOWN); holder and group ids below
+  :data:`MAX_INFO_ID`, as the compiled table keeps them in arrays indexed by id.
 
 Two implementations with identical results: :class:`BlockTable` of ``_table.pyx`` (compiled by setup.py when
 a C compiler is there: 40 bytes a block and 8 a further holder, plus the hash slots, module docstring there)
@@ -25,6 +30,7 @@ before any change).
 
 from __future__ import annotations
 
+import math
 import operator
 import os
 import sys
@@ -33,12 +39,22 @@ from collections.abc import Iterator, Sequence
 import xxhash
 
 from schemas.compiled import PURE_PYTHON_VARIABLE
+from schemas.tiers import TIERS
+from stream_apps.index.scoring import runs_by_group
 
 #: A block's dump: ``(block, parent | None, content | None, ((scope, holder), ...))``, links sorted.
 Item = tuple[int, "int | None", "int | None", tuple[tuple[int, int], ...]]
+#: A group's prefix runs (:meth:`PyBlockTable.chain_runs`): ``(group, any, score, (runs per tier index: 5),
+#: (runs per cumulative class GPU, GPU+CPU, GPU+CPU+STORAGE+EXTERNAL: 3))``, in blocks.
+Run = tuple[int, int, float, tuple[int, int, int, int, int], tuple[int, int, int]]
 
 _U64 = 1 << 64
 _U32 = 1 << 32
+#: Holder and group ids of :meth:`PyBlockTable.set_holder` are below this (2**24): the compiled table keeps
+#: their metadata in arrays indexed by id, so ids must be dense (the fleet index's are 0, 1, 2, ...).
+MAX_INFO_ID = 1 << 24
+#: Tiers of the holder metadata: ``set_holder``'s tier index is an index in this (``schemas.TIERS``).
+TIER_COUNT = len(TIERS)
 
 
 def block_key(canonical_hash: bytes) -> int:
@@ -47,6 +63,11 @@ def block_key(canonical_hash: bytes) -> int:
     if len(canonical_hash) == 8:
         return int.from_bytes(canonical_hash, "big")
     return xxhash.xxh3_64_intdigest(canonical_hash)
+
+
+def _block_keys(hashes: Sequence[bytes]) -> list[int]:
+    """:func:`block_key` of each hash, in order (the reference of the compiled ``_table.block_keys``)."""
+    return [block_key(h) for h in hashes]
 
 
 def _u64(value, what: str) -> int:
@@ -61,6 +82,31 @@ def _u32(value, what: str) -> int:
     if not 0 <= value < _U32:
         raise OverflowError(f"{what} {value} is not in [0, 2**32)")
     return value
+
+
+def _tier_weights(weights) -> tuple[float, ...]:
+    """The 5 tier weights of a scored lookup as floats, checked: what the compiled table's conversion accepts
+    (numbers; a str is refused rather than parsed)."""
+    weights = tuple(weights)
+    if len(weights) != TIER_COUNT:
+        raise ValueError(f"weights: {TIER_COUNT} tier weights expected (schemas.TIERS order), got {len(weights)}")
+    out = []
+    for weight in weights:
+        if isinstance(weight, (str, bytes, bytearray)):
+            raise TypeError(f"weights: a tier weight must be a number, not {type(weight).__name__}")
+        weight = float(weight)
+        if math.isnan(weight):
+            raise ValueError("weights: a tier weight is NaN (the best weight of a block would be undefined)")
+        out.append(weight)
+    return tuple(out)
+
+
+def _holder_filter(allowed):
+    """``allowed`` of a scored lookup: None, a callable, or the bytes of a buffer (``memoryview(allowed)`` as
+    unsigned bytes; TypeError for anything else, as the compiled table)."""
+    if allowed is None or callable(allowed):
+        return allowed
+    return memoryview(allowed).cast("B")
 
 
 class _Block:
@@ -92,7 +138,7 @@ class PyBlockTable:
         self.clear()
 
     def clear(self) -> None:
-        """Forgets every block and holder."""
+        """Forgets every block and holder (the holders' metadata of :meth:`set_holder` too)."""
         #: block key -> block
         self._blocks: dict[int, _Block] = {}
         #: (parent or None, content) -> keys of the blocks with that parent and content
@@ -101,6 +147,9 @@ class PyBlockTable:
         self._holder_blocks: dict[int, int] = {}
         #: (block, scope, holder) links
         self._links = 0
+        #: holder -> (group, tier index), from set_holder; and 1 + the highest holder in it (0: none)
+        self._info: dict[int, tuple[int, int]] = {}
+        self._info_end = 0
         #: bumped by every change, so items() notices a table changed under it
         self._version = getattr(self, "_version", 0) + 1
 
@@ -209,6 +258,42 @@ class PyBlockTable:
         self._unindex(block, blk)
         del self._blocks[block]
 
+    def set_holder(self, holder: int, group: int, tier: int) -> None:
+        """Registers the group and tier of ``holder``, which :meth:`chain_runs` and :meth:`content_runs` read;
+        a holder registered again gets the new values. O(1).
+
+        Args:
+            holder: holder id (u32, below :data:`MAX_INFO_ID`).
+            group: the id of what the runs are computed per (the caller's (instance, data-parallel rank)):
+                u32 below :data:`MAX_INFO_ID`.
+            tier: the holder's tier, an index in ``schemas.TIERS`` (0..4: GPU, CPU, STORAGE, EXTERNAL, UNKNOWN).
+
+        Raises:
+            OverflowError: holder or group outside ``[0, MAX_INFO_ID)``. ValueError: tier outside 0..4.
+            TypeError: an argument that is not an integer. Nothing changes then.
+        """
+        holder = _u32(holder, "holder")
+        group = _u32(group, "group")
+        tier = operator.index(tier)
+        if holder >= MAX_INFO_ID:
+            raise OverflowError(f"holder {holder} is not below 2**24 (holder metadata is indexed by id)")
+        if group >= MAX_INFO_ID:
+            raise OverflowError(f"group {group} is not below 2**24 (group state is indexed by id)")
+        if not 0 <= tier < TIER_COUNT:
+            raise ValueError(f"tier {tier} is not a tier index (0..{TIER_COUNT - 1}, schemas.TIERS)")
+        self._info[holder] = (group, tier)
+        self._info_end = max(self._info_end, holder + 1)
+
+    def holder_info(self, holder: int) -> tuple[int, int] | None:
+        """``(group, tier)`` of ``holder`` as :meth:`set_holder` registered it, or None."""
+        return self._info.get(_u32(holder, "holder"))
+
+    @property
+    def holder_info_end(self) -> int:
+        """1 + the highest holder id given to :meth:`set_holder` since the table was made or cleared; 0 if
+        none. A caller registering ids 0, 1, 2, ... in order reads it as how many it has registered."""
+        return self._info_end
+
     # -- queries ------------------------------------------------------------------------------------------
 
     def holders_at(self, chain: Sequence[int]) -> list[tuple[int, ...]]:
@@ -273,6 +358,70 @@ class PyBlockTable:
         under unequal engine hashes)."""
         return [tuple(sorted(candidates)) for candidates in self._walk(contents)]
 
+    def chain_runs(self, chain: Sequence[int], weights: Sequence[float], allowed=None) -> list[Run]:
+        """The prefix runs of each group holding the chain's block 0: :meth:`holders_at` and the scoring of
+        ``stream_apps.index.scoring.prefix_runs`` in one call, per group rather than per holder.
+
+        A group's runs, in blocks from block 0, over its allowed holders: ``any``, the blocks held without a gap
+        on some tier (each block on any of the group's tiers); ``score``, the sum over those blocks of the
+        highest weight among the tiers holding the block; per tier, the blocks held without a gap on that tier;
+        per cumulative class (GPU; GPU or CPU; GPU, CPU, STORAGE or EXTERNAL), the same over the class's tiers.
+        The walk stops before the first absent block, the scoring at the first block that extends no run.
+
+        Args:
+            chain: block keys (u64), in prefix order (as :meth:`holders_at`).
+            weights: 5 numbers, the weight of each tier index (``schemas.TIERS`` order); not NaN.
+            allowed: None (every holder counts); a buffer of bytes (``bytes``, ``bytearray``, ...) over holder
+                ids, a holder counting when its byte is nonzero (ids past its end do not count); or a callable
+                on a holder id, whose truth says whether it counts, called once per distinct holder of the walk,
+                in ascending order, before the scoring (so also for holders the runs end before: it must not
+                depend on the order of calls). The callable may use the table: the walk is taken first.
+
+        Returns:
+            One :data:`Run` per group holding block 0 through an allowed holder, in the order of their smallest
+            such holder id: ``(group, any, score, tier runs (5), class runs (3))``; ``any >= 1``.
+
+        Raises:
+            OverflowError, TypeError: a key out of range or not an integer; a weight that is not a number, or
+            ``allowed`` neither None, a callable nor a buffer (TypeError). ValueError: not 5 weights, or NaN.
+            KeyError: a holder of the walk the scoring reaches has no :meth:`set_holder` metadata. Whatever
+            the callable raises.
+        """
+        weights = _tier_weights(weights)
+        allowed = _holder_filter(allowed)
+        return self._runs(self.holders_at(chain), weights, allowed)
+
+    def content_runs(self, contents: Sequence[int], weights: Sequence[float], allowed=None) -> list[Run]:
+        """:meth:`chain_runs` over the depths of the token path ``contents`` (:meth:`content_walk`): a depth's
+        holders are those of any of its candidate blocks. Same arguments, answer and errors."""
+        weights = _tier_weights(weights)
+        allowed = _holder_filter(allowed)
+        return self._runs(self.content_walk(contents), weights, allowed)
+
+    def _runs(self, held: list[tuple[int, ...]], weights: tuple[float, ...], allowed) -> list[Run]:
+        """The scoring of :meth:`chain_runs`: ``scoring.runs_by_group``, the reference loop, over the walk."""
+        if allowed is None:
+            counts = None
+        elif callable(allowed):
+            verdicts = {h: bool(allowed(h)) for h in sorted({h for row in held for h in row})}
+            counts = verdicts.__getitem__
+        else:
+            mask = allowed
+            counts = lambda h: h < len(mask) and mask[h] != 0
+        info = self._info
+
+        def identify(holder: int):
+            meta = info.get(holder)
+            if meta is None:
+                raise KeyError(f"holder {holder} has no metadata: set_holder({holder}, group, tier) first")
+            if counts is not None and not counts(holder):
+                return None
+            return meta[0], TIERS[meta[1]]
+
+        runs = runs_by_group(held, identify, dict(zip(TIERS, weights)))
+        return [(group, run.any, run.score, tuple(run.tiers.get(tier, 0) for tier in TIERS), tuple(run.classes))
+                for group, run in runs.items()]
+
     def holder_blocks(self, holder: int) -> int:
         """Blocks ``holder`` (u32) holds now, in any scope; 0 for a holder never seen. O(1)."""
         return self._holder_blocks.get(_u32(holder, "holder"), 0)
@@ -290,7 +439,7 @@ class PyBlockTable:
         """Bytes the table's objects take, by ``sys.getsizeof`` (an estimate: shared small ints are counted,
         the interpreter's allocator slack is not). O(blocks)."""
         size = sys.getsizeof
-        total = size(self._blocks) + size(self._by_content) + size(self._holder_blocks)
+        total = size(self._blocks) + size(self._by_content) + size(self._holder_blocks) + size(self._info)
         for key, blk in self._blocks.items():
             total += size(key) + size(blk) + size(blk.scopes) + size(blk.holders)
             total += sum(size(held) for held in blk.scopes.values())
@@ -332,3 +481,9 @@ def _compiled():
 CompiledBlockTable = _compiled()
 #: The table class to use: the compiled one where there is one, else :class:`PyBlockTable`.
 BlockTable = CompiledBlockTable or PyBlockTable
+#: ``hashes -> [block_key(h) for h in hashes]``: compiled with the table (8-byte hashes read in C), else
+#: :func:`_block_keys`. A list of block keys for the queries, from a chain of canonical block hashes.
+if CompiledBlockTable is not None:
+    from stream_apps.index._table import block_keys
+else:
+    block_keys = _block_keys

@@ -6,6 +6,8 @@ import array
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from schemas.content_hash import content_hash, query_extra_keys
 from stream_apps.index.api import IndexAPI
@@ -198,3 +200,128 @@ def test_a_source_whose_hashes_differ_from_its_declared_profile_is_flagged(index
     bad = msgspec.json.encode({"instance_id": "x", "hash_profile": {"strategy": "vllm_v1", "algorithm": "md5"}})
     reply = api.register(bad, "application/json")
     assert reply.status == 400 and "hash_profile" in msgspec.json.decode(reply.body)["error"]
+
+
+# -- the table's scored lookups against the Python reference ---------------------------------------------------
+
+
+def _reference_answers(index, chain, tokens, allowed=None):
+    """prefix_match, query_hashes and query_tokens (block size BLOCK) as the index answered them before the table
+    scored its walks: scoring.prefix_runs over holders_at and content_walk."""
+    from schemas.content_hash import block_content_hashes
+    from stream_apps.index.scoring import prefix_match_rows
+    from stream_apps.index.table import block_key
+
+    holders = [index.holder(i) for i in range(index.stats()["holders"])]
+    by_hash = prefix_runs(index.holders_at(chain), holders, index.weights, allowed)
+    contents = [c & ((1 << 64) - 1) for c in block_content_hashes(tokens, BLOCK)]
+    by_tokens = prefix_runs(index._table.content_walk(contents), holders, index.weights, allowed)
+    assert all(block_key(h) == int.from_bytes(h, "big") for h in chain)
+    return (prefix_match_rows(by_hash), instances_answer(by_hash, index.sources.block_size),
+            instances_answer(by_tokens, index.sources.block_size))
+
+
+def _mixed_fleet(index):
+    """Instances of two ranks, every tier, an ownership of offloaded copies, and a chain they diverge along."""
+    hashes = _store_chain(index, "e1", TOKENS, seed=20, rows=[_row("e1", "GPU"), _row("e1", "CPU", dp=1),
+                                                               _row("e2", "CPU"), _row("e2", "UNKNOWN", dp=1)])
+    index.apply_entry(_key(hashes[2]), _entry(hashes[2], [_row("e1", "CPU"), _row("e2", "GPU", dp=1)]))
+    index.apply_entry(_key(hashes[3]), _entry(hashes[3], [_row("e1", "CPU", dp=1), _row("e2", "CPU")]))
+    for h in hashes[:3]:  # a secondary tier's copies of the first blocks, under its ownership
+        index.apply_entry(_key(h, "kvcr"), _entry(h, [_row("e3", "STORAGE"), _row("e1", "EXTERNAL", dp=1)],
+                                                  ownership="kvcr"))
+    _store_chain(index, "e4", TOKENS[:8] + [7] * 8, seed=21, tier="STORAGE")
+    return hashes
+
+
+def test_answers_equal_the_python_scoring_of_the_walks(index):
+    import json
+
+    hashes = _mixed_fleet(index)
+    for chain in (hashes, hashes[:2], hashes[1:], hashes + [b"\0" * 8], []):
+        match, by_hash, by_tokens = _reference_answers(index, chain, TOKENS)
+        answers = (index.prefix_match(chain), index.query_hashes(chain), index.query_tokens(TOKENS, block_size=BLOCK))
+        # equal as JSON too: the same keys in the same order, the same ints and floats
+        assert json.dumps(answers) == json.dumps((match, by_hash, by_tokens))
+    e1_rank_1 = index.query_hashes(hashes)["kvstream"]["e1"]["1"]  # a gap on CPU at block 2, EXTERNAL there
+    assert (e1_rank_1["matched_blocks"], e1_rank_1["prefix_blocks"]) == (4, {"CPU": 2, "EXTERNAL": 3})
+    # registered instances: the model filter leaves the others out, the same in both
+    api = IndexAPI(index, list)
+    for instance, model in (("e1", "m1"), ("e2", "m2"), ("e3", "m1")):
+        body = msgspec.json.encode({"instance_id": instance, "modelname": model, "block_size": BLOCK})
+        assert api.register(body, "application/json").status == 200
+    expected = _reference_answers(index, hashes, TOKENS, lambda info: info.instance_id in ("e1", "e3", "e4"))[1]
+    assert index.query_hashes(hashes, model_name="m1") == expected
+    assert set(expected["instances"]) == {"e1", "e3"}
+
+
+def test_holders_added_later_and_a_cleared_table_are_scored(index):
+    hashes = _store_chain(index, "e1", TOKENS, seed=22)
+    assert [m["matched_blocks"] for m in index.prefix_match(hashes)] == [4]
+    # new holders after a query (the entries now list e2 too): registered by the next query
+    _store_chain(index, "e2", TOKENS, seed=22, rows=[_row("e1", "GPU"), _row("e2", "CPU")])
+    assert [(m["instance_id"], m["prefix_blocks"]) for m in index.prefix_match(hashes)] == [
+        ("e1", {"GPU": 4}), ("e2", {"CPU": 4})]
+    index.clear()  # the table forgets its holders' metadata with its blocks: given again on the next query
+    assert index.prefix_match(hashes) == []
+    _store_chain(index, "e2", TOKENS, seed=22, rows=[_row("e2", "CPU"), _row("e2", "GPU", dp=3)])
+    assert [(m["instance_id"], m["data_parallel_rank"], m["score"]) for m in index.prefix_match(hashes)] == [
+        ("e2", 3, 4.0), ("e2", 0, 3.2)]
+
+
+def test_a_tier_outside_the_canonical_five_is_scored_in_python(index):
+    hashes = _store_chain(index, "e1", TOKENS, seed=23, rows=[_row("e1", "GPU"), _row("e1", "HBM")])
+    answer = index.query_hashes(hashes)
+    assert answer == _reference_answers(index, hashes, TOKENS)[1]
+    assert answer["kvstream"]["e1"]["0"]["prefix_blocks"] == {"GPU": 4, "HBM": 4}
+    assert index.prefix_match(hashes)[0]["prefix_blocks"] == {"GPU": 4, "HBM": 4}
+
+
+def _prefix_match_rows_before(runs):
+    """prefix_match_rows as it was written before it ranked tuples (the oracle of its rewrite)."""
+    rows = [{"instance_id": instance, "data_parallel_rank": rank, "matched_blocks": run.any,
+             "prefix_blocks": {tier: n for tier, n in sorted(run.tiers.items()) if n},
+             "score": round(run.score, 6)}
+            for (instance, rank), run in runs.items() if run.any]
+    return sorted(rows, key=lambda r: (-r["score"], -r["matched_blocks"], r["instance_id"], r["data_parallel_rank"]))
+
+
+def _instances_answer_before(runs, block_size_of):
+    """instances_answer as it was written before (the oracle of its rewrite)."""
+    names = ("GPU", "CPU", "DISK")
+    instances, scores, detail = {}, {}, {}
+    for (instance, rank), run in sorted(runs.items(), key=lambda item: item[0]):
+        if not run.any:
+            continue
+        size = block_size_of(instance)
+        answer = instances.get(instance)
+        if answer is None:
+            answer = instances[instance] = {"longest_matched": 0, **{name: 0 for name in names}, "DP": {}}
+        answer["longest_matched"] = max(answer["longest_matched"], run.any * size)
+        for name, blocks in zip(names, run.classes):
+            answer[name] = max(answer[name], blocks * size)
+        answer["DP"][str(rank)] = run.any * size
+        scores.setdefault(instance, {})[str(rank)] = run.any * size
+        detail.setdefault(instance, {})[str(rank)] = {
+            "matched_blocks": run.any, "block_size": size,
+            "prefix_blocks": {tier: n for tier, n in sorted(run.tiers.items()) if n}, "score": round(run.score, 6)}
+    return {"instances": instances, "scores": scores, "kvstream": detail}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(
+    st.tuples(st.sampled_from(["a", "b", "c", "e10"]), st.integers(0, 3)),
+    st.tuples(st.integers(0, 6), st.sampled_from([0.0, 1.0, 1.8, 2.3000001, 2.3000004, 0.25, -0.5]),
+              st.dictionaries(st.sampled_from(["GPU", "CPU", "STORAGE", "EXTERNAL", "UNKNOWN"]), st.integers(0, 6)),
+              st.lists(st.integers(0, 6), min_size=3, max_size=3)),
+    max_size=8))
+def test_the_answers_are_built_as_before(spec):
+    import json
+
+    from stream_apps.index.scoring import PrefixRun, prefix_match_rows
+
+    runs = {key: PrefixRun(matched, score, dict(tiers), list(classes))
+            for key, (matched, score, tiers, classes) in spec.items()}
+    sizes = {"a": 16, "b": 512, "c": 1, "e10": 16}.__getitem__
+    assert json.dumps(prefix_match_rows(runs)) == json.dumps(_prefix_match_rows_before(runs))
+    assert json.dumps(instances_answer(runs, sizes)) == json.dumps(_instances_answer_before(runs, sizes))

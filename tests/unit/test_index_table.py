@@ -11,7 +11,9 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from schemas.tiers import TIERS
 from stream_apps.index import table as table_module
+from stream_apps.index.scoring import HolderInfo, prefix_runs
 from stream_apps.index.table import PyBlockTable, block_key
 
 U64 = (1 << 64) - 1
@@ -54,6 +56,23 @@ def test_block_key_of_other_lengths_is_xxh3():
     assert block_key(digest) == xxhash.xxh3_64_intdigest(digest)
     assert block_key(b"") == xxhash.xxh3_64_intdigest(b"")
     assert block_key(b"1234567") == xxhash.xxh3_64_intdigest(b"1234567")
+
+
+def test_block_keys_is_block_key_of_each_hash():
+    hashes = [bytes(range(8)), b"\xff" * 8, b"\x00" * 8, b"", b"1234567", bytes(range(32)), bytearray(b"abcdefgh"),
+              memoryview(b"12345678"), bytearray(b"123456789")]
+    expected = [block_key(h) for h in hashes]
+    compiled = compiled_class()
+    import stream_apps.index._table as compiled_module
+
+    assert compiled is compiled_module.BlockTable
+    for block_keys in (table_module._block_keys, compiled_module.block_keys, table_module.block_keys):
+        assert block_keys(hashes) == expected
+        assert block_keys(tuple(hashes)) == expected and block_keys(iter(hashes)) == expected
+        assert block_keys([]) == []
+        for bad in ([None], [b"12345678", 5]):
+            with pytest.raises(TypeError):
+                block_keys(bad)
 
 
 def test_pure_python_variable_chooses_the_python_table(monkeypatch):
@@ -258,6 +277,167 @@ def test_a_block_of_thousands_of_holders(table):
     assert table.content_walk([100]) == [tuple(holders[-500:-1])]
 
 
+# -- scored lookups: chain_runs, content_runs -----------------------------------------------------------------
+
+#: Tier indices (schemas.TIERS order) and the weights the scored tests use (FleetIndex's defaults, UNKNOWN and
+#: EXTERNAL at scoring.OTHER_TIER_WEIGHT).
+GPU, CPU, STORAGE, EXTERNAL, UNKNOWN = range(5)
+WEIGHTS = (1.0, 0.8, 0.5, 0.25, 0.25)
+
+
+def _runs_table(table):
+    """Holders 0..5: group 0 = holders 0 (GPU), 1 (CPU), 2 (STORAGE); group 7 = holders 3 (GPU), 4 (UNKNOWN);
+    group 9 = holder 5 (EXTERNAL). Chain 10, 11, 12, 13 (contents 100..103)."""
+    for holder, group, tier in ((0, 0, GPU), (1, 0, CPU), (2, 0, STORAGE), (3, 7, GPU), (4, 7, UNKNOWN),
+                                (5, 9, EXTERNAL)):
+        table.set_holder(holder, group, tier)
+    table.replace(10, 0, [0, 3, 4], None, 100)
+    table.replace(11, 0, [1, 2, 3], 10, 101)
+    table.replace(11, 1, [5], None, None)  # group 9 holds block 1 but not block 0: no run
+    table.replace(12, 0, [2, 4], 11, 102)
+    table.replace(13, 0, [0], 12, 103)
+    return table
+
+
+def test_chain_runs_per_group_tier_and_class(table):
+    _runs_table(table)
+    assert table.chain_runs([10, 11, 12, 13], WEIGHTS) == [
+        # group 0: block 0 on GPU, 1 on CPU and STORAGE, 2 on STORAGE, 3 on GPU: any 4; GPU run 1 (a gap at 1),
+        # CPU 0, STORAGE 0 (not at block 0); classes GPU 1, GPU+CPU 2, DISK 4; score 1 + 0.8 + 0.5 + 1
+        (0, 4, 3.3, (1, 0, 0, 0, 0), (1, 2, 4)),
+        # group 7: GPU and UNKNOWN at 0, GPU at 1, UNKNOWN at 2, nothing at 3
+        (7, 3, 2.25, (2, 0, 0, 0, 1), (2, 2, 2)),
+    ]
+    assert table.chain_runs([10, 11, 12, 13], WEIGHTS) == table.chain_runs((10, 11, 12, 13, 99), WEIGHTS)
+    assert table.content_runs([100, 101, 102, 103], WEIGHTS) == table.chain_runs([10, 11, 12, 13], WEIGHTS)
+    assert table.chain_runs([11, 12], WEIGHTS) == [(0, 2, 1.3, (0, 1, 2, 0, 0), (0, 1, 2)),
+                                                  (7, 2, 1.25, (1, 0, 0, 0, 0), (1, 1, 1)),
+                                                  (9, 1, 0.25, (0, 0, 0, 1, 0), (0, 0, 1))]
+    assert table.chain_runs([], WEIGHTS) == [] and table.chain_runs([99, 10], WEIGHTS) == []
+    assert table.content_runs([], WEIGHTS) == [] and table.content_runs([101], WEIGHTS) == []
+    # the best weight per block, whatever the tiers' order; an unweighted tier can win
+    assert table.chain_runs([10], (0.1, 0.2, 0.3, 0.4, 7.0))[1][2] == 7.0
+
+
+def test_chain_runs_filters_by_holder(table):
+    _runs_table(table)
+    chain = [10, 11, 12, 13]
+    refuse_gpu_0 = bytes([0, 1, 1, 1, 1, 1])
+    # group 0 without holder 0 misses block 0; group 7 unchanged
+    assert table.chain_runs(chain, WEIGHTS, refuse_gpu_0) == [(7, 3, 2.25, (2, 0, 0, 0, 1), (2, 2, 2))]
+    assert table.chain_runs(chain, WEIGHTS, bytearray(refuse_gpu_0)) == table.chain_runs(chain, WEIGHTS,
+                                                                                          refuse_gpu_0)
+    assert table.chain_runs(chain, WEIGHTS, memoryview(refuse_gpu_0)) == table.chain_runs(chain, WEIGHTS,
+                                                                                           refuse_gpu_0)
+    # holders past the mask's end do not count: only 0 and 1
+    assert table.chain_runs(chain, WEIGHTS, b"\x01\x01") == [(0, 2, 1.8, (1, 0, 0, 0, 0), (1, 2, 2))]
+    assert table.chain_runs(chain, WEIGHTS, b"") == []
+    calls = []
+
+    def no_unknown(holder):
+        calls.append(holder)
+        return holder != 4
+
+    assert table.chain_runs(chain, WEIGHTS, no_unknown) == [(0, 4, 3.3, (1, 0, 0, 0, 0), (1, 2, 4)),
+                                                            (7, 2, 2.0, (2, 0, 0, 0, 0), (2, 2, 2))]
+    assert calls == [0, 1, 2, 3, 4, 5]  # each holder of the walk once, ascending, before the scoring
+    calls.clear()
+    assert table.content_runs([100, 101], WEIGHTS, no_unknown) == table.chain_runs([10, 11], WEIGHTS, no_unknown)
+    assert calls == [0, 1, 2, 3, 4, 5] * 2
+
+
+def test_a_filter_may_use_and_change_the_table(table):
+    _runs_table(table)
+    expected = table.chain_runs([10, 11, 12, 13], WEIGHTS)
+
+    def busy(holder):
+        # queries reuse the compiled table's scratch, changes move its arrays: the walk was taken before
+        table.holders_at([10, 11, 12])
+        table.chain_runs([11, 12], WEIGHTS, lambda h: True)
+        table.content_runs([100, 101], WEIGHTS)
+        for block in range(1000, 1300):
+            table.replace(block, 0, [holder, 40], None, block)
+        table.set_holder(40 + holder, 3, GPU)
+        return True
+
+    assert table.chain_runs([10, 11, 12, 13], WEIGHTS, busy) == expected
+    assert len(table) == 304
+
+
+def test_set_holder_registers_and_overwrites(table):
+    assert table.holder_info_end == 0 and table.holder_info(0) is None
+    table.set_holder(3, 5, STORAGE)
+    assert (table.holder_info_end, table.holder_info(3), table.holder_info(2), table.holder_info(99)) == (
+        4, (5, STORAGE), None, None)
+    table.replace(1, 0, [3], None, None)
+    assert table.chain_runs([1], WEIGHTS) == [(5, 1, 0.5, (0, 0, 1, 0, 0), (0, 0, 1))]
+    table.set_holder(3, 6, GPU)  # another group and tier from now on
+    assert table.chain_runs([1], WEIGHTS) == [(6, 1, 1.0, (1, 0, 0, 0, 0), (1, 1, 1))]
+    table.set_holder((1 << 24) - 1, (1 << 24) - 1, UNKNOWN)
+    assert table.holder_info_end == 1 << 24
+    table.clear()  # forgets the metadata with the blocks
+    assert table.holder_info_end == 0 and table.holder_info(3) is None
+
+
+@pytest.mark.parametrize("args, error", [((-1, 0, 0), OverflowError), ((1 << 24, 0, 0), OverflowError),
+                                         ((0, 1 << 24, 0), OverflowError), ((0, -1, 0), OverflowError),
+                                         ((0, 0, 5), ValueError), ((0, 0, -1), ValueError),
+                                         ((0, 0, 1 << 70), ValueError), ((0.0, 0, 0), TypeError),
+                                         ((0, "1", 0), TypeError), ((0, 0, 1.0), TypeError)])
+def test_set_holder_checks_its_arguments(table, args, error):
+    with pytest.raises(error):
+        table.set_holder(*args)
+    assert table.holder_info_end == 0
+
+
+def test_scored_lookups_check_their_arguments(table):
+    _runs_table(table)
+    for query, keys in ((table.chain_runs, [10, 11]), (table.content_runs, [100, 101])):
+        for weights, error in (((1.0,) * 4, ValueError), ((1.0,) * 6, ValueError), (None, TypeError),
+                               ((1.0, 1.0, 1.0, 1.0, "1"), TypeError), ((1.0, None, 1.0, 1.0, 1.0), TypeError),
+                               ((1.0, 1.0, float("nan"), 1.0, 1.0), ValueError)):
+            with pytest.raises(error):
+                query(keys, weights)
+        for allowed in ({0, 1}, 3, "abc"):
+            with pytest.raises(TypeError):
+                query(keys, WEIGHTS, allowed)
+        with pytest.raises(OverflowError):
+            query([10, -1], WEIGHTS)
+        with pytest.raises(TypeError):
+            query([10, 1.0], WEIGHTS)
+        # ints and infinities are numbers: group 7 holds block 0 on UNKNOWN
+        assert [run[2] for run in query(keys, [1, 0, 0, 0, float("inf")])] == [1.0, float("inf")]
+
+    def refuse(holder):
+        raise LookupError(holder)
+
+    with pytest.raises(LookupError):
+        table.chain_runs([10], WEIGHTS, refuse)
+    table.replace(11, 0, [1, 2, 3, 77], None, None)  # holder 77 has no metadata
+    with pytest.raises(KeyError, match="holder 77"):
+        table.chain_runs([10, 11], WEIGHTS)
+    with pytest.raises(KeyError, match="holder 77"):
+        table.content_runs([100, 101], WEIGHTS, b"\x01" * 100)
+    # a holder a filter refuses needs metadata too (as scoring.prefix_runs looks every holder up); one past
+    # the depth the runs end at does not: the scoring never reaches it
+    with pytest.raises(KeyError, match="holder 77"):
+        table.chain_runs([10, 11], WEIGHTS, b"\x01" * 10)
+    table.replace(10, 0, [0], None, None)
+    table.replace(11, 0, [77], None, None)
+    with pytest.raises(KeyError):
+        table.chain_runs([10, 11], WEIGHTS)
+    table.replace(12, 0, [0], 11, None)
+    table.replace(11, 0, [3], None, None)
+    table.replace(13, 0, [77], 12, None)
+    assert table.chain_runs([10, 11, 13], WEIGHTS) == [(0, 1, 1.0, (1, 0, 0, 0, 0), (1, 1, 1))]
+    # the largest holder id a link may have: no metadata possible, a filter's verdicts stay small
+    table.replace(10, 1, [(1 << 32) - 1], None, None)
+    seen = []
+    with pytest.raises(KeyError, match=f"holder {(1 << 32) - 1}"):
+        table.chain_runs([10, 11], WEIGHTS, lambda h: seen.append(h) or True)
+    assert seen == [0, 3, 5, (1 << 32) - 1]
+
+
 # -- dump, size, errors ---------------------------------------------------------------------------------------
 
 
@@ -384,6 +564,10 @@ def test_compiled_and_python_agree_on_a_large_random_run(seed):
     # chains of equal content under different keys (engines of different hash seeds), for the content walk
     chains = [[rng.getrandbits(64) for _ in range(10)] for _ in range(20)]
     py, c = PyBlockTable(), compiled_class()()
+    for t in (py, c):  # groups of 3 holders of mixed tiers, for the scored lookups
+        for h in holders:
+            t.set_holder(h, h // 3, h % 5)
+    weights = (1.0, 0.8, 0.5, 0.25, 0.1)
     for step in range(30000):
         roll = rng.random()
         if roll < 0.3:
@@ -412,10 +596,119 @@ def test_compiled_and_python_agree_on_a_large_random_run(seed):
                 [rng.choice(contents[:3]) for _ in range(rng.randint(1, 6))]
             assert c.content_walk(walk) == py.content_walk(walk)
             assert c.content_walk_blocks(walk) == py.content_walk_blocks(walk)
+            mask = bytes(rng.randint(0, 1) for _ in range(rng.randint(0, 70)))
+            assert c.chain_runs(chain, weights) == py.chain_runs(chain, weights)
+            assert c.chain_runs(chain, weights, mask) == py.chain_runs(chain, weights, mask)
+            assert c.content_runs(walk, weights, mask) == py.content_runs(walk, weights, mask)
         if step % 5000 == 0:
             _compare(py, c, holders, rng.sample(keys, 30), contents[:10])
     _compare(py, c, holders, keys, contents[:10])
     for chain in chains:
         assert c.holders_at(chain) == py.holders_at(chain)
+        assert c.chain_runs(chain, weights) == py.chain_runs(chain, weights)
+    assert c.content_runs(contents[:10], weights) == py.content_runs(contents[:10], weights)
+    assert any(c.chain_runs(chain, weights) for chain in chains)
     assert len(c) > 500
     assert len(c.content_walk(contents[:10])) > 1
+
+
+# -- scored lookups, compiled against Python and against a brute force ---------------------------------------
+
+#: The cumulative classes' tiers (scoring.TIER_CLASSES): GPU; GPU, CPU; GPU, CPU, STORAGE, EXTERNAL.
+CLASS_TIERS = ({GPU}, {GPU, CPU}, {GPU, CPU, STORAGE, EXTERNAL})
+
+
+def brute_force_runs(held, info, weights, counts):
+    """The runs by their definition, one group at a time: the longest prefix of depths where the group's
+    counted holders are present (any; per tier; per class), the score the sum of each such depth's best weight.
+    ``held``: the walk's holders per depth; ``info``: holder -> (group, tier); ``counts``: holder -> bool."""
+    def tiers_at(group, depth):
+        return {info[h][1] for h in held[depth] if counts(h) and info[h][0] == group}
+
+    def run_of(group, tiers):
+        depth = 0
+        while depth < len(held) and tiers_at(group, depth) & tiers:
+            depth += 1
+        return depth
+
+    groups = []
+    for h in (held[0] if held else ()):
+        if counts(h) and info[h][0] not in groups:
+            groups.append(info[h][0])
+    out = []
+    for group in groups:
+        matched = run_of(group, set(range(5)))
+        score = 0.0
+        for depth in range(matched):
+            score += max(weights[t] for t in tiers_at(group, depth))
+        out.append((group, matched, score, tuple(run_of(group, {t}) for t in range(5)),
+                    tuple(run_of(group, tiers) for tiers in CLASS_TIERS)))
+    return out
+
+
+@st.composite
+def scored_scenarios(draw):
+    """A table of a few chains of equal content under different keys (engines of different hash seeds), each
+    block held by a few of up to 10 holders in up to 2 scopes (none: the block is absent); every holder's group
+    (several ranks and tiers per group) and tier; a chain and a token path to ask, weights and a filter."""
+    holders = draw(st.integers(1, 10))
+    info = [(draw(st.integers(0, 4)), draw(st.integers(0, 4))) for _ in range(holders)]
+    depth = draw(st.integers(0, 7))
+    contents = draw(st.lists(st.integers(0, 3), min_size=depth, max_size=depth))
+    seeds = draw(st.integers(1, 3))
+    links = [[[draw(st.lists(st.integers(0, holders - 1), max_size=4)) for _ in range(2)] for _ in range(depth)]
+             for _ in range(seeds)]
+    ask = draw(st.integers(0, seeds - 1))
+    extra = draw(st.lists(st.sampled_from([999, 100]), max_size=2))
+    weights = tuple(draw(st.lists(st.sampled_from([0.0, 1.0, 0.8, 0.5, 0.25, -1.0, 0.1, 3.0]), min_size=5,
+                                  max_size=5)))
+    kind = draw(st.sampled_from(["none", "mask", "callable"]))
+    mask = bytes(draw(st.lists(st.integers(0, 2), max_size=holders + 2)))
+    return info, contents, links, ask, extra, weights, kind, mask
+
+
+def _build_scored(table, info, contents, links) -> None:
+    for holder, (group, tier) in enumerate(info):
+        table.set_holder(holder, group, tier)
+    for seed, blocks in enumerate(links):
+        for d, scopes in enumerate(blocks):
+            for scope, held in enumerate(scopes):
+                table.replace(seed * 100 + d, scope, held, None if d == 0 else seed * 100 + d - 1, contents[d])
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scored_scenarios())
+def test_scored_lookups_agree_with_python_and_the_definition(scenario):
+    info, contents, links, ask, extra, weights, kind, mask = scenario
+    py, c = PyBlockTable(), compiled_class()()
+    _build_scored(py, info, contents, links)
+    _build_scored(c, info, contents, links)
+    calls = {"py": [], "c": []}
+    if kind == "none":
+        allowed = {"py": None, "c": None}
+        counts = lambda h: True
+    elif kind == "mask":
+        allowed = {"py": mask, "c": bytearray(mask)}
+        counts = lambda h: h < len(mask) and mask[h] != 0
+    else:
+        allowed = {name: (lambda h, log=log: log.append(h) or (h * 7 + len(mask)) % 3 != 0)
+                   for name, log in calls.items()}
+        counts = lambda h: (h * 7 + len(mask)) % 3 != 0
+    chain = [ask * 100 + d for d in range(len(contents))] + extra
+    path = contents + extra
+    for walk, runs, keys in ((py.holders_at, "chain_runs", chain), (py.content_walk, "content_runs", path)):
+        for log in calls.values():
+            log.clear()
+        expected = getattr(py, runs)(keys, weights, allowed["py"])
+        assert getattr(c, runs)(keys, weights, allowed["c"]) == expected
+        assert calls["c"] == calls["py"]
+        held = walk(keys)
+        assert expected == brute_force_runs(held, info, weights, counts)
+        # scoring.prefix_runs, the reference over HolderInfo: group g as instance "g<g>" of rank 0, the holder
+        # id in the ownership (unused by the scoring) so that the filter can tell holders of one group and tier
+        holder_infos = [HolderInfo(f"g{group}", 0, TIERS[tier], str(h)) for h, (group, tier) in enumerate(info)]
+        reference = prefix_runs(held, holder_infos, dict(zip(TIERS, weights)),
+                                None if kind == "none" else lambda i: counts(int(i.ownership)))
+        assert [(f"g{group}", matched, score, {TIERS[t]: r for t, r in enumerate(tiers) if r}, list(classes))
+                for group, matched, score, tiers, classes in expected] == [
+            (key[0], run.any, run.score, run.tiers, run.classes) for key, run in reference.items()]
