@@ -19,12 +19,14 @@ from kvstream.client import IndexClient
 from kvstream.worker import spawn_worker, stop_worker, wait_until_consumed
 from producers.kafka_sink import KvEventProducer
 from producers.split import Publisher, split_event
-from schemas.topics import KV_EVENTS
+from schemas.topics import KV_EVENTS, TopicNames
 from stream_apps.settings import WorkerSettings
 
 pytestmark = pytest.mark.integration
 
 PARTITIONS = 4
+#: Topics of their own: kv-events is shared by the session's other tests, which must not see these sources.
+PREFIX = "index-test."
 APP_ID = "kvstream-index-test"
 BLOCK = 4
 TOKENS = list(range(1000, 1016))  # four blocks of four tokens
@@ -44,7 +46,7 @@ def _stored(hashes, tokens, parent=None, medium="GPU", extra_keys=None, lora_nam
 def _publish(bootstrap: str) -> None:
     """As vLLM 0.33's publisher shapes them: a plain chain, a LoRA chain (``[['adapter-1']] * n``), a salted chain
     (``[['tenant-1'], None, ...]``), and a chain whose GPU copies were evicted after a tokenless CPU store."""
-    producer = KvEventProducer(bootstrap, KV_EVENTS)
+    producer = KvEventProducer(bootstrap, PREFIX + KV_EVENTS)
     seqs: dict = {}
 
     def send(publisher: Publisher, *events: dict) -> None:
@@ -87,22 +89,23 @@ def _wait_ready(url: str, timeout_s: float = 120) -> None:
 
 @pytest.fixture(scope="module")
 def fleet(kafka_bootstrap, tmp_path_factory):
-    ensure_topics(kafka_bootstrap, {KV_EVENTS: PARTITIONS})
+    ensure_topics(kafka_bootstrap, {PREFIX + KV_EVENTS: PARTITIONS})
     _publish(kafka_bootstrap)
     work = tmp_path_factory.mktemp("index-fleet")
     workers, urls = [], []
     for i in range(3):
         settings = WorkerSettings(bootstrap_servers=kafka_bootstrap, web_port=free_port(), data_dir=work / f"w{i}",
-                                  partitions=PARTITIONS, app_id=APP_ID, store="memory://")
+                                  partitions=PARTITIONS, app_id=APP_ID, topic_prefix=PREFIX, store="memory://")
         workers.append(spawn_worker(settings, work / f"worker-{i}.log"))
         urls.append(f"http://127.0.0.1:{settings.web_port}")
     index_port = free_port()
     with open(work / "index.log", "ab") as log:
         index = subprocess.Popen([sys.executable, "-m", "kvstream.cli", "index", "--bootstrap-servers",
-                                  kafka_bootstrap, "--app-id", APP_ID, "--web-port", str(index_port),
-                                  "--default-block-size", str(BLOCK)], stdout=log, stderr=subprocess.STDOUT)
+                                  kafka_bootstrap, "--app-id", APP_ID, "--topic-prefix", PREFIX, "--web-port",
+                                  str(index_port), "--default-block-size", str(BLOCK)], stdout=log,
+                                 stderr=subprocess.STDOUT)
     try:
-        wait_until_consumed(kafka_bootstrap, APP_ID, workers[0], timeout_s=300)
+        wait_until_consumed(kafka_bootstrap, TopicNames(APP_ID, PREFIX), workers[0], timeout_s=300)
         index_url = f"http://127.0.0.1:{index_port}"
         for url in [*urls, index_url]:
             _wait_ready(url)

@@ -21,13 +21,15 @@ from kvstream.worker import spawn_worker, stop_worker, wait_until_consumed
 from producers.kafka_sink import KvEventProducer
 from producers.split import Publisher, source_event, split_event
 from schemas import SOURCE_HEARTBEAT
-from schemas.topics import KV_EVENTS, changelog_topic
+from schemas.topics import KV_EVENTS, TopicNames
 from stream_apps.settings import WorkerSettings
 from stream_apps.snapshot import read_table, resident_rows
 
 pytestmark = pytest.mark.integration
 
-PARTITIONS = 2
+PARTITIONS = 4
+#: Topics of their own: kv-events is shared by the session's other tests, which must not see these sources.
+PREFIX = "liveness-test."
 APP_ID = "kvstream-liveness-test"
 LEASE_S = 4.0
 EXPIRY_S = 20.0
@@ -71,8 +73,8 @@ def _until(read, expected, timeout_s: float):
 
 @pytest.fixture(scope="module")
 def fleet(kafka_bootstrap, tmp_path_factory):
-    ensure_topics(kafka_bootstrap, {KV_EVENTS: PARTITIONS})
-    producer = KvEventProducer(kafka_bootstrap, KV_EVENTS)
+    ensure_topics(kafka_bootstrap, {PREFIX + KV_EVENTS: PARTITIONS})
+    producer = KvEventProducer(kafka_bootstrap, PREFIX + KV_EVENTS)
     alive, dying, leaving = Publisher("alive"), Publisher("dying"), Publisher("leaving")
     for seed, publisher in enumerate((alive, dying, leaving), start=1):
         for record in split_event(publisher, 0, time.time(), 0, _stored(seed)):
@@ -88,23 +90,23 @@ def fleet(kafka_bootstrap, tmp_path_factory):
             stop.wait(1.0)
 
     beater = threading.Thread(target=beat, daemon=True)
-    beater.start()
     work = tmp_path_factory.mktemp("liveness")
     workers, urls = [], []
     for i in range(2):
         settings = WorkerSettings(bootstrap_servers=kafka_bootstrap, web_port=free_port(), data_dir=work / f"w{i}",
-                                  partitions=PARTITIONS, app_id=APP_ID, store="memory://", source_lease_s=LEASE_S,
-                                  source_expiry_s=EXPIRY_S)
+                                  partitions=PARTITIONS, app_id=APP_ID, topic_prefix=PREFIX, store="memory://",
+                                  source_lease_s=LEASE_S, source_expiry_s=EXPIRY_S)
         workers.append(spawn_worker(settings, work / f"worker-{i}.log"))
         urls.append(f"http://127.0.0.1:{settings.web_port}")
     index_port = free_port()
     with open(work / "index.log", "ab") as log:
         index = subprocess.Popen([sys.executable, "-m", "kvstream.cli", "index", "--bootstrap-servers",
-                                  kafka_bootstrap, "--app-id", APP_ID, "--web-port", str(index_port),
-                                  "--default-block-size", "4", "--source-lease-s", str(LEASE_S)],
+                                  kafka_bootstrap, "--app-id", APP_ID, "--topic-prefix", PREFIX, "--web-port",
+                                  str(index_port), "--default-block-size", "4", "--source-lease-s", str(LEASE_S)],
                                  stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_until_consumed(kafka_bootstrap, APP_ID, workers[0], timeout_s=300)
+        wait_until_consumed(kafka_bootstrap, TopicNames(APP_ID, PREFIX), workers[0], timeout_s=300)
+        beater.start()  # after: a steady stream of heartbeats would keep the group from ever being caught up
         for url in urls:
             for instance in ("alive", "dying", "leaving"):
                 assert _post(f"{url}/register", {"instance_id": instance, "block_size": 4})[0] == 200
@@ -115,7 +117,8 @@ def fleet(kafka_bootstrap, tmp_path_factory):
         raise
     finally:
         stop.set()
-        beater.join(10)
+        if beater.is_alive():
+            beater.join(10)
         index.terminate()
         index.wait(30)
         for process in workers:
@@ -140,11 +143,11 @@ def test_a_source_without_events_or_heartbeats_leaves_every_answer_within_a_leas
 
 def test_a_source_down_for_the_expiry_is_cleared_from_the_tables(fleet):
     def dying_rows() -> int:
-        table = read_table(fleet["bootstrap"], changelog_topic(APP_ID, "residency"), "residency")
+        table = read_table(fleet["bootstrap"], TopicNames(APP_ID, PREFIX).changelog("residency"), "residency")
         return sum(1 for identity in resident_rows(table) if identity[0] == "dying")
     assert _until(dying_rows, 0, 90) == 0
     assert {identity[0] for identity in resident_rows(read_table(
-        fleet["bootstrap"], changelog_topic(APP_ID, "residency"), "residency"))} == {"alive", "leaving"}
+        fleet["bootstrap"], TopicNames(APP_ID, PREFIX).changelog("residency"), "residency"))} == {"alive", "leaving"}
 
 
 def test_unregister_removes_every_tier_of_an_instance_on_every_worker_and_index(fleet):
@@ -152,5 +155,5 @@ def test_unregister_removes_every_tier_of_an_instance_on_every_worker_and_index(
     assert status == 200 and answer == {"status": "unregistered successfully", "removed_instances": ["leaving"]}
     for url in fleet["all"]:
         assert _until(lambda url=url: _matched(url), {"alive"}, 60) == {"alive"}
-    records = [m for m in messages_to_end(fleet["bootstrap"], KV_EVENTS) if m.key() is None]
+    records = [m for m in messages_to_end(fleet["bootstrap"], PREFIX + KV_EVENTS) if m.key() is None]
     assert len(records) >= PARTITIONS  # a source-wide event on every partition
