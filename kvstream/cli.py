@@ -61,9 +61,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     config = FleetConfig(instances=settings.instances, gpu_blocks=settings.gpu_blocks, cpu_blocks=settings.cpu_blocks,
                          kvcr_blocks=settings.kvcr_blocks)
     with tqdm(total=len(requests), unit="req", disable=None) as bar:
-        result = replay_to_kafka(requests, producer, config, progress=bar.update)
+        result = replay_to_kafka(requests, producer, config, progress=bar.update,
+                                 heartbeat_interval_s=settings.heartbeat_interval_s)
     print(f"{result.records:,} block events ({result.messages:,} Kafka messages) in {result.seconds:.1f}s: "
-          f"{result.messages / result.seconds:,.0f} events/s")
+          f"{result.messages / result.seconds:,.0f} events/s; {result.heartbeats:,} heartbeats")
     if settings.ground_truth:
         rows = [{"instance_id": i, "data_parallel_rank": dp, "tier": tier, "ownership": own, "locality": loc,
                  "group_idx": group, "block_hash": h.hex(), "copies": copies}
@@ -284,7 +285,9 @@ def _cmd_bridge(args: argparse.Namespace) -> int:
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.metrics_bind, registry=metrics.registry)
     bridge = Bridge(endpoints, KafkaBatchSink(producer, metrics), zmq_topic=settings.zmq_topic.encode(),
-                    metrics=metrics, state_file=settings.state_file)
+                    metrics=metrics, state_file=settings.state_file,
+                    heartbeat_interval_s=settings.heartbeat_interval_s,
+                    probe_timeout_s=settings.heartbeat_probe_timeout_s)
     stopping = _stop_on_sigterm()
     for e in endpoints:
         print(f"subscribed to {e.endpoint} (replay: {e.replay_endpoint or 'none'}) as {e.label}")
@@ -344,12 +347,18 @@ def _cmd_produce(args: argparse.Namespace) -> int:
         return 2
     producer = KvEventProducer.from_settings(settings)
     metrics = BridgeMetrics()
-    produce_capture(settings.jsonl, KafkaBatchSink(producer, metrics), metrics, settings.engine)
+    bridge = produce_capture(settings.jsonl, KafkaBatchSink(producer, metrics), metrics, settings.engine)
+    # one heartbeat per source at the end: the workers' leases (their clock of arrival) start now, whatever the
+    # capture's timestamps; the sources then lapse one lease later, as nothing more will come from them. A file
+    # none of whose inputs became a record has no source to keep alive, and gets none.
+    before = producer.stats.sent
+    sources = bridge.send_heartbeats() if producer.stats.sent > producer.stats.dead_lettered else 0
+    heartbeat_messages = producer.stats.sent - before
     stats = producer.flush()
-    accepted = stats.acked - stats.dead_lettered
+    accepted = stats.acked - stats.dead_lettered - heartbeat_messages
     dead_letter = settings.dead_letter_topic
-    print(f"produced {accepted:,} messages to {settings.events_topic} from {settings.jsonl}; "
-          f"{stats.dead_lettered:,} inputs to the dead-letter topic {dead_letter}")
+    print(f"produced {accepted:,} messages to {settings.events_topic} from {settings.jsonl} and a heartbeat of each "
+          f"of its {sources:,} sources; {stats.dead_lettered:,} inputs to the dead-letter topic {dead_letter}")
     if accepted:
         return 0
     if stats.dead_lettered:
@@ -456,7 +465,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("simulate", help="replay a trace through the simulated fleet into kv-events",
                        description="Route each request of a Mooncake-format trace to a simulated instance by prefix "
                                    "affinity, simulate its GPU pool, CPU offload tier and KVCR secondary tier, and "
-                                   "produce the resulting vLLM-shaped events, one Kafka message per block.")
+                                   "produce the resulting vLLM-shaped events, one Kafka message per block. Each "
+                                   "simulated publisher gets a heartbeat every --heartbeat-interval-s while the "
+                                   "replay runs, and one at its end.")
     add_settings_arguments(p, SimulateSettings)
     p.set_defaults(func=_cmd_simulate)
 
@@ -498,8 +509,12 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Subscribe to engine KV event publishers (vLLM --kv-events-config, SGLang "
                                    "--kv-events-config) and produce their events to Kafka, one message per block, "
                                    "keyed by canonical block hash. Gaps are replayed from the publisher's replay "
-                                   "socket (a DEALER); a seq that goes backwards starts a new publisher epoch; "
-                                   "undecodable input goes to kv-events-dead-letter. Stop with Ctrl-C or SIGTERM.",
+                                   "socket (a DEALER), and so is what the bridge has not seen whenever its "
+                                   "connection comes up; a seq that goes backwards starts a new publisher epoch; "
+                                   "undecodable input goes to kv-events-dead-letter. Every --heartbeat-interval-s "
+                                   "each source gets a heartbeat while its engine shows it is alive (its batches, "
+                                   "an answer of its replay socket, or its connection up). Stop with Ctrl-C or "
+                                   "SIGTERM.",
                        epilog="Example, one vLLM engine with 2 data-parallel ranks started with "
                               "--kv-events-config '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
                               "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5567\"}': "
@@ -518,7 +533,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("produce", help="publish a capture file (JSON lines) to kv-events through the bridge's path",
                        description="Publish a file written by 'kvstream capture' (or any file in its format) "
                                    "exactly as the bridge publishes a live stream: sequence, restart and epoch "
-                                   "handling, per-block messages, dead letters.")
+                                   "handling, per-block messages, dead letters. At the end it sends one "
+                                   "heartbeat (SourceHeartbeat, evidence 'producing') per source of the file, so "
+                                   "the workers' leases of those sources start at load time (the lease runs on "
+                                   "the workers' clock of arrival, not the capture's timestamps) and lapse one "
+                                   "lease (kvstream worker --source-lease-s) later.")
     add_settings_arguments(p, ProduceSettings)
     p.set_defaults(func=_cmd_produce)
 

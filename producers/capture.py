@@ -17,7 +17,12 @@ msgpack bytes (hex), so nothing is lost silently.
 ``kvstream produce --jsonl`` re-encodes each line as the msgpack batch it was
 and hands it to :class:`producers.bridge.Bridge`'s sequencing (gaps, restarts
 and epochs are handled as live; there is no replay socket, so a gap is lost)
-and to the same Kafka sink.
+and to the same Kafka sink. At the end it sends one heartbeat per source of the
+file (``SourceHeartbeat``, evidence ``producing``,
+:meth:`producers.bridge.Bridge.send_heartbeats`): the workers' leases of those
+sources run on their clock of arrival, so they start at load time, whatever the
+capture's timestamps, and lapse one lease later. A capture has no heartbeats of
+its own (:meth:`CaptureSink.source_event` writes none).
 """
 
 from __future__ import annotations
@@ -88,7 +93,8 @@ class CaptureSink:
         self.out.flush()
 
     def source_event(self, publisher: Publisher, kind: str, body: dict, seq: int) -> None:
-        """Not written: ``produce`` finds restarts (seq going back) and lost batches (gaps) in the file again."""
+        """Not written: ``produce`` finds restarts (seq going back) and lost batches (gaps) in the file again, and
+        sends heartbeats of its own at its end (the capture's would be stale by then)."""
 
 
 def read_capture(path: Path, engine: str = "vllm") -> Iterator[tuple[PublisherEndpoint, int, bytes]]:
@@ -160,7 +166,8 @@ def check_capture(path: Path, engine: str = "vllm") -> None:
 
 
 def produce_capture(path: Path, sink, metrics=None, engine: str = "vllm") -> Bridge:
-    """Publish a capture file through the bridge's sequencing into ``sink``; returns the bridge (its metrics).
+    """Publish a capture file through the bridge's sequencing into ``sink``; returns the bridge (its metrics, and
+    :meth:`producers.bridge.Bridge.send_heartbeats`, which ``kvstream produce`` calls at the end).
 
     ``engine``: the protocol of lines that do not name theirs."""
     bridge = Bridge([], sink, metrics=metrics)

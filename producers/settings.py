@@ -113,6 +113,11 @@ class SimulateSettings(_KafkaTarget):
     kvcr_blocks: int = Field(_FLEET.kvcr_blocks, ge=1, description="KVCR tier blocks per instance")
     #: Write the final residency (JSON lines, one resident row each) to this file.
     ground_truth: Path | None = Field(None, description="write the final residency to this file (JSON lines)")
+    #: Wall-clock seconds between the heartbeats (``SourceHeartbeat``, evidence ``producing``) of every simulated
+    #: publisher while the replay runs; one more each at its end. 0: none (the workers' leases then lapse).
+    heartbeat_interval_s: float = Field(5.0, ge=0, description="seconds between the heartbeats of every simulated "
+                                                               "publisher while it publishes, and one at the end; "
+                                                               "0: none")
 
 
 class BridgeSettings(_KafkaTarget, _EngineEndpoints):
@@ -126,6 +131,13 @@ class BridgeSettings(_KafkaTarget, _EngineEndpoints):
     #: Each source's epoch and last seq, so a restarted bridge continues where it stopped.
     state_file: Path = Field(Path(".kvstream/bridge-state.json"), description="state file: each source's epoch "
                                                                               "and last seq")
+    #: Seconds between a source's heartbeats (``SourceHeartbeat``), sent while there is evidence that its engine is
+    #: alive: its batches, an answer of its replay socket, or its connection up (docs/ingesting.md); 0: none.
+    heartbeat_interval_s: float = Field(5.0, ge=0, description="seconds between each source's heartbeats while its "
+                                                               "engine shows it is alive; 0: none")
+    #: How long a heartbeat's probe of the replay socket may take to answer; later, that interval has no heartbeat.
+    heartbeat_probe_timeout_s: float = Field(1.0, gt=0, description="seconds a heartbeat's probe of the replay "
+                                                                    "socket may take to answer")
 
 
 class CaptureSettings(_EngineEndpoints):

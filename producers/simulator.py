@@ -27,6 +27,10 @@ The simulator keeps the ground truth: the final residency of every (instance,
 data-parallel rank, tier, ownership, locality, group, block hash) with its
 number of copies, in the same identity the stream app materializes.
 
+While :func:`replay_to_kafka` publishes, each simulated publisher gets a ``SourceHeartbeat`` (evidence
+``producing``) every heartbeat interval of wall-clock time and one at the end, so the workers' leases of the
+simulated sources start when the replay ends.
+
 The trace gives block ids, not tokens. Each trace block's 512 tokens are derived from its id
 (:func:`trace_block_tokens`), so tests, the demo and the bench can query by token ids
 (:func:`trace_request_tokens`); the GPU stores carry each block's content hash computed from them, not the tokens
@@ -41,7 +45,7 @@ import hashlib
 import json
 import sys
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -404,6 +408,10 @@ class ClusterSimulator:
             inst.routed += 1
             yield from self._serve(inst, request, ts)
 
+    def last_seqs(self) -> dict[Publisher, int]:
+        """Each publisher that has published so far -> the seq of its last batch (what its heartbeats name)."""
+        return {publisher: seq - 1 for publisher, seq in self._seq.items()}
+
     def ground_truth(self) -> dict[tuple, int]:
         """Final residency: (instance, dp rank, tier, ownership, locality, group, block hash bytes) -> copies."""
         truth = {}
@@ -437,17 +445,27 @@ class ReplayResult:
     simulation: SimulationStats
     #: See :meth:`ClusterSimulator.ground_truth`.
     ground_truth: dict
+    #: ``SourceHeartbeat`` records produced (one per publisher each heartbeat; each is a message per partition).
+    heartbeats: int = 0
 
 
 def replay_to_kafka(requests: list[Request], producer, config: FleetConfig | None = None,
-                    progress=None) -> ReplayResult:
+                    progress=None, heartbeat_interval_s: float = 5.0,
+                    monotonic: Callable[[], float] | None = None) -> ReplayResult:
     """Simulate the fleet over ``requests`` and produce every block event through ``producer``.
+
+    While it publishes, every ``heartbeat_interval_s`` of wall-clock time, and once more at the end, each simulated
+    publisher that has published gets a ``SourceHeartbeat`` (evidence ``producing``, its epoch and last seq,
+    ``ts`` the wall clock): the workers' leases of the sources (``--source-lease-s``, on their clock of arrival) run
+    from the end of the replay, not from the trace's timestamps.
 
     Args:
         producer: a :class:`producers.kafka_sink.KvEventProducer` (anything with
             ``send(record)``, ``flush()`` and ``stats``; its ``send_event`` is used when it has one).
         progress: optional callable taking the number of requests just served
             (e.g. ``tqdm.update``).
+        heartbeat_interval_s: seconds between heartbeats; 0: none at all, not even at the end.
+        monotonic: the clock of the intervals, seconds (default :func:`time.monotonic`; tests give a fake one).
 
     Raises:
         producers.split.InvalidEvent: the simulator built an invalid event (a bug).
@@ -455,13 +473,24 @@ def replay_to_kafka(requests: list[Request], producer, config: FleetConfig | Non
     """
     import time
 
-    from producers.split import split_event
+    from producers.split import source_event, split_event
+    from schemas import SOURCE_HEARTBEAT
 
+    clock = monotonic or time.monotonic
     sim = ClusterSimulator(config)
     started = time.perf_counter()
-    records = 0
+    records = heartbeats = 0
     served = 0
     send_event = getattr(producer, "send_event", None)
+
+    def heartbeat() -> None:
+        nonlocal heartbeats
+        now = time.time()
+        for publisher, seq in sim.last_seqs().items():
+            producer.send(source_event(publisher, SOURCE_HEARTBEAT, {"evidence": "producing"}, seq, now))
+            heartbeats += 1
+
+    next_heartbeat = clock() + heartbeat_interval_s
     for batch in sim.run(requests):
         for index, event in enumerate(batch.events):
             if send_event is not None:  # the fast path: split and encoded in one step
@@ -470,8 +499,14 @@ def replay_to_kafka(requests: list[Request], producer, config: FleetConfig | Non
             for record in split_event(batch.publisher, batch.seq, batch.ts, index, event):
                 producer.send(record)
                 records += 1
+        if heartbeat_interval_s and clock() >= next_heartbeat:
+            next_heartbeat = clock() + heartbeat_interval_s
+            heartbeat()
         if progress is not None and sim.stats.requests != served:
             progress(sim.stats.requests - served)
             served = sim.stats.requests
+    if heartbeat_interval_s:
+        heartbeat()  # the leases start at the end of the replay
     stats = producer.flush()
-    return ReplayResult(records, stats.acked, time.perf_counter() - started, sim.stats, sim.ground_truth())
+    return ReplayResult(records, stats.acked, time.perf_counter() - started, sim.stats, sim.ground_truth(),
+                        heartbeats)

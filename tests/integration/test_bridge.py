@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
+import os
+import signal
+import subprocess
+import sys
 import time
 import uuid
 
@@ -13,6 +18,7 @@ from harness.payloads import VLLM_PAYLOAD
 from harness.vllm_publisher import BlockRemoved, BlockStored, FakeVllmPublisher
 from kafka_io.admin import ensure_topics
 from kafka_io.config import client_config
+from kafka_io.reader import messages_to_end
 from kvstream.broker import free_port_range, free_ports
 from producers.bridge import (
     Bridge,
@@ -24,22 +30,27 @@ from producers.bridge import (
 )
 from producers.kafka_sink import KvEventProducer
 from producers.split import rebuild_event
-from schemas import AvroCodec
+from schemas import SOURCE_HEARTBEAT, AvroCodec
 from schemas.topics import KV_EVENTS_DEAD_LETTER
 
 
 class CollectingSink:
-    """Records every batch the bridge delivers, in order."""
+    """Records every batch the bridge delivers, in order; heartbeats apart from the other source events (when they
+    come depends on the test's pace)."""
 
     def __init__(self) -> None:
         self.batches: list[tuple[str, int, int, bytes]] = []  # (instance/dp, epoch, seq, payload)
         self.source_events: list[tuple[str, dict]] = []
+        self.heartbeats: list[tuple[int, int, dict]] = []  # (epoch, seq, body)
 
     def batch(self, endpoint, publisher, seq, payload) -> None:
         self.batches.append((f"{publisher.instance_id}/{publisher.data_parallel_rank}", publisher.publisher_epoch,
                              seq, payload))
 
     def source_event(self, publisher, kind, body, seq) -> None:
+        if kind == SOURCE_HEARTBEAT:
+            self.heartbeats.append((publisher.publisher_epoch, seq, body))
+            return
         self.source_events.append((kind.rsplit(".", 1)[-1], body))
 
     def flush(self) -> None:
@@ -401,3 +412,143 @@ def test_a_restarted_bridge_continues_the_epoch_from_its_state_file(tmp_path):
         third.close()
     finally:
         publisher.close()
+
+
+# ---------------------------------------------------------------------- heartbeats and replay on connect (issue 26)
+
+INTERVAL_S, PROBE_TIMEOUT_S = 1.0, 0.5
+
+
+def _engine_process(port: int, replay_port: int, batches: int) -> subprocess.Popen:
+    """An engine in its own process (harness/vllm_publisher.py): publishes ``batches`` batches, then idles serving
+    its replay socket until killed."""
+    engine = subprocess.Popen([sys.executable, "-m", "harness.vllm_publisher", "--port", str(port), "--replay-port",
+                               str(replay_port), "--batches", str(batches)], stdout=subprocess.PIPE, text=True,
+                              cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert engine.stdout.readline().strip() == "ready"
+    return engine
+
+
+def _kafka_bridge(bootstrap: str, topic: str, endpoint: PublisherEndpoint) -> tuple[Bridge, KvEventProducer]:
+    producer = KvEventProducer(bootstrap, topic)
+    bridge = Bridge([endpoint], KafkaBatchSink(producer, BridgeMetrics()), replay_timeout_s=2,
+                    heartbeat_interval_s=INTERVAL_S, probe_timeout_s=PROBE_TIMEOUT_S)
+    return bridge, producer
+
+
+def _run(bridge: Bridge, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        bridge.poll(50)
+
+
+def _records(bootstrap: str, topic: str) -> list[dict]:
+    """Every record of the topic's partition 0 (source-wide events are on every partition), in order."""
+    codec = AvroCodec("kv_event")
+    return [codec.decode(m.value()) for m in messages_to_end(bootstrap, topic, 30) if m.partition() == 0]
+
+
+def _heartbeats(records: list[dict]) -> list[dict]:
+    return [r for r in records if r["event"][0] == SOURCE_HEARTBEAT]
+
+
+@pytest.mark.integration
+def test_an_idle_engine_keeps_getting_heartbeats(kafka_bootstrap, kafka_topic):
+    port, replay_port = free_ports(2)
+    publisher = FakeVllmPublisher(port, replay_port)
+    endpoint = PublisherEndpoint(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}", "engine-idle")
+    bridge, producer = _kafka_bridge(kafka_bootstrap, kafka_topic, endpoint)
+    try:
+        _run(bridge, 0.3)
+        publisher.publish([_stored(1)])
+        publisher.publish([_stored(2)])
+        _pump(bridge, lambda: endpoint in bridge.state and bridge.state[endpoint].last_seq == 1)
+        idle_from = time.time()
+        _run(bridge, 4.6 * INTERVAL_S)  # connected, publishing nothing, serving replay
+        producer.flush(30)
+        epoch = bridge.state[endpoint].epoch
+    finally:
+        bridge.close()
+        publisher.close()
+    beats = [r for r in _heartbeats(_records(kafka_bootstrap, kafka_topic)) if r["ts"] > idle_from + 0.1]
+    # the first interval had the batches ('events'), every later one the replay socket's answer to a probe
+    evidence = [r["event"][1]["evidence"] for r in beats]
+    assert evidence[0] in ("events", "replay") and evidence[1:] == ["replay"] * (len(beats) - 1)
+    assert evidence.count("replay") >= 3, evidence
+    assert {(r["instance_id"], r["publisher_epoch"], r["seq"]) for r in beats} == {("engine-idle", epoch, 1)}
+    gaps = [b["ts"] - a["ts"] for a, b in itertools.pairwise(beats)]
+    assert all(0.7 * INTERVAL_S < gap < 1.5 * INTERVAL_S for gap in gaps), gaps
+
+
+@pytest.mark.integration
+def test_a_killed_engines_heartbeats_stop_within_an_interval_and_the_probe_timeout(kafka_bootstrap, kafka_topic):
+    port, replay_port = free_ports(2)
+    engine = _engine_process(port, replay_port, 2)
+    endpoint = PublisherEndpoint(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}", "engine-killed")
+    bridge, producer = _kafka_bridge(kafka_bootstrap, kafka_topic, endpoint)
+    try:
+        _run(bridge, 2.5 * INTERVAL_S)
+        engine.send_signal(signal.SIGKILL)
+        engine.wait(10)
+        killed_at = time.time()
+        _run(bridge, 3 * INTERVAL_S)
+        producer.flush(30)
+    finally:
+        bridge.close()
+        if engine.poll() is None:
+            engine.kill()
+    beats = _heartbeats(_records(kafka_bootstrap, kafka_topic))
+    assert [r for r in beats if r["ts"] < killed_at], "the engine had heartbeats while it lived"
+    assert max(r["ts"] for r in beats) <= killed_at + INTERVAL_S + PROBE_TIMEOUT_S + 0.2
+    assert bridge.metrics.heartbeats_skipped.labels("engine-killed", "0")._value.get() >= 2
+
+
+@pytest.mark.integration
+def test_a_bridge_started_after_its_engine_went_idle_delivers_its_batches_within_seconds(kafka_bootstrap,
+                                                                                       kafka_topic):
+    port, replay_port = free_ports(2)
+    engine = _engine_process(port, replay_port, 5)  # publishes 5 batches before any bridge exists, then nothing
+    endpoint = PublisherEndpoint(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}", "engine-early")
+    bridge, producer = _kafka_bridge(kafka_bootstrap, kafka_topic, endpoint)
+    try:
+        started = time.monotonic()
+        _pump(bridge, lambda: endpoint in bridge.state and bridge.state[endpoint].last_seq == 4, timeout_s=5)
+        assert time.monotonic() - started < 3
+        producer.flush(30)
+        assert bridge.metrics.batches_received.labels("engine-early", "0")._value.get() == 0  # not one live batch
+    finally:
+        bridge.close()
+        engine.kill()
+        engine.wait(10)
+    blocks = [r for r in _records(kafka_bootstrap, kafka_topic) if r["block_hash"] is not None]
+    # one partition's share of the 5 blocks, in seq order, all of one epoch; no SourceStale: the buffer had them all
+    assert [r["seq"] for r in blocks] == sorted(r["seq"] for r in blocks)
+    everything = [AvroCodec("kv_event").decode(m.value()) for m in messages_to_end(kafka_bootstrap, kafka_topic, 30)]
+    assert sorted((r["seq"], int.from_bytes(r["block_hash"], "big")) for r in everything if r["block_hash"]) == [
+        (i, i) for i in range(5)]
+    assert not [r for r in everything if r["event"][0].endswith("SourceStale")]
+    assert len({r["publisher_epoch"] for r in everything}) == 1
+
+
+@pytest.mark.integration
+def test_produce_ends_with_a_heartbeat_of_each_source(kafka_bootstrap, tmp_path, capsys):
+    import json
+
+    from kvstream.cli import main
+
+    prefix = f"produce-beat-{uuid.uuid4().hex[:8]}."
+    path = tmp_path / "capture.jsonl"
+    stored = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [1],
+              "block_size": 1, "lora_id": None, "medium": "GPU", "lora_name": None}
+    lines = [{"instance_id": name, "data_parallel_rank": 0, "seq": seq, "ts": 1.0, "events": [stored]}
+             for name, seqs in (("cap-a", (0, 1, 2)), ("cap-b", (0,))) for seq in seqs]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    started = time.time()
+    assert main(["produce", f"--jsonl={path}", f"--bootstrap-servers={kafka_bootstrap}", f"--topic-prefix={prefix}",
+                 "--partitions=2"]) == 0
+    out = capsys.readouterr().out
+    assert f"produced 4 messages to {prefix}kv-events" in out and "a heartbeat of each of its 2 sources" in out
+    records = [AvroCodec("kv_event").decode(m.value()) for m in messages_to_end(kafka_bootstrap, f"{prefix}kv-events")]
+    beats = sorted((r["instance_id"], r["seq"], r["event"][1]["evidence"]) for r in _heartbeats(records))
+    assert beats == [("cap-a", 2, "producing")] * 2 + [("cap-b", 0, "producing")] * 2  # on each partition
+    assert all(r["ts"] >= started for r in _heartbeats(records))  # the load's time, not the capture's

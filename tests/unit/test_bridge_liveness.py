@@ -1,0 +1,408 @@
+"""The producers' side of source leases (issue 26): the bridge's heartbeats and replay on connect, the simulator's
+and ``produce``'s heartbeats. No Kafka: a sink that records what it is handed, publishers that follow vLLM's ZMQ
+protocol (harness/vllm_publisher.py) on localhost, and a fake clock for the heartbeat intervals, so each interval
+is ended by the test, not by waiting."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from harness.vllm_publisher import BlockStored, FakeVllmPublisher
+from kvstream.broker import free_ports
+from producers.bridge import CONNECTED, EVENTS, PROBE, REPLAY, Bridge, PublisherEndpoint, heartbeat_evidence
+
+
+class Clock:
+    """The bridge's monotonic clock, moved by the test."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@dataclass
+class SourceEvent:
+    kind: str
+    body: dict
+    seq: int
+    epoch: int
+
+
+class RecordingSink:
+    """Every batch and source event the bridge hands over, in order."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[int, int]] = []  # (epoch, seq)
+        self.events: list[SourceEvent] = []
+
+    def batch(self, endpoint, publisher, seq, payload) -> None:
+        self.batches.append((publisher.publisher_epoch, seq))
+
+    def source_event(self, publisher, kind, body, seq) -> None:
+        self.events.append(SourceEvent(kind.rsplit(".", 1)[-1], body, seq, publisher.publisher_epoch))
+
+    def flush(self) -> None:
+        """Nothing is buffered."""
+
+    def heartbeats(self) -> list[SourceEvent]:
+        return [e for e in self.events if e.kind == "SourceHeartbeat"]
+
+    def others(self) -> list[tuple[str, dict]]:
+        return [(e.kind, e.body) for e in self.events if e.kind != "SourceHeartbeat"]
+
+    def seqs(self) -> list[int]:
+        return [seq for _, seq in self.batches]
+
+
+def _stored(h: int) -> BlockStored:
+    return BlockStored([h], None, [1, 2, 3, 4], 4, None, "GPU", None, group_idx=0)
+
+
+def _pump(bridge: Bridge, done, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, "the bridge did not get there in time"
+        bridge.poll(20)
+
+
+def _settle(bridge: Bridge, seconds: float = 0.3) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        bridge.poll(20)
+
+
+@pytest.fixture
+def engines():
+    """``make(replay=True, buffer_steps=...)`` -> (publisher, endpoint); ``bridge(endpoint, ...)`` -> a Bridge on a
+    fake clock, connected; everything is closed at the end."""
+    made: list = []
+
+    class Factory:
+        def make(self, replay: bool = True, buffer_steps: int = 10_000, ports=None):
+            port, replay_port = ports or free_ports(2)
+            publisher = FakeVllmPublisher(port, replay_port if replay else None, buffer_steps=buffer_steps)
+            made.append(publisher)
+            endpoint = PublisherEndpoint(f"tcp://127.0.0.1:{port}",
+                                         f"tcp://127.0.0.1:{replay_port}" if replay else None, "engine-a")
+            return publisher, endpoint
+
+        def bridge(self, endpoint, clock=None, interval=1.0, probe_timeout=0.5, **kwargs):
+            bridge = Bridge([endpoint], RecordingSink(), replay_timeout_s=2, heartbeat_interval_s=interval,
+                            probe_timeout_s=probe_timeout, monotonic=clock or Clock(), **kwargs)
+            made.append(bridge)
+            # connected, and the replay on connect answered
+            _pump(bridge, lambda: bridge.links[endpoint].connected and bridge.links[endpoint].probe is None)
+            _settle(bridge, 0.2)  # ZMQ's slow joiner: the subscription reaches the PUB socket a moment later
+            return bridge
+
+    yield Factory()
+    for thing in reversed(made):
+        thing.close()
+
+
+def _end_interval(bridge: Bridge, clock: Clock, wait_s: float = 0.3) -> None:
+    """End the current heartbeat interval and let probes be answered (the fake clock stands still meanwhile)."""
+    clock.t += bridge.heartbeat_interval_s
+    _settle(bridge, wait_s)
+
+
+# ---------------------------------------------------------------------- the rule
+
+
+@pytest.mark.parametrize("contacted, live, replayed, connected, has_replay, expected", [
+    (False, True, True, True, True, None),        # no epoch to name before first contact
+    (True, True, False, False, True, EVENTS),     # batches this interval: alive, whatever the connection says now
+    (True, False, True, True, True, REPLAY),      # a replay on connect or a catch-up was answered this interval
+    (True, False, False, True, True, PROBE),      # idle, with a replay socket: ask it
+    (True, False, False, True, False, CONNECTED),  # idle, no replay socket: the connection is all there is
+    (True, False, True, False, True, None),       # connection down: no heartbeat, whatever was answered before
+    (True, False, False, False, False, None),
+])
+def test_heartbeat_evidence_follows_the_documented_order(contacted, live, replayed, connected, has_replay, expected):
+    assert heartbeat_evidence(contacted=contacted, live_events=live, replay_answered=replayed, connected=connected,
+                              has_replay=has_replay) == expected
+
+
+# ---------------------------------------------------------------------- heartbeats
+
+
+def test_an_idle_engine_with_a_replay_socket_gets_replay_heartbeats_with_its_epoch_and_last_seq(engines):
+    publisher, endpoint = engines.make()
+    clock = Clock()
+    bridge = engines.bridge(endpoint, clock)
+    for h in range(3):
+        publisher.publish([_stored(h)])
+    _pump(bridge, lambda: bridge.sink.seqs() == [0, 1, 2])
+    epoch = bridge.state[endpoint].epoch
+    _end_interval(bridge, clock)
+    assert [(e.body, e.seq, e.epoch) for e in bridge.sink.heartbeats()] == [({"evidence": EVENTS}, 2, epoch)]
+    requests = publisher.replay_requests
+    for _ in range(3):
+        _end_interval(bridge, clock)
+    assert [(e.body["evidence"], e.seq, e.epoch) for e in bridge.sink.heartbeats()[1:]] == [(REPLAY, 2, epoch)] * 3
+    assert publisher.replay_requests == requests + 3  # one probe per interval
+    assert bridge.sink.seqs() == [0, 1, 2] and bridge.sink.others() == []  # a probe's copy of seq 2 is dropped
+
+
+def test_an_engine_without_a_replay_socket_gets_connected_heartbeats_until_it_goes_away(engines):
+    publisher, endpoint = engines.make(replay=False)
+    clock = Clock()
+    bridge = engines.bridge(endpoint, clock)
+    publisher.publish([_stored(1)])
+    _pump(bridge, lambda: bridge.sink.seqs() == [0])
+    _end_interval(bridge, clock)
+    _end_interval(bridge, clock)
+    assert [e.body["evidence"] for e in bridge.sink.heartbeats()] == [EVENTS, CONNECTED]
+    publisher.kill()
+    _pump(bridge, lambda: not bridge.links[endpoint].connected)
+    _end_interval(bridge, clock)
+    _end_interval(bridge, clock)
+    assert len(bridge.sink.heartbeats()) == 2
+    assert bridge.metrics.heartbeats_skipped.labels("engine-a", "0")._value.get() == 2
+
+
+def test_a_source_never_contacted_gets_no_heartbeat(engines):
+    publisher, endpoint = engines.make()
+    clock = Clock()
+    bridge = engines.bridge(endpoint, clock)  # connected, its replay socket answers, but it has published nothing
+    for _ in range(3):
+        _end_interval(bridge, clock)
+    assert bridge.sink.events == [] and endpoint not in bridge.state
+    assert publisher.replay_requests >= 3  # first contact is asked for again each interval
+    publisher.publish([_stored(7)], send_live=False)
+    _end_interval(bridge, clock)  # ... and found: a batch only the replay buffer has
+    assert bridge.sink.seqs() == [0] and endpoint in bridge.state
+
+
+def test_a_hung_replay_socket_gives_no_heartbeat_and_does_not_block_the_live_loop(engines):
+    publisher, endpoint = engines.make()
+    clock = Clock()
+    bridge = engines.bridge(endpoint, clock, interval=2.0, probe_timeout=1.0)
+    publisher.publish([_stored(1)])
+    _pump(bridge, lambda: bridge.sink.seqs() == [0])
+    _end_interval(bridge, clock)  # events
+    publisher.answer_replay.clear()  # the engine hangs; the kernel keeps its connections open
+    clock.t += bridge.heartbeat_interval_s
+    started = time.monotonic()
+    bridge.poll(0)  # sends the probe
+    assert time.monotonic() - started < 0.2, "the probe must not wait for its answer"
+    assert bridge.links[endpoint].probe is not None
+    _settle(bridge, 0.3)
+    clock.t += bridge.probe_timeout_s  # the probe's deadline passes
+    bridge.poll(0)
+    assert bridge.links[endpoint].probe is None
+    assert [e.body["evidence"] for e in bridge.sink.heartbeats()] == [EVENTS]
+    assert bridge.metrics.heartbeats_skipped.labels("engine-a", "0")._value.get() == 1
+    publisher.answer_replay.set()
+    _end_interval(bridge, clock)
+    assert [e.body["evidence"] for e in bridge.sink.heartbeats()] == [EVENTS, REPLAY]
+
+
+def test_heartbeats_can_be_turned_off(engines):
+    publisher, endpoint = engines.make()
+    clock = Clock()
+    bridge = engines.bridge(endpoint, clock, interval=0)
+    publisher.publish([_stored(1)])
+    _pump(bridge, lambda: bridge.sink.seqs() == [0])
+    clock.t += 100
+    _settle(bridge)
+    assert bridge.sink.events == []
+
+
+# ---------------------------------------------------------------------- replay on connect
+
+
+def test_an_engine_idle_before_the_bridge_starts_is_known_without_a_live_batch(engines):
+    publisher, endpoint = engines.make(buffer_steps=4)
+    for h in range(6):
+        publisher.publish([_stored(h)])  # nobody listens: the buffer keeps 2..5
+    bridge = engines.bridge(endpoint)
+    _pump(bridge, lambda: bridge.sink.seqs() == [2, 3, 4, 5])
+    epoch = bridge.state[endpoint].epoch
+    # first contact: what the buffer no longer held is lost, as for a first live batch
+    assert bridge.sink.others() == [("SourceStale", {"first_lost_seq": 0, "last_lost_seq": 1})]
+    assert {e for e, _ in bridge.sink.batches} == {epoch}
+    publisher.publish([_stored(6)])
+    _pump(bridge, lambda: bridge.sink.seqs()[-1] == 6)
+    assert bridge.sink.seqs() == [2, 3, 4, 5, 6]
+
+
+def test_a_restarted_bridge_continues_the_epoch_of_an_idle_engine(engines, tmp_path):
+    publisher, endpoint = engines.make()
+    state_file = tmp_path / "state.json"
+    first = engines.bridge(endpoint, state_file=state_file)
+    for h in range(3):
+        publisher.publish([_stored(h)])
+    _pump(first, lambda: first.sink.seqs() == [0, 1, 2])
+    epoch = first.state[endpoint].epoch
+    first.close()
+    for h in range(3, 5):
+        publisher.publish([_stored(h)])  # while no bridge runs; then the engine goes idle
+    second = engines.bridge(endpoint, state_file=state_file)
+    _pump(second, lambda: second.sink.seqs() == [3, 4])
+    assert {e for e, _ in second.sink.batches} == {epoch} and second.sink.others() == []
+    second.close()
+    third = engines.bridge(endpoint, state_file=state_file)  # nothing new: the saved seq is all it gets back
+    _pump(third, lambda: endpoint in third.state)
+    assert third.sink.batches == [] and third.sink.others() == [] and third.state[endpoint].epoch == epoch
+
+
+def test_an_engine_that_restarted_while_the_bridge_was_down_is_found_without_a_live_batch(engines, tmp_path):
+    ports = free_ports(2)
+    publisher, endpoint = engines.make(ports=ports)
+    state_file = tmp_path / "state.json"
+    first = engines.bridge(endpoint, state_file=state_file)
+    for h in range(5):
+        publisher.publish([_stored(h)])
+    _pump(first, lambda: first.sink.seqs() == [0, 1, 2, 3, 4])
+    epoch = first.state[endpoint].epoch
+    first.close()
+    publisher.kill()
+    restarted, _ = engines.make(ports=ports)  # a new process: seq from 0 again
+    restarted.publish([_stored(10)])
+    restarted.publish([_stored(11)])
+    second = engines.bridge(endpoint, state_file=state_file)
+    _pump(second, lambda: second.sink.seqs() == [0, 1])
+    assert second.sink.others() == [("PublisherRestarted", {"previous_epoch": epoch})]
+    assert {e for e, _ in second.sink.batches} == {second.state[endpoint].epoch} and second.state[endpoint].epoch > epoch
+    assert second.metrics.restarts.labels("engine-a", "0")._value.get() == 1
+
+
+def test_an_idle_engine_that_restarts_is_found_on_reconnect_and_its_old_epoch_retired(engines):
+    ports = free_ports(2)
+    publisher, endpoint = engines.make(ports=ports)
+    clock = Clock()
+    bridge = engines.bridge(endpoint, clock)
+    for h in range(4):
+        publisher.publish([_stored(h)])
+    _pump(bridge, lambda: bridge.sink.seqs() == [0, 1, 2, 3])
+    epoch = bridge.state[endpoint].epoch
+    publisher.kill()
+    _pump(bridge, lambda: not bridge.links[endpoint].connected)
+    engines.make(ports=ports)  # back, empty and idle
+    _pump(bridge, lambda: bridge.sink.others() != [])
+    assert bridge.sink.others() == [("PublisherRestarted", {"previous_epoch": epoch})]
+    new_epoch = bridge.state[endpoint].epoch
+    assert new_epoch > epoch and bridge.state[endpoint].last_seq is None
+    _end_interval(bridge, clock)
+    _end_interval(bridge, clock)
+    # the new epoch is alive, with no batch yet (seq -1)
+    assert [(e.body["evidence"], e.seq, e.epoch) for e in bridge.sink.heartbeats()][-1] == (REPLAY, -1, new_epoch)
+
+
+def test_batches_published_during_a_connection_drop_arrive_on_reconnect_without_a_live_batch(engines):
+    publisher, endpoint = engines.make()
+    bridge = engines.bridge(endpoint)
+    publisher.publish([_stored(0)])
+    _pump(bridge, lambda: bridge.sink.seqs() == [0])
+    publisher.drop_connections()
+    for h in range(1, 4):
+        publisher.publish([_stored(h)], send_live=False)  # nobody is connected to get them live
+    _pump(bridge, lambda: bridge.sink.seqs() == [0, 1, 2, 3])
+    assert bridge.sink.others() == [] and len({e for e, _ in bridge.sink.batches}) == 1
+    publisher.publish([_stored(4)])
+    _pump(bridge, lambda: bridge.sink.seqs()[-1] == 4)
+    assert bridge.sink.seqs() == [0, 1, 2, 3, 4]
+
+
+def test_a_probe_delivers_what_live_lost_in_order(engines):
+    publisher, endpoint = engines.make()
+    clock = Clock()
+    bridge = engines.bridge(endpoint, clock)
+    publisher.publish([_stored(0)])
+    _pump(bridge, lambda: bridge.sink.seqs() == [0])
+    _end_interval(bridge, clock)
+    publisher.publish([_stored(1)], send_live=False)  # lost live (e.g. the high-water mark), then idle
+    publisher.publish([_stored(2)], send_live=False)
+    _end_interval(bridge, clock)
+    assert bridge.sink.seqs() == [0, 1, 2] and bridge.sink.others() == []
+    assert [(e.body["evidence"], e.seq) for e in bridge.sink.heartbeats()] == [(EVENTS, 0), (REPLAY, 2)]
+
+
+# ---------------------------------------------------------------------- produce and the simulator
+
+
+def test_send_heartbeats_names_each_source_with_its_epoch_and_last_seq(tmp_path):
+    import json
+
+    from producers.capture import produce_capture
+
+    path = tmp_path / "capture.jsonl"
+    lines = [{"instance_id": name, "data_parallel_rank": 0, "seq": seq, "ts": 1.0, "events": []}
+             for name, seqs in (("a", (0, 1, 2)), ("b", (0,))) for seq in seqs]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    sink = RecordingSink()
+    bridge = produce_capture(path, sink)
+    assert bridge.send_heartbeats() == 2
+    assert [(e.body, e.seq) for e in sink.heartbeats()] == [({"evidence": "producing"}, 2),
+                                                            ({"evidence": "producing"}, 0)]
+
+
+class FakeProducer:
+    """What replay_to_kafka needs of a producer: ``send``, ``flush`` and ``stats``."""
+
+    def __init__(self, clock: Clock, step_s: float) -> None:
+        self.records: list[dict] = []
+        self.clock, self.step_s = clock, step_s
+
+    def send(self, record: dict) -> None:
+        self.records.append(record)
+        if record["block_hash"] is not None:
+            self.clock.t += self.step_s  # the wall clock moves as records are produced
+
+    def flush(self):
+        return type("Stats", (), {"acked": len(self.records)})()
+
+
+def test_the_simulator_heartbeats_every_publisher_each_interval_and_at_its_end():
+    from producers.simulator import ClusterSimulator, FleetConfig, load_trace, replay_to_kafka
+
+    requests = load_trace(limit=30)
+    fleet = FleetConfig(gpu_blocks=600, cpu_blocks=900, kvcr_blocks=1200)
+    blocks = sum(1 for batch in ClusterSimulator(fleet).run(requests) for event in batch.events
+                 if event["type"] != "AllBlocksCleared" for _ in event["block_hashes"])
+    clock = Clock()
+    producer = FakeProducer(clock, 0.01)
+    result = replay_to_kafka(requests, producer, fleet, heartbeat_interval_s=blocks * 0.01 / 3.5, monotonic=clock)
+    heartbeats = [r for r in producer.records if r["event"][0].endswith("SourceHeartbeat")]
+    assert result.heartbeats == len(heartbeats) > 0
+    by_publisher: dict[tuple, list] = {}
+    for r in heartbeats:
+        assert r["event"][1] == {"evidence": "producing"} and r["block_hash"] is None
+        by_publisher.setdefault((r["instance_id"], r["worker_rank"]), []).append(r)
+    last_seq: dict[tuple, int] = {}
+    for r in producer.records:
+        if r["batch_index"] >= 0:  # an engine event's record (a clear has no block hash either)
+            last_seq[(r["instance_id"], r["worker_rank"])] = r["seq"]
+    assert set(by_publisher) == set(last_seq)  # every publisher that published, and no other
+    assert {len(v) for v in by_publisher.values()} <= {3, 4}  # about 3 intervals, and one at the end
+    assert max(len(v) for v in by_publisher.values()) == 4
+    assert producer.records[-len(by_publisher):] == heartbeats[-len(by_publisher):]  # the end's come last
+    assert {key: v[-1]["seq"] for key, v in by_publisher.items()} == last_seq
+
+
+def test_the_simulator_sends_no_heartbeat_with_an_interval_of_0():
+    from producers.simulator import FleetConfig, load_trace, replay_to_kafka
+
+    producer = FakeProducer(Clock(), 1.0)
+    result = replay_to_kafka(load_trace(limit=5), producer, FleetConfig(gpu_blocks=600), heartbeat_interval_s=0)
+    assert result.heartbeats == 0
+    assert not [r for r in producer.records if r["event"][0].endswith("SourceHeartbeat")]
+
+
+def test_an_engine_without_a_replay_buffer_is_not_taken_for_restarted_while_its_connection_holds(engines):
+    publisher, endpoint = engines.make(buffer_steps=0)  # vLLM buffer_steps 0: every replay answer is empty
+    clock = Clock()
+    bridge = engines.bridge(endpoint, clock)
+    publisher.publish([_stored(1)])
+    _pump(bridge, lambda: bridge.sink.seqs() == [0])
+    _end_interval(bridge, clock)
+    _end_interval(bridge, clock)
+    _end_interval(bridge, clock)
+    assert bridge.sink.others() == [] and bridge.metrics.restarts.labels("engine-a", "0")._value.get() == 0
+    assert [e.body["evidence"] for e in bridge.sink.heartbeats()] == [EVENTS, REPLAY, REPLAY]
