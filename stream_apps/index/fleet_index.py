@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from schemas.content_hash import block_content_hashes
 from schemas.engine_hashes import HashProfile, engine_block_hashes
+from stream_apps.index.liveness import SourceLeases
 from stream_apps.index.scoring import HolderInfo, PrefixRun, instances_answer, prefix_match_rows, table_prefix_runs
 from stream_apps.index.table import BlockTable, block_key, block_keys
 
@@ -147,6 +148,9 @@ class FleetIndex:
         self.weights = dict(weights or {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5})
         self.sources = SourceRegistry(default_block_size)
         self.counters = IndexCounters()
+        #: The sources' leases (set by whoever feeds them: a worker from its ``sources`` table, a replica from its
+        #: changelog); None: every source counts as live.
+        self.leases: SourceLeases | None = None
         #: Taken by every public method: the feed may run in another thread than the queries.
         self.lock = threading.RLock()
         self._table = table if table is not None else BlockTable()
@@ -214,15 +218,21 @@ class FleetIndex:
         return self._holders[holder_id]
 
     def _allowed(self, model_name: str | None, tenant_id: str | None, block_size: int | None):
+        """The holder filter of one query: the model, tenant and block size asked for, and no source that is
+        down (its lease lapsed: :mod:`stream_apps.index.liveness`). None when every holder counts."""
         sources = self.sources
-        if model_name is None and tenant_id in (None, DEFAULT_TENANT) and block_size is None and not sources.all():
-            return None  # nothing registered and nothing asked: every holder counts (the fast path)
-        cache: dict[str, bool] = {}
+        down = self.leases.down() if self.leases is not None else frozenset()
+        if (model_name is None and tenant_id in (None, DEFAULT_TENANT) and block_size is None and not sources.all()
+                and not down):
+            return None  # nothing registered, nothing asked, nobody down: every holder counts (the fast path)
+        cache: dict[tuple[str, int], bool] = {}
 
         def allowed(info: HolderInfo) -> bool:
-            verdict = cache.get(info.instance_id)
+            source = (info.instance_id, info.data_parallel_rank)
+            verdict = cache.get(source)
             if verdict is None:
-                verdict = cache[info.instance_id] = sources.matches(info.instance_id, model_name, tenant_id) and (
+                verdict = cache[source] = source not in down and sources.matches(
+                    info.instance_id, model_name, tenant_id) and (
                     block_size is None or sources.block_size(info.instance_id) == block_size)
             return verdict
         return allowed
@@ -231,7 +241,8 @@ class FleetIndex:
         """``POST /prefix-match/``'s ``matches`` for a chain of engine block hashes (prefix order)."""
         with self.lock:
             # the walk and its scoring in one call of the table (compiled: in C)
-            runs = table_prefix_runs(self._table, block_keys(chain), self._holders, self.weights)
+            runs = table_prefix_runs(self._table, block_keys(chain), self._holders, self.weights,
+                                     self._allowed(None, None, None))
         return prefix_match_rows(runs)
 
     def query_hashes(self, chain: Sequence[bytes], model_name: str | None = None, tenant_id: str | None = None,
@@ -313,7 +324,8 @@ class FleetIndex:
 
     def workers(self) -> list[dict]:
         """``GET /workers``: every (instance, data-parallel rank) the index holds blocks of, or that registered,
-        with its resident blocks per tier (and per ownership of each tier) and its registered metadata."""
+        with its resident blocks per tier (and per ownership of each tier), its registered metadata and its
+        liveness (``live``, ``last_heard``, ``down_since``: seconds since the Unix epoch, the workers' clock)."""
         with self.lock:
             per_source: dict[tuple[str, int], Counter] = {}
             for holder_id, info in enumerate(self._holders):
@@ -324,9 +336,11 @@ class FleetIndex:
             for info in self.sources.all():
                 for rank in info.dp_ranks or {0}:
                     per_source.setdefault((info.instance_id, rank), Counter())
+            states = self.leases.states() if self.leases is not None else {}
             rows = []
             for (instance, rank), tiers in sorted(per_source.items()):
                 registered = self.sources.get(instance)
+                state = states.get((instance, rank))
                 blocks: Counter = Counter()
                 for (tier, _), n in tiers.items():
                     blocks[tier] += n
@@ -340,6 +354,9 @@ class FleetIndex:
                     "block_size": self.sources.block_size(instance),
                     "tenant_id": registered.tenant_id if registered else DEFAULT_TENANT,
                     "hash_profile_ok": registered.hash_profile_ok if registered else None,
+                    "live": None if state is None else state.live,  # None: no lease seen (e.g. unregistered)
+                    "last_heard": None if state is None else round(state.last_heard, 3),
+                    "down_since": None if state is None or state.down_since is None else round(state.down_since, 3),
                 })
             return rows
 
