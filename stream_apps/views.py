@@ -85,8 +85,9 @@ def register_views(app: faust.App, tables: Tables, materializer: Materializer, i
         return decorate
 
     def not_ready(web):
-        """A 503 with the reasons, or None when the worker is ready for lookups."""
-        reasons = readiness.reasons() + index_not_ready()
+        """A 503 with the reasons, or None when the worker is ready for lookups of its tables (``/residency/``
+        reads the tables, not the index, so it does not wait for the index to catch up)."""
+        reasons = readiness.reasons()
         if not reasons:
             return None
         return web.json({"error": f"not ready: {'; '.join(reasons)}; retry", "reasons": reasons}, status=503)
