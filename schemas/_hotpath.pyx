@@ -5,7 +5,10 @@
 - :func:`encode_residency`: :meth:`schemas.avro_writers.ResidencyWriter.encode`;
 - :func:`read_program`: any schema's generated reader (:func:`schemas.fast_reader.compile_reader`): the codecs'
   decode of their own version's records (``kv_event`` in the repartition process, residency entries in the
-  stores, the batch messages' tables).
+  stores, the batch messages' tables);
+- :func:`read_index_entry`: the fleet index's lean read of a residency entry
+  (:class:`stream_apps.index.entry_reader.IndexEntryReader`): the rows' holders and the entry's parent and
+  content hash, without the entry's dicts.
 
 This module is optional. ``setup.py`` builds it with Cython when a C compiler is there; the pure-Python
 versions are used when it is absent, or when ``KVSTREAM_PURE_PYTHON=1`` is set. Each function gives exactly
@@ -548,3 +551,125 @@ def read_program(tuple program not None, bytes data not None, Py_ssize_t pos):
 #: The operation numbers above, in order, for the test that compares them with schemas.fast_reader's.
 OPERATIONS = (OP_NULL, OP_BOOLEAN, OP_LONG, OP_FLOAT, OP_DOUBLE, OP_STRING, OP_BYTES, OP_ENUM, OP_ARRAY, OP_RECORD,
               OP_UNION)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The fleet index's lean read of a residency entry
+
+
+cdef inline bint _read_branch(_Cursor c) except -1:
+    """A ``["null", X]`` union's branch: False for null, True when X follows (any varint form of 0 or 1, as the
+    generated readers accept)."""
+    cdef int64_t index = _read_long(c)
+    if index == 1:
+        return True
+    if index != 0:
+        raise ValueError(f"union branch {index} at {c.pos}")
+    return False
+
+
+cdef inline int _skip_string(_Cursor c) except -1:
+    """Past a string that is not kept, checked as the generated reader checks it: its length, and that it is
+    UTF-8 (an ASCII string, the usual medium or locality, needs no decoding to tell)."""
+    cdef int64_t n = _read_long(c)
+    cdef Py_ssize_t i
+    if n < 0 or n > c.size - c.pos:  # not c.pos + n: a length near 2**63 would wrap past the check
+        raise ValueError(f"bad length {n} at {c.pos}")
+    for i in range(c.pos, c.pos + n):
+        if c.data[i] & 0x80:
+            # decoded only to refuse what str.decode() refuses (UnicodeDecodeError), by the same rules
+            PyUnicode_DecodeUTF8(<const char*>c.data + c.pos, n, NULL)
+            break
+    c.pos += n
+    return 0
+
+
+cdef inline int _skip_double(_Cursor c) except -1:
+    if c.size - c.pos < 8:
+        raise IndexError("double past the end of the record")
+    c.pos += 8
+    return 0
+
+
+def read_index_entry(bytes data not None, Py_ssize_t pos, tuple tiers not None, Py_ssize_t aggregations):
+    """What the fleet index keeps of a ``residency`` v3 entry whose body starts at ``pos`` and ends with
+    ``data``: ``(rows, parent_block_hash, content_hash)``, ``rows`` the ``(instance_id, data_parallel_rank,
+    tier)`` tuples of the rows with ``copies > 0`` in the entry's order, the two others None when null.
+
+    The twin of ``stream_apps.index.entry_reader._read_python``. Every field is read and checked as the
+    generated reader checks it (lengths, UTF-8, union branches, enum indices, varints, no trailing bytes), so
+    bytes it returns a value for are bytes the codec decodes to the same entry; the fields the index does not
+    keep are only skipped.
+
+    ``tiers``: the Tier enum's symbols, in order; ``aggregations``: how many AggregationMode symbols there are.
+
+    Raises:
+        ValueError (UnicodeDecodeError included), IndexError: bytes that are not such a record; the caller then
+        has the codec decode them (it names the fault, or resolves another layout).
+    """
+    cdef _Cursor c = _Cursor()
+    if pos < 0 or pos > PyBytes_GET_SIZE(data):
+        raise IndexError("start outside the data")
+    c.data = <const uint8_t*>PyBytes_AS_STRING(data)
+    c.size = PyBytes_GET_SIZE(data)
+    c.pos = pos
+    cdef int64_t n, count, workers, rank, tier, copies, aggregation
+    cdef Py_ssize_t n_tiers = len(tiers)
+    cdef list rows = []
+    cdef object instance_id, parent, content
+    n = _read_long(c)  # block_hash: the key has it
+    if n < 0 or n > c.size - c.pos:
+        raise ValueError(f"bad length {n} at {c.pos}")
+    c.pos += n
+    if _read_branch(c):  # ownership: the key has it
+        _skip_string(c)
+    while True:
+        count = _read_count(c)
+        if count == 0:
+            break
+        while count:
+            count -= 1
+            instance_id = _read_string(c)
+            rank = _read_long(c)
+            tier = _read_long(c)
+            if not 0 <= tier < n_tiers:
+                raise ValueError(f"enum index {tier} at {c.pos}")
+            if _read_branch(c):  # medium
+                _skip_string(c)
+            if _read_branch(c):  # locality
+                _skip_string(c)
+            if _read_branch(c):  # group_idx
+                _read_long(c)
+            _read_long(c)  # world_size
+            aggregation = _read_long(c)
+            if not 0 <= aggregation < aggregations:
+                raise ValueError(f"enum index {aggregation} at {c.pos}")
+            while True:
+                workers = _read_count(c)
+                if workers == 0:
+                    break
+                while workers:
+                    workers -= 1
+                    _read_long(c)  # worker_rank
+                    _read_long(c)  # count
+                    _read_long(c)  # publisher_epoch
+                    _read_long(c)  # seq
+                    _read_long(c)  # batch_index
+                    _read_long(c)  # block_index
+                    if _read_branch(c):  # content
+                        _read_long(c)
+            copies = _read_long(c)
+            if _read_branch(c):  # since
+                _skip_double(c)
+            _skip_double(c)  # last_ts
+            if _read_branch(c):  # clear_mark
+                _read_long(c)
+                _read_long(c)
+                _read_long(c)
+            if copies > 0:
+                rows.append((instance_id, rank, tiers[tier]))
+    parent = _read_bytes(c) if _read_branch(c) else None
+    content = _read_long(c) if _read_branch(c) else None
+    if c.pos != c.size:
+        raise ValueError(f"{c.size - c.pos} trailing bytes")
+    return rows, parent, content

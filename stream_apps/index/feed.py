@@ -23,6 +23,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 
 from kafka_io.config import client_config
 from schemas import AvroCodec, DecodeError
+from stream_apps.index.entry_reader import IndexEntryReader
 from stream_apps.index.fleet_index import FleetIndex
 
 log = logging.getLogger(__name__)
@@ -43,12 +44,18 @@ class ChangelogFeed:
         topic: ``<app id>-residency-changelog``.
         codec: reads the changelog's values (``kafka_io.schema_registry.reader_codec("residency", ...)``, so
             that either framing and every residency version is read).
+
+    Values are read with an :class:`~stream_apps.index.entry_reader.IndexEntryReader` over ``codec`` (only the
+    rows' holders and the entry's parent and content hash, what :meth:`FleetIndex.apply_rows` takes) and applied
+    with ``index.apply_rows``; an index without that method (a wrapper offering only ``apply_entry``) is given
+    the codec's decoded entries.
     """
 
     def __init__(self, index: FleetIndex, bootstrap_servers: str, topic: str, codec: AvroCodec) -> None:
         self.index = index
         self.topic = topic
         self._codec = codec
+        self._read_entry = IndexEntryReader(codec).read_index_entry
         self._bootstrap_servers = bootstrap_servers
         self._consumer: Consumer | None = None
         #: partition -> the offset to read up to before the index counts as caught up (end offsets at start).
@@ -147,7 +154,11 @@ class ChangelogFeed:
         messages = self._consumer.consume(POLL_BATCH, timeout_s)
         if not messages:
             return 0
-        decode, apply, index = self._codec.decode, self.index.apply_entry, self.index
+        index = self.index
+        # the lean path (no dict per entry, row and worker: most of a catch-up's time went to building them), or,
+        # for an index that only has apply_entry, the codec's decoded entries
+        apply_rows = getattr(index, "apply_rows", None)
+        read, decode, apply_entry = self._read_entry, self._codec.decode, getattr(index, "apply_entry", None)
         with index.lock:
             for message in messages:
                 error = message.error()
@@ -160,7 +171,12 @@ class ChangelogFeed:
                 if key is None:
                     continue
                 try:
-                    apply(key.decode(), decode(value) if value else None)
+                    if apply_rows is None:
+                        apply_entry(key.decode(), decode(value) if value else None)
+                    elif value:
+                        apply_rows(key.decode(), *read(value))
+                    else:
+                        apply_rows(key.decode(), None)
                 except (DecodeError, ValueError, KeyError, TypeError) as exc:
                     self.undecodable += 1
                     log.error("index: skipped record %s of %s[%d]@%d: %s", key[:80], self.topic,

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from schemas.content_hash import block_content_hashes
 from schemas.engine_hashes import HashProfile, engine_block_hashes
+from stream_apps.index.entry_reader import index_entry_of
 from stream_apps.index.liveness import SourceLeases
 from stream_apps.index.scoring import HolderInfo, PrefixRun, instances_answer, prefix_match_rows, table_prefix_runs
 from stream_apps.index.table import BlockTable, block_key, block_keys
@@ -157,6 +158,9 @@ class FleetIndex:
         self._holders: list[HolderInfo] = []
         self._holder_ids: dict[HolderInfo, int] = {}
         self._scopes: dict[str | None, int] = {}
+        #: ownership -> (instance_id, data_parallel_rank, tier) -> holder id: :meth:`apply_rows`'s look-up, by the
+        #: row tuples it is given (so no HolderInfo is built per row).
+        self._row_holders: dict[str | None, dict[tuple, int]] = {}
 
     # -- feeding ---------------------------------------------------------------------------------------------
 
@@ -179,7 +183,29 @@ class FleetIndex:
 
         Rows with ``copies > 0`` become the holders of (ownership, block); the entry's ``parent_block_hash`` and
         ``content_hash`` (residency v3) link the block into the content walk, and are kept when an entry
-        carries none (a tokenless offload store of another ownership inherits them).
+        carries none (a tokenless offload store of another ownership inherits them). The same as
+        :meth:`apply_rows` of the entry's part the index keeps (:func:`~stream_apps.index.entry_reader.index_entry_of`).
+
+        Raises:
+            ValueError: a key that is not ``<ownership or primary>/<block hash hex>``.
+            KeyError, TypeError: an entry that is not shaped as a residency record.
+        """
+        if entry is None:
+            self.apply_rows(key, None)
+        else:
+            self.apply_rows(key, *index_entry_of(entry))
+
+    def apply_rows(self, key: str, rows: Sequence[tuple[str, int, str]] | None, parent: bytes | None = None,
+                   content: int | None = None) -> None:
+        """Apply one record of the residency changelog as the feed reads it
+        (:class:`~stream_apps.index.entry_reader.IndexEntryReader`), without the entry's dicts.
+
+        Args:
+            key: the record's key, ``<ownership or primary>/<block hash hex>``.
+            rows: ``(instance_id, data_parallel_rank, tier)`` of each row with ``copies > 0`` (repeats count once),
+                the holders of (ownership, block) from now on; None for a tombstone (the key left the table).
+            parent: the entry's ``parent_block_hash`` (canonical hash bytes), or None: keep the block's.
+            content: the entry's ``content_hash`` (signed 64-bit), or None: keep the block's.
 
         Raises:
             ValueError: a key that is not ``<ownership or primary>/<block hash hex>``.
@@ -189,15 +215,20 @@ class FleetIndex:
             self.counters.entries_applied += 1
             block = block_key(block_hash)
             scope = self._scope(ownership)
-            if entry is None:
+            if rows is None:
                 self._table.replace(block, scope, (), None, None)
                 return
-            holders = {self._holder_id(HolderInfo(row["instance_id"], row["data_parallel_rank"], row["tier"],
-                                                  ownership))
-                       for row in entry["rows"] if row["copies"] > 0}
-            parent = entry.get("parent_block_hash")
-            content = entry.get("content_hash")
-            self._table.replace(block, scope, sorted(holders), None if parent is None else block_key(parent),
+            known = self._row_holders.get(ownership)
+            if known is None:
+                known = self._row_holders[ownership] = {}
+            try:
+                holders = [known[row] for row in rows]  # in any order, repeats too: the table sorts them
+            except KeyError:  # a holder not seen before (the first entries of a catch-up hold them all)
+                for row in rows:
+                    if row not in known:
+                        known[row] = self._holder_id(HolderInfo(*row, ownership))
+                holders = [known[row] for row in rows]
+            self._table.replace(block, scope, holders, None if parent is None else block_key(parent),
                                 None if content is None else content & _U64)
 
     def clear(self) -> None:
