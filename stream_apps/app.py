@@ -60,7 +60,7 @@ def broker_credentials():
     return None
 
 
-#: How often the worker takes its sources' leases from the sources table and clears expired ones (seconds).
+#: How often the worker looks for sources down for --source-expiry-s, to clear them (seconds).
 LEASE_CHECK_EVERY_S = 1.0
 #: How often the worker serves its output producer's delivery reports between checkpoints (seconds).
 DELIVERY_REPORTS_EVERY_S = 0.05
@@ -172,8 +172,9 @@ def create_app(settings: WorkerSettings) -> StreamApp:
     stream_app.index, stream_app.index_feed = index, index_feed
     # Sources' leases from the global sources table: a worker writes a source's row whenever it applies one of
     # its events or heartbeats, and the store keeps when (stream_apps/index/liveness.py).
-    index.leases = metrics.leases = leases = SourceLeases(settings.source_lease_s)
     sources_store = tables.sources.data
+    index.leases = metrics.leases = leases = SourceLeases(settings.source_lease_s, refresh=lambda leases: (
+        leases_from_sources_table(leases, tables.sources.items(), getattr(sources_store, "written_at", {}))))
     kv_event_codec = AvroCodec("kv_event")
 
     def unregister(instance: str, rank: int | None, reason: str) -> None:
@@ -189,7 +190,6 @@ def create_app(settings: WorkerSettings) -> StreamApp:
 
     @app.timer(LEASE_CHECK_EVERY_S)
     async def _check_leases() -> None:
-        leases_from_sources_table(leases, tables.sources.items(), getattr(sources_store, "written_at", {}))
         if not settings.source_expiry_s:
             return
         now = time.time()

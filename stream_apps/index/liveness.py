@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 DEFAULT_LEASE_S = 30.0
 #: Default time a source stays down before a worker clears it, seconds (``--source-expiry-s``).
 DEFAULT_EXPIRY_S = 600.0
+#: Longest a worker's leases lag its sources table, seconds.
+REFRESH_EVERY_S = 0.25
 
 
 class SourceState(NamedTuple):
@@ -60,9 +62,14 @@ class SourceLeases:
         clock: the current time, seconds since the Unix epoch (tests pass their own).
     """
 
-    def __init__(self, lease_s: float = DEFAULT_LEASE_S, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, lease_s: float = DEFAULT_LEASE_S, clock: Callable[[], float] = time.time,
+                 refresh: Callable[[SourceLeases], None] | None = None) -> None:
         self.lease_s = lease_s
         self._clock = clock
+        #: Called with this object before :meth:`states` answers, at most every :data:`REFRESH_EVERY_S` (a worker
+        #: takes the last-heard times from its sources table then, so an answer right after its start has them).
+        self._refresh = refresh
+        self._refreshed_at = -1.0
         #: sources key -> (instance, data-parallel rank, last written, seconds since the Unix epoch).
         self._heard: dict[str, tuple[str, int, float]] = {}
         self._lock = threading.Lock()
@@ -87,6 +94,9 @@ class SourceLeases:
     def states(self, now: float | None = None) -> dict[tuple[str, int], SourceState]:
         """(instance, data-parallel rank) -> :class:`SourceState`, from the newest write over its keys."""
         now = self._clock() if now is None else now
+        if self._refresh is not None and time.monotonic() - self._refreshed_at >= REFRESH_EVERY_S:
+            self._refreshed_at = time.monotonic()
+            self._refresh(self)
         newest: dict[tuple[str, int], float] = {}
         with self._lock:
             for instance, rank, written in self._heard.values():
