@@ -430,10 +430,21 @@ def apply_clear(entry: dict, instance_id: str, data_parallel_rank: int, mark: Cl
         ``(new entry or None when no row is left, the rows removed that were resident, whether anything
         changed)``.
     """
+    return _remove_rows(entry, lambda row: row["instance_id"] == instance_id
+                        and row["data_parallel_rank"] == data_parallel_rank and row["tier"] in clear_tiers
+                        and ClearPosition.of(row["clear_mark"]) < mark, stats)
+
+
+def _remove_rows(entry: dict, doomed, stats: ApplyStats) -> tuple[dict | None, list[dict], bool]:
+    """Drop the rows of ``entry`` that ``doomed(row)`` picks: the shared step of a clear and an unregistration.
+
+    Returns:
+        ``(new entry or None when no row is left, the rows removed that were resident, whether anything
+        changed)``.
+    """
     kept, removed = [], []
     for row in entry["rows"]:
-        if (row["instance_id"] == instance_id and row["data_parallel_rank"] == data_parallel_rank
-                and row["tier"] in clear_tiers and ClearPosition.of(row["clear_mark"]) < mark):
+        if doomed(row):
             if row["copies"] > 0:
                 removed.append(row)
                 stats.stopped_resident += 1
@@ -457,19 +468,8 @@ def apply_unregister(entry: dict, instance_id: str, data_parallel_rank: int | No
     Returns:
         As :func:`apply_clear`.
     """
-    kept, removed = [], []
-    for row in entry["rows"]:
-        if row["instance_id"] == instance_id and (data_parallel_rank is None
-                                                  or row["data_parallel_rank"] == data_parallel_rank):
-            if row["copies"] > 0:
-                removed.append(row)
-                stats.stopped_resident += 1
-        else:
-            kept.append(row)
-    if len(kept) == len(entry["rows"]):
-        return entry, [], False
-    entry["rows"] = kept
-    return (entry if kept else None), removed, True
+    return _remove_rows(entry, lambda row: row["instance_id"] == instance_id and (
+        data_parallel_rank is None or row["data_parallel_rank"] == data_parallel_rank), stats)
 
 
 #: Default tier weights of the prefix-match score (llm-d's defaults for GPU and CPU); tiers not named weigh

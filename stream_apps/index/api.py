@@ -150,6 +150,20 @@ def chain_of(request: dict, *names: str) -> list[bytes]:
         raise BadRequest(str(exc)) from None
 
 
+def _instance_request(body: bytes, content_type: str | None) -> tuple[dict, str, int | None]:
+    """The body of ``/register`` or ``/unregister`` (Mooncake's conductor body), its ``instance_id`` and its
+    ``dp_rank`` (None when not given).
+
+    Raises:
+        BadRequest: not a map, no ``instance_id``, or a ``dp_rank`` that is not an integer of at least 0.
+    """
+    request = decode_body(body, content_type)
+    instance = _optional_str(request, "instance_id")
+    if instance is None:
+        raise BadRequest("instance_id is required")
+    return request, instance, _optional_int(request, "dp_rank", 0)
+
+
 class IndexAPI:
     """The router APIs over one :class:`FleetIndex`.
 
@@ -248,11 +262,7 @@ class IndexAPI:
         instance's metadata; answers ``{"status": "registered successfully", "instance_id": ...}``."""
         msgpack = wants_msgpack(content_type, accept)
         try:
-            request = decode_body(body, content_type)
-            instance = _optional_str(request, "instance_id")
-            if instance is None:
-                raise BadRequest("instance_id is required")
-            rank = _optional_int(request, "dp_rank", 0)
+            request, instance, rank = _instance_request(body, content_type)
             profile = request.get("hash_profile")
             if profile is not None and not isinstance(profile, dict):
                 raise BadRequest("hash_profile must be a map")
@@ -280,11 +290,7 @@ class IndexAPI:
         ``{"status": "unregistered successfully", "removed_instances": [...]}``."""
         msgpack = wants_msgpack(content_type, accept)
         try:
-            request = decode_body(body, content_type)
-            instance = _optional_str(request, "instance_id")
-            if instance is None:
-                raise BadRequest("instance_id is required")
-            rank = _optional_int(request, "dp_rank", 0)
+            _, instance, rank = _instance_request(body, content_type)
         except BadRequest as exc:
             return encode({"error": str(exc)}, msgpack, 400)
         if self._on_unregister is None:
