@@ -9,8 +9,8 @@ Three kinds of evidence:
   ``vllm/v1/core/kv_cache_utils.py``);
 * Mooncake's golden vectors (kvcache-ai/Mooncake, Apache-2.0, ``mooncake-conductor/tests/fixtures/
   hash_golden_vectors_sha256.json`` for sha256 and ``hash_golden_vectors.json`` for sha256_cbor): every case
-  must pass. The files are not in this repository; the test reads them from the folder named by
-  ``KVSTREAM_HASH_GOLDEN_VECTORS``, or from the ``shared/`` folder beside the repository, and skips when absent;
+  must pass. The files are not in this repository: the test reads them from the folder named by
+  ``KVSTREAM_HASH_GOLDEN_VECTORS`` and skips, naming the variable, when it is not set (tests/README.md);
 * behaviour: LoRA, salt, seed text and UTF-8 change the hashes; the errors.
 """
 
@@ -206,15 +206,9 @@ _GOLDEN_FILES = ("hash_golden_vectors_sha256.json", "hash_golden_vectors.json")
 
 
 def _golden_file(name: str) -> Path | None:
-    folders = [Path(os.environ["KVSTREAM_HASH_GOLDEN_VECTORS"])] if os.environ.get("KVSTREAM_HASH_GOLDEN_VECTORS") \
-        else []
-    shared = Path(__file__).resolve().parents[3] / "shared"
-    for folder in folders:
-        if (folder / name).is_file():
-            return folder / name
-    if shared.is_dir():
-        return next(iter(sorted(shared.glob(f"**/{name}"))), None)
-    return None
+    folder = os.environ.get("KVSTREAM_HASH_GOLDEN_VECTORS")
+    path = Path(folder) / name if folder else None
+    return path if path is not None and path.is_file() else None
 
 
 def _golden(name: str) -> dict:
