@@ -8,7 +8,9 @@
   stores, the batch messages' tables);
 - :func:`read_index_entry`: the fleet index's lean read of a residency entry
   (:class:`stream_apps.index.entry_reader.IndexEntryReader`): the rows' holders and the entry's parent and
-  content hash, without the entry's dicts.
+  content hash, without the entry's dicts;
+- :func:`json_query_token_ids` and :func:`json_token_bytes`: a ``POST /query``'s JSON ``token_ids`` array as
+  little-endian u32 bytes, without a Python int per token (``stream_apps.index.api.read_json_query``).
 
 This module is optional. ``setup.py`` builds it with Cython when a C compiler is there; the pure-Python
 versions are used when it is absent, or when ``KVSTREAM_PURE_PYTHON=1`` is set. Each function gives exactly
@@ -25,7 +27,7 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
 from libc.stdint cimport INT64_MIN, int32_t, int64_t, uint8_t, uint32_t, uint64_t
-from libc.string cimport memcpy
+from libc.string cimport memchr, memcmp, memcpy
 
 # ---------------------------------------------------------------------------------------------------------
 # Reading
@@ -673,3 +675,201 @@ def read_index_entry(bytes data not None, Py_ssize_t pos, tuple tiers not None, 
     if c.pos != c.size:
         raise ValueError(f"{c.size - c.pos} trailing bytes")
     return rows, parent, content
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The index's query bodies
+
+
+cdef inline bint _json_space(uint8_t b) noexcept nogil:
+    return b == 0x20 or b == 0x0A or b == 0x0D or b == 0x09
+
+
+cdef Py_ssize_t _json_skip_space(const uint8_t* p, Py_ssize_t n, Py_ssize_t i) noexcept nogil:
+    while i < n and _json_space(p[i]):
+        i += 1
+    return i
+
+
+cdef Py_ssize_t _json_token_array(const uint8_t* p, Py_ssize_t n, Py_ssize_t i, uint32_t* ids,
+                                  Py_ssize_t* count) noexcept nogil:
+    """Reads the array of token ids starting at ``p[i]`` (its ``[``) into ``ids`` (little-endian u32),
+    adding to ``count``; returns the position after its ``]``, or -1 for anything but plain integers in
+    [-2**31, 2**32) separated by commas and JSON whitespace. ``ids`` has room for (n - i) // 2 + 1 ids."""
+    cdef Py_ssize_t first
+    cdef uint8_t b
+    cdef bint negative
+    cdef uint64_t value
+    cdef uint8_t* out
+    if i >= n or p[i] != 0x5B:  # [
+        return -1
+    i = _json_skip_space(p, n, i + 1)
+    if i < n and p[i] == 0x5D:  # ]: an empty array
+        return i + 1
+    while True:
+        negative = i < n and p[i] == 0x2D  # -
+        if negative:
+            i += 1
+        first = i
+        value = 0
+        while i < n and 0x30 <= p[i] <= 0x39 and i - first < 11:
+            value = value * 10 + (p[i] - 0x30)
+            i += 1
+        if i == first or i - first > 10 or (i - first > 1 and p[first] == 0x30):
+            return -1  # no digits, beyond 2**32 whatever they are, or a leading zero (not JSON)
+        if negative:
+            if value > 2147483648ULL:
+                return -1
+            value = (4294967296ULL - value) & 0xFFFFFFFFULL
+        elif value > 4294967295ULL:
+            return -1
+        out = <uint8_t*>&ids[count[0]]  # little-endian, whatever the machine's order
+        out[0] = <uint8_t>value
+        out[1] = <uint8_t>(value >> 8)
+        out[2] = <uint8_t>(value >> 16)
+        out[3] = <uint8_t>(value >> 24)
+        count[0] += 1
+        i = _json_skip_space(p, n, i)
+        if i == n:
+            return -1
+        b = p[i]
+        i += 1
+        if b == 0x5D:  # ]
+            return i
+        if b != 0x2C:  # ,
+            return -1
+        i = _json_skip_space(p, n, i)
+
+
+cdef Py_ssize_t _json_skip_string(const uint8_t* p, Py_ssize_t n, Py_ssize_t i) noexcept nogil:
+    """The position after the JSON string opening at ``p[i]``, or -1 if it does not end."""
+    i += 1
+    while i < n:
+        if p[i] == 0x22:  # "
+            return i + 1
+        i += 2 if p[i] == 0x5C else 1  # a backslash escapes the next byte (\u's digits need no care)
+    return -1
+
+
+cdef Py_ssize_t _json_skip_value(const uint8_t* p, Py_ssize_t n, Py_ssize_t i) noexcept nogil:
+    """The position after the JSON value starting at ``p[i]``, or -1. Only its extent is found: the caller
+    has msgspec check the values skipped here."""
+    cdef Py_ssize_t depth = 0, start = i
+    cdef uint8_t b
+    if i >= n:
+        return -1
+    b = p[i]
+    if b == 0x22:
+        return _json_skip_string(p, n, i)
+    if b == 0x7B or b == 0x5B:  # { [
+        while i < n:
+            b = p[i]
+            if b == 0x22:
+                i = _json_skip_string(p, n, i)
+                if i < 0:
+                    return -1
+                continue
+            if b == 0x7B or b == 0x5B:
+                depth += 1
+            elif b == 0x7D or b == 0x5D:  # } ]
+                depth -= 1
+                if depth == 0:
+                    return i + 1
+            i += 1
+        return -1
+    while i < n and not (_json_space(p[i]) or p[i] == 0x2C or p[i] == 0x7D or p[i] == 0x5D):
+        i += 1
+    return i if i > start else -1
+
+
+def json_query_token_ids(const uint8_t[::1] body):
+    """Finds the ``token_ids`` array of a JSON ``POST /query`` body and reads it as little-endian u32 bytes, in
+    one pass over the body: the twin of ``stream_apps.index.api._read_json_query_python``.
+
+    Returns ``(token bytes, start, end)``, ``body[start:end]`` being the array's text (so the caller can have
+    msgspec decode and check the rest of the body with the array cut out), or None: no top-level
+    ``token_ids``, twice, a key written with an escape, ids that are not plain integers in [-2**31, 2**32)
+    (:func:`json_token_bytes`), or a body that is not one JSON object. The caller then decodes the body in
+    Python, whose error names the fault. Never raises for bad input.
+    """
+    cdef Py_ssize_t n = body.shape[0]
+    if n == 0:
+        return None
+    cdef const uint8_t* p = &body[0]
+    cdef Py_ssize_t i, key_start, key_end, start = -1, end = -1, count = 0
+    cdef uint32_t* ids = <uint32_t*>PyMem_Malloc((n // 2 + 1) * sizeof(uint32_t))
+    if ids == NULL:
+        raise MemoryError()
+    try:
+        i = _json_skip_space(p, n, 0)
+        if i == n or p[i] != 0x7B:  # {
+            return None
+        i = _json_skip_space(p, n, i + 1)
+        if i < n and p[i] == 0x7D:  # }: an empty object
+            i += 1
+        else:
+            while True:
+                if i >= n or p[i] != 0x22:
+                    return None
+                key_start = i + 1
+                i = _json_skip_string(p, n, i)
+                if i < 0:
+                    return None
+                key_end = i - 1
+                if memchr(p + key_start, 0x5C, key_end - key_start) != NULL:
+                    return None  # an escaped key might spell token_ids: let msgspec read it
+                i = _json_skip_space(p, n, i)
+                if i >= n or p[i] != 0x3A:  # :
+                    return None
+                i = _json_skip_space(p, n, i + 1)
+                if key_end - key_start == 9 and memcmp(p + key_start, b"token_ids", 9) == 0:
+                    if start >= 0:
+                        return None  # twice
+                    start = i
+                    i = _json_token_array(p, n, i, ids, &count)
+                    end = i
+                else:
+                    i = _json_skip_value(p, n, i)
+                if i < 0:
+                    return None
+                i = _json_skip_space(p, n, i)
+                if i >= n:
+                    return None
+                if p[i] == 0x7D:
+                    i += 1
+                    break
+                if p[i] != 0x2C:
+                    return None
+                i = _json_skip_space(p, n, i + 1)
+        if start < 0 or _json_skip_space(p, n, i) != n:
+            return None
+        return PyBytes_FromStringAndSize(<char*>ids, 4 * count), start, end
+    finally:
+        PyMem_Free(ids)
+
+
+def json_token_bytes(const uint8_t[::1] raw):
+    """A JSON array of token ids (``raw``: the array's text, as ``msgspec.Raw`` gives it) as little-endian u32
+    bytes, 4 per token: the twin of ``stream_apps.index.api._token_bytes_python``.
+
+    Takes only plain integers in [-2**31, 2**32) (a negative id wraps to its u32 bits, as the engines' int32 ids
+    do) separated by commas and JSON whitespace. Returns None for anything else (a float, an exponent, a
+    leading zero, a string, an id out of range, a malformed array): the caller then has the Python twin decode
+    it, whose error names the fault. Never raises for bad input.
+    """
+    cdef Py_ssize_t n = raw.shape[0]
+    if n == 0:
+        return None
+    cdef const uint8_t* p = &raw[0]
+    cdef Py_ssize_t i, count = 0
+    # every id but the last takes at least 2 bytes (a digit and a comma): n // 2 + 1 ids at most
+    cdef uint32_t* ids = <uint32_t*>PyMem_Malloc((n // 2 + 1) * sizeof(uint32_t))
+    if ids == NULL:
+        raise MemoryError()
+    try:
+        i = _json_token_array(p, n, _json_skip_space(p, n, 0), ids, &count)
+        if i < 0 or _json_skip_space(p, n, i) != n:
+            return None
+        return PyBytes_FromStringAndSize(<char*>ids, 4 * count)
+    finally:
+        PyMem_Free(ids)

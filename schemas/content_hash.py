@@ -87,9 +87,35 @@ def query_extra_keys(block_index: int, lora_name: str | None = None, cache_salt:
     return keys or None
 
 
+def block_content_digests(token_ids: Sequence[int] | bytes, block_size: int, lora_name: str | None = None,
+                          cache_salt: str | None = None) -> list[int]:
+    """:func:`block_content_hashes` as unsigned 64-bit ints (the XXH3 digests themselves): the keys the fleet
+    index's content walk takes, without a sign round trip per block.
+
+    Raises:
+        ValueError: as :func:`block_content_hashes`.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be at least 1, not {block_size}")
+    data = token_ids if isinstance(token_ids, bytes) else token_bytes(token_ids)
+    if len(data) % 4:
+        raise ValueError(f"token bytes of length {len(data)}: expected little-endian u32, 4 bytes per token")
+    step = 4 * block_size
+    blocks = len(data) // step
+    if not lora_name and not cache_salt:  # no extra keys: the tokens alone (the common request)
+        return [_XXH3(data[i * step:(i + 1) * step]) for i in range(blocks)]
+    digests = []
+    for i in range(blocks):
+        block = data[i * step:(i + 1) * step]
+        keys = query_extra_keys(i, lora_name, cache_salt)
+        digests.append(_XXH3(block + _ENCODE_MSGPACK(keys) if keys else block))
+    return digests
+
+
 def block_content_hashes(token_ids: Sequence[int] | bytes, block_size: int, lora_name: str | None = None,
                          cache_salt: str | None = None) -> list[int]:
-    """The content hashes of a request's full blocks, as a query computes them.
+    """The content hashes of a request's full blocks, as a query computes them (signed 64-bit ints, as
+    :func:`content_hash` gives them).
 
     Args:
         token_ids: the prompt's token ids, or their little-endian u32 bytes (as Mooncake's proxy sends them).
@@ -98,14 +124,7 @@ def block_content_hashes(token_ids: Sequence[int] | bytes, block_size: int, lora
     Raises:
         ValueError: ``block_size`` below 1, or bytes whose length is not a multiple of 4.
     """
-    if block_size < 1:
-        raise ValueError(f"block_size must be at least 1, not {block_size}")
-    data = token_ids if isinstance(token_ids, bytes) else token_bytes(token_ids)
-    if len(data) % 4:
-        raise ValueError(f"token bytes of length {len(data)}: expected little-endian u32, 4 bytes per token")
-    step = 4 * block_size
-    return [content_hash(data[i * step:(i + 1) * step], query_extra_keys(i, lora_name, cache_salt))
-            for i in range(len(data) // step)]
+    return [_signed(d) for d in block_content_digests(token_ids, block_size, lora_name, cache_salt)]
 
 
 _DECODE_MSGPACK = msgspec.msgpack.Decoder().decode

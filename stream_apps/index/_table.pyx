@@ -1065,6 +1065,18 @@ cdef class BlockTable:
         ``PyBlockTable.content_walk_blocks``."""
         return self._walk(contents, True)
 
+    def content_mixed(self, contents):
+        """Whether a depth of the token path ``contents`` has more than one candidate block; see
+        ``PyBlockTable.content_mixed``."""
+        cdef Py_ssize_t reached = self._candidates(contents)
+        cdef Py_ssize_t d
+        cdef size_t begin = 0
+        for d in range(reached):
+            if self._ends[d] - begin > 1:
+                return True
+            begin = self._ends[d]
+        return False
+
     cdef size_t _depth(self, Py_ssize_t d, size_t begin, size_t end) except? 0:
         """Appends depth ``d``'s candidates to ``_cand`` (after ``end``): the records of key (parent, content
         ``_keys[d]``) for each parent among the candidates ``[begin, end)``, or of (ROOT, ``_keys[0]``) at

@@ -24,6 +24,8 @@ from typing import Annotated, NamedTuple, Union
 import msgspec
 
 from schemas import InvalidBlockHash, canonical_block_hash, parse_block_hash
+from schemas.compiled import choose
+from schemas.content_hash import token_bytes
 from stream_apps.index.fleet_index import FleetIndex, SourceInfo
 
 #: Largest request body, bytes (Dynamo's standalone indexer takes 8 MiB).
@@ -44,12 +46,10 @@ _msgpack_decode = msgspec.msgpack.Decoder().decode
 _TokenId = Annotated[int, msgspec.Meta(ge=-(1 << 31), lt=1 << 32)]
 
 
-class QueryRequest(msgspec.Struct, omit_defaults=True):
-    """The body of ``POST /query``, checked by msgspec while it is decoded (a 4,096-token body checked token by
-    token in Python cost more than the lookup). Unknown fields are ignored, as Mooncake's and Dynamo's are."""
+class _QueryFields(msgspec.Struct, kw_only=True):
+    """The fields of ``POST /query`` beside its token ids. Unknown fields are ignored, as Mooncake's and
+    Dynamo's are."""
 
-    #: The prompt's token ids, or (msgpack) a bin of little-endian int32, as Mooncake's proxy sends them.
-    token_ids: Union[list[_TokenId], bytes]
     #: The model the request is for (``model`` is Mooncake's proxy's name, ``model_name`` Dynamo's); None: any.
     model_name: str | None = None
     model: str | None = None
@@ -62,8 +62,85 @@ class QueryRequest(msgspec.Struct, omit_defaults=True):
     tenant_id: str | None = None
 
 
-_query_json = msgspec.json.Decoder(QueryRequest).decode
+class QueryRequest(_QueryFields, kw_only=True):
+    """A msgpack body of ``POST /query``, checked by msgspec while it is decoded (a 4,096-token body checked
+    token by token in Python cost more than the lookup)."""
+
+    #: The prompt's token ids, or a bin of little-endian int32, as Mooncake's proxy sends them.
+    token_ids: Union[list[_TokenId], bytes]
+
+
+class JSONQueryRequest(_QueryFields, kw_only=True):
+    """A JSON body of ``POST /query``. msgspec checks its structure and skips the token ids, whose array
+    :func:`token_ids_bytes` reads straight into bytes: a Python int per token was the largest cost of the
+    request."""
+
+    #: The prompt's token ids as a JSON array of integers, unparsed.
+    token_ids: msgspec.Raw
+
+
+_query_json = msgspec.json.Decoder(JSONQueryRequest).decode
 _query_msgpack = msgspec.msgpack.Decoder(QueryRequest).decode
+_token_list_json = msgspec.json.Decoder(list[_TokenId]).decode
+
+
+def _token_bytes_python(raw: bytes | memoryview) -> bytes:
+    """The twin of ``schemas._hotpath.json_token_bytes``: a JSON array of token ids as little-endian u32 bytes.
+
+    Raises:
+        BadRequest: not an array of integers in [-2**31, 2**32), with msgspec's reason and the token's index.
+    """
+    try:
+        return token_bytes(_token_list_json(raw))
+    except msgspec.ValidationError as exc:  # its path as the whole body's decode gives it
+        message = str(exc)
+        at = " - at `$"
+        message = message.replace(at, at + ".token_ids", 1) if at in message else f"{message}{at}.token_ids`"
+        raise BadRequest(f"{message} (expected an array of int32 or u32 token ids)") from None
+    except msgspec.DecodeError as exc:  # msgspec.Raw holds valid JSON, so only a caller's own bytes get here
+        raise BadRequest(f"token_ids is not JSON: {exc}") from None
+
+
+def token_ids_bytes(raw: bytes | memoryview, compiled: bool | None = None) -> bytes:
+    """The JSON array ``raw`` of a ``/query``'s ``token_ids`` as little-endian u32 bytes, 4 per token (a negative
+    id wraps to its u32 bits, as :func:`schemas.content_hash.token_bytes` does).
+
+    Args:
+        compiled: as :func:`schemas.compiled.choose`: None the compiled reader where built, False Python's.
+
+    Raises:
+        BadRequest: not an array of integers in [-2**31, 2**32); the Python twin names the fault.
+    """
+    hotpath = choose(compiled)
+    if hotpath is not None:
+        out = hotpath.json_token_bytes(raw)
+        if out is not None:
+            return out
+    return _token_bytes_python(raw)
+
+
+def read_json_query(body: bytes, compiled: bool | None = None) -> tuple[JSONQueryRequest, bytes]:
+    """A JSON ``POST /query`` body: its fields, and its token ids as little-endian u32 bytes.
+
+    The compiled reader (``schemas._hotpath.json_query_token_ids``) finds and reads the ``token_ids`` array in one
+    pass, and msgspec decodes and checks the rest of the body with the array cut out; a body it does not take
+    (see there) is decoded as a whole by msgspec, then its array by :func:`token_ids_bytes`. Both give the same
+    answer for every body.
+
+    Raises:
+        msgspec.DecodeError: not JSON. msgspec.ValidationError: a field of the wrong type, or no ``token_ids``.
+        BadRequest: ``token_ids`` not an array of integers in [-2**31, 2**32).
+    """
+    hotpath = choose(compiled)
+    found = hotpath.json_query_token_ids(body) if hotpath is not None else None
+    if found is not None:
+        tokens, start, end = found
+        try:
+            return _query_json(body[:start] + b"[]" + body[end:]), tokens
+        except msgspec.MsgspecError:
+            pass  # decoded again whole below, so the error's positions are the body's own
+    request = _query_json(body)
+    return request, token_ids_bytes(request.token_ids, compiled)
 
 
 class Reply(NamedTuple):
@@ -210,14 +287,19 @@ class IndexAPI:
             return encode({"error": f"request body of {len(body)} bytes (limit {MAX_BODY_BYTES})"}, msgpack, 400)
         is_msgpack = bool(content_type and "msgpack" in content_type)
         try:
-            request = _query_msgpack(body) if is_msgpack else _query_json(body)
+            if is_msgpack:
+                request = _query_msgpack(body)
+                tokens = request.token_ids
+            else:
+                request, tokens = read_json_query(body)
+        except BadRequest as exc:
+            return encode({"error": str(exc)}, msgpack, 400)
         except msgspec.ValidationError as exc:
             return encode({"error": f"{exc} (expected {{\"token_ids\": [int32, ...], \"model\": ..., "
                                     f"\"block_size\": int >= 1, ...}})"}, msgpack, 400)
         except msgspec.DecodeError as exc:
             kind = "msgpack" if is_msgpack else "JSON (send Content-Type: application/msgpack for msgpack)"
             return encode({"error": f"request body is not {kind}: {exc}"}, msgpack, 400)
-        tokens = request.token_ids
         count = len(tokens) // 4 if isinstance(tokens, bytes) else len(tokens)
         if isinstance(tokens, bytes) and len(tokens) % 4:
             return encode({"error": f"token_ids as bytes must be little-endian int32, 4 bytes per token "

@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from schemas.content_hash import block_content_hashes
+from schemas.content_hash import block_content_digests, token_bytes
 from schemas.engine_hashes import HashProfile, engine_block_hashes
 from stream_apps.index.entry_reader import index_entry_of
 from stream_apps.index.liveness import SourceLeases
@@ -70,6 +70,8 @@ class SourceRegistry:
     def __init__(self, default_block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         #: Tokens per block of an instance that registered none.
         self.default_block_size = default_block_size
+        #: Bumped by every change of the registry: what a cached per-query filter checks it is still right for.
+        self.version = 0
         self._sources: dict[str, SourceInfo] = {}
 
     def register(self, info: SourceInfo) -> None:
@@ -87,9 +89,11 @@ class SourceRegistry:
         if known is not None:
             info.dp_ranks |= known.dp_ranks
         self._sources[info.instance_id] = info
+        self.version += 1
 
     def unregister(self, instance_id: str) -> bool:
         """Forget an instance's metadata; False if it had none."""
+        self.version += 1
         return self._sources.pop(instance_id, None) is not None
 
     def get(self, instance_id: str) -> SourceInfo | None:
@@ -161,6 +165,8 @@ class FleetIndex:
         #: ownership -> (instance_id, data_parallel_rank, tier) -> holder id: :meth:`apply_rows`'s look-up, by the
         #: row tuples it is given (so no HolderInfo is built per row).
         self._row_holders: dict[str | None, dict[tuple, int]] = {}
+        #: (model, tenant, block size) -> (stamp, verdict bytes over holder ids): :meth:`_verdicts`'s cache.
+        self._verdict_cache: dict[tuple, tuple[tuple, bytes]] = {}
 
     # -- feeding ---------------------------------------------------------------------------------------------
 
@@ -248,25 +254,42 @@ class FleetIndex:
         """The identity behind a holder id."""
         return self._holders[holder_id]
 
-    def _allowed(self, model_name: str | None, tenant_id: str | None, block_size: int | None):
+    def _allowed(self, model_name: str | None, tenant_id: str | None, block_size: int | None) -> bytes | None:
         """The holder filter of one query: the model, tenant and block size asked for, and no source that is
-        down (its lease lapsed: :mod:`stream_apps.index.liveness`). None when every holder counts."""
+        down (its lease lapsed: :mod:`stream_apps.index.liveness`). None when every holder counts, else one byte
+        per holder id (non-zero: counted), the filter :func:`~stream_apps.index.scoring.table_prefix_runs`
+        hands the compiled table without a call back per holder. Kept per (model, tenant, block size) until a
+        registration, a new holder or a lease changes it."""
         sources = self.sources
         down = self.leases.down() if self.leases is not None else frozenset()
         if (model_name is None and tenant_id in (None, DEFAULT_TENANT) and block_size is None and not sources.all()
                 and not down):
             return None  # nothing registered, nothing asked, nobody down: every holder counts (the fast path)
-        cache: dict[tuple[str, int], bool] = {}
-
-        def allowed(info: HolderInfo) -> bool:
+        key = (model_name, tenant_id, block_size)
+        stamp = (sources.version, len(self._holders), down)
+        cached = self._verdict_cache.get(key)
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+        verdict: dict[tuple[str, int], bool] = {}
+        flags = bytearray(len(self._holders))
+        for holder_id, info in enumerate(self._holders):
             source = (info.instance_id, info.data_parallel_rank)
-            verdict = cache.get(source)
-            if verdict is None:
-                verdict = cache[source] = source not in down and sources.matches(
+            counted = verdict.get(source)
+            if counted is None:
+                counted = verdict[source] = source not in down and sources.matches(
                     info.instance_id, model_name, tenant_id) and (
                     block_size is None or sources.block_size(info.instance_id) == block_size)
-            return verdict
-        return allowed
+            flags[holder_id] = counted
+        if len(self._verdict_cache) >= 256:  # one entry per model and tenant asked for; bounded all the same
+            self._verdict_cache.clear()
+        verdicts = bytes(flags)
+        self._verdict_cache[key] = (stamp, verdicts)
+        return verdicts
+
+    def _block_sizes(self, model_name: str | None, tenant_id: str | None) -> list[int]:
+        """The block sizes of the instances a query for ``model_name`` of ``tenant_id`` may name, ascending."""
+        return sorted({self.sources.block_size(info.instance_id) for info in self._holders
+                       if self.sources.matches(info.instance_id, model_name, tenant_id)})
 
     def prefix_match(self, chain: Sequence[bytes]) -> list[dict]:
         """``POST /prefix-match/``'s ``matches`` for a chain of engine block hashes (prefix order)."""
@@ -305,23 +328,19 @@ class FleetIndex:
         Raises:
             ValueError: a block size below 1, or token bytes whose length is not a multiple of 4.
         """
+        data = token_ids if isinstance(token_ids, bytes) else token_bytes(token_ids)
         with self.lock:
-            if block_size is not None:
-                sizes = {block_size}
-            else:
-                sizes = {self.sources.block_size(info.instance_id) for info in self._holders
-                         if self.sources.matches(info.instance_id, model_name, tenant_id)}
+            sizes = [block_size] if block_size is not None else self._block_sizes(model_name, tenant_id)
             runs: dict[tuple[str, int], PrefixRun] = {}
-            for size in sorted(sizes):
-                contents = [c & _U64 for c in block_content_hashes(token_ids, size, lora_name, cache_salt)]
-                blocks = self._table.content_walk_blocks(contents)
-                if any(len(candidates) > 1 for candidates in blocks):
-                    self._note_mixed_hashes(blocks)
+            for size in sizes:
+                contents = block_content_digests(data, size, lora_name, cache_salt)
+                if self._table.content_mixed(contents):
+                    self._note_mixed_hashes(self._table.content_walk_blocks(contents))
                 for key, run in table_prefix_runs(self._table, contents, self._holders, self.weights,
                                                   self._allowed(model_name, tenant_id, size), by_content=True).items():
                     if key not in runs or run.any > runs[key].any:
                         runs[key] = run
-            self._check_hash_profiles(runs, token_ids, lora_name, cache_salt)
+            self._check_hash_profiles(runs, data, lora_name, cache_salt)
             return instances_answer(runs, self.sources.block_size)
 
     def _check_hash_profiles(self, runs, token_ids, lora_name, cache_salt) -> None:

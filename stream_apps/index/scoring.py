@@ -38,8 +38,7 @@ TIER_CLASSES: dict[str, tuple[str, ...]] = {
     "DISK": ("GPU", "CPU", "STORAGE", "EXTERNAL"),
 }
 _CLASS_NAMES = tuple(TIER_CLASSES)
-#: Each class at 0 tokens: where an instance's answer starts.
-_CLASS_ZERO = dict.fromkeys(_CLASS_NAMES, 0)
+assert _CLASS_NAMES == ("GPU", "CPU", "DISK"), "instances_answer names the three classes"
 #: tier -> bit mask of the classes it counts in.
 _CLASS_MASK = {tier: sum(1 << i for i, name in enumerate(_CLASS_NAMES) if tier in TIER_CLASSES[name])
                for tier in TIERS}
@@ -199,8 +198,9 @@ def table_prefix_runs(table, keys: Sequence[int], holders: Sequence[HolderInfo],
         keys: block keys (u64) in prefix order, or with ``by_content`` the content keys of the token path.
         holders: holder id -> :class:`HolderInfo`; append-only (a holder id never changes its identity).
         weights: tier -> weight (others :data:`OTHER_TIER_WEIGHT`); taken as floats, NaN refused.
-        allowed: None, or a predicate on a :class:`HolderInfo`, pure (called once per distinct holder of the
-            walk, possibly for holders the runs end before).
+        allowed: None; a predicate on a :class:`HolderInfo`, pure (called once per distinct holder of the
+            walk, possibly for holders the runs end before); or a buffer of one byte per holder id, non-zero
+            for a holder that counts (ids past its end do not): the compiled table reads it without a call back.
         by_content: walk ``keys`` as a token path (``content_walk``) rather than a chain (``holders_at``).
 
     Returns:
@@ -211,9 +211,14 @@ def table_prefix_runs(table, keys: Sequence[int], holders: Sequence[HolderInfo],
     """
     if not _register_holders(table, holders):
         walk = table.content_walk if by_content else table.holders_at
+        if allowed is not None and not callable(allowed):  # the reference takes a predicate on HolderInfo
+            flags = memoryview(allowed).cast("B")
+            ids = {info: i for i, info in enumerate(holders)}  # holders are distinct: ids[holders[i]] == i
+            allowed = lambda info: ids[info] < len(flags) and flags[ids[info]] != 0
         return prefix_runs(walk(keys), holders, weights, allowed)
     tier_weights = [weights.get(tier, OTHER_TIER_WEIGHT) for tier in TIERS]
-    verdict = None if allowed is None else (lambda holder_id: allowed(holders[holder_id]))
+    verdict = allowed if allowed is None or not callable(allowed) else (
+        lambda holder_id: allowed(holders[holder_id]))
     rows = (table.content_runs if by_content else table.chain_runs)(keys, tier_weights, verdict)
     runs: dict[tuple[str, int], PrefixRun] = {}
     for group, matched, score, tiers, classes in rows:
@@ -260,21 +265,24 @@ def instances_answer(runs: Mapping[tuple[str, int], PrefixRun], block_size_of) -
         instance, rank = key
         size = block_size_of(instance)
         tokens = matched * size
+        gpu, cpu, disk = run.classes
         rank_key = str(rank)
+        tiers = run.tiers
+        rank_detail = {"matched_blocks": matched, "block_size": size,
+                       "prefix_blocks": {tier: tiers[tier] for tier in sorted(tiers) if tiers[tier]},
+                       "score": round(run.score, 6)}
         answer = instances.get(instance)
-        if answer is None:
-            answer = instances[instance] = {"longest_matched": 0, **_CLASS_ZERO, "DP": {}}
-            per_rank = scores[instance] = {}
-            per_rank_detail = detail[instance] = {}
-        else:
-            per_rank = scores[instance]
-            per_rank_detail = detail[instance]
+        if answer is None:  # the common case: one rank per instance
+            instances[instance] = {"longest_matched": tokens, "GPU": gpu * size, "CPU": cpu * size,
+                                   "DISK": disk * size, "DP": {rank_key: tokens}}
+            scores[instance] = {rank_key: tokens}
+            detail[instance] = {rank_key: rank_detail}
+            continue
         answer["longest_matched"] = max(answer["longest_matched"], tokens)
-        for name, blocks in zip(_CLASS_NAMES, run.classes):
-            answer[name] = max(answer[name], blocks * size)
+        answer["GPU"] = max(answer["GPU"], gpu * size)
+        answer["CPU"] = max(answer["CPU"], cpu * size)
+        answer["DISK"] = max(answer["DISK"], disk * size)
         answer["DP"][rank_key] = tokens
-        per_rank[rank_key] = tokens
-        per_rank_detail[rank_key] = {
-            "matched_blocks": matched, "block_size": size,
-            "prefix_blocks": {tier: n for tier, n in sorted(run.tiers.items()) if n}, "score": round(run.score, 6)}
+        scores[instance][rank_key] = tokens
+        detail[instance][rank_key] = rank_detail
     return {"instances": instances, "scores": scores, "kvstream": detail}

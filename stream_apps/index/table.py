@@ -358,6 +358,11 @@ class PyBlockTable:
         under unequal engine hashes)."""
         return [tuple(sorted(candidates)) for candidates in self._walk(contents)]
 
+    def content_mixed(self, contents: Sequence[int]) -> bool:
+        """Whether a depth of :meth:`content_walk` has more than one candidate block (equal content under unequal
+        engine hashes): the cheap test before :meth:`content_walk_blocks` names them."""
+        return any(len(candidates) > 1 for candidates in self._walk(contents))
+
     def chain_runs(self, chain: Sequence[int], weights: Sequence[float], allowed=None) -> list[Run]:
         """The prefix runs of each group holding the chain's block 0: :meth:`holders_at` and the scoring of
         ``stream_apps.index.scoring.prefix_runs`` in one call, per group rather than per holder.

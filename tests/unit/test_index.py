@@ -277,6 +277,20 @@ def test_a_tier_outside_the_canonical_five_is_scored_in_python(index):
     assert index.prefix_match(hashes)[0]["prefix_blocks"] == {"GPU": 4, "HBM": 4}
 
 
+def test_a_registration_filters_the_python_scoring_of_an_unknown_tier_too(index):
+    from stream_apps.index.fleet_index import SourceInfo
+
+    _store_chain(index, "e1", TOKENS, seed=24, rows=[_row("e1", "HBM")])
+    _store_chain(index, "e2", TOKENS, seed=25)
+    index.sources.register(SourceInfo("e1", model_name="llama-3"))
+    assert set(index.query_tokens(TOKENS, model_name="llama-3")["instances"]) == {"e1", "e2"}  # e2: any model
+    index.sources.register(SourceInfo("e2", model_name="qwen-2"))  # a registration changes the cached filter
+    assert set(index.query_tokens(TOKENS, model_name="llama-3")["instances"]) == {"e1"}
+    assert set(index.query_tokens(TOKENS, model_name="qwen-2")["instances"]) == {"e2"}
+    index.sources.unregister("e1")
+    assert set(index.query_tokens(TOKENS, model_name="qwen-2")["instances"]) == {"e1", "e2"}
+
+
 def _prefix_match_rows_before(runs):
     """prefix_match_rows as it was written before it ranked tuples (the oracle of its rewrite)."""
     rows = [{"instance_id": instance, "data_parallel_rank": rank, "matched_blocks": run.any,

@@ -195,6 +195,11 @@ def test_chains_of_equal_content_under_different_block_keys_are_all_followed(tab
     table.replace(2004, 0, [2], 2003, 400)  # only the second engine goes further
     assert table.content_walk([100, 200, 300, 400, 500]) == [(1, 2), (1, 2), (1, 2), (2,)]
     assert table.content_walk_blocks([100, 200, 300, 400]) == [(1001, 2001), (1002, 2002), (1003, 2003), (2004,)]
+    assert table.content_mixed([100, 200, 300, 400]) and table.content_mixed([100])
+    assert not table.content_mixed([999]) and not table.content_mixed([])
+    table.replace(1001, 0, [], None, None)  # the first engine's chain now starts at its block 2, never reached
+    assert not table.content_mixed([100, 200, 300, 400])
+    table.replace(1001, 0, [1], None, 100)
     assert table.content_walk([200]) == []  # depth 0 starts at the roots only
     assert table.content_walk([]) == []
     # a chain that diverges in content
@@ -491,7 +496,7 @@ def test_non_integers_raise_type_error(table, args):
 
 def test_queries_check_their_keys(table):
     table.replace(1, 0, [5], None, 100)
-    for query in (table.holders_at, table.content_walk, table.content_walk_blocks):
+    for query in (table.holders_at, table.content_walk, table.content_walk_blocks, table.content_mixed):
         with pytest.raises(OverflowError):
             query([1, -1])
         with pytest.raises(TypeError):
@@ -516,6 +521,7 @@ def _compare(py, c, holders, blocks, contents) -> None:
     assert c.holders_at(blocks) == py.holders_at(blocks)
     assert c.content_walk(contents) == py.content_walk(contents)
     assert c.content_walk_blocks(contents) == py.content_walk_blocks(contents)
+    assert c.content_mixed(contents) == py.content_mixed(contents)
 
 
 BLOCKS = st.sampled_from([0, 1, 2, 3, 4, 5, 6, 7, U64])
@@ -546,6 +552,7 @@ def test_compiled_and_python_agree_on_random_operations(ops):
         elif name == "walk":
             assert c.content_walk(*args) == py.content_walk(*args)
             assert c.content_walk_blocks(*args) == py.content_walk_blocks(*args)
+            assert c.content_mixed(*args) == py.content_mixed(*args)
         else:
             py.clear()
             c.clear()
