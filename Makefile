@@ -2,7 +2,7 @@
 #   make demo   - the whole pipeline on the embedded Kafka broker and the Mooncake trace
 #   make test   - unit tests and integration tests against a real broker (-rs: each skipped test's reason)
 #   make bench  - the benchmark (bench/results.json, bench/results.png)
-#   make chaos  - the fault scenarios (worker crash, rebalance, broker outage, bridge restart, table recovery)
+#   make chaos  - the fault scenarios (worker crash, rebalance, broker outage, bridge restart, table recovery, engine crash)
 #   make compose-test - docker-compose.yml brought up and checked against the ground truth (needs Docker)
 PYTHON ?= python3.11
 VENV ?= .venv

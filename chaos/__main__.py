@@ -14,7 +14,8 @@ def _cmd_chaos(args: argparse.Namespace) -> int:
 
     interrupt_on_sigterm()
     scenarios = tuple(dict.fromkeys(s.strip() for s in args.scenarios.split(",") if s.strip()))
-    return run_chaos(ChaosOptions(scenarios=scenarios, crash_runs=args.runs, rebalance_runs=args.rebalance_runs, requests=args.requests,
+    return run_chaos(ChaosOptions(scenarios=scenarios, crash_runs=args.runs, rebalance_runs=args.rebalance_runs,
+                                  engine_crash_runs=args.engine_crash_runs, requests=args.requests,
                                   output=args.output, work_dir=args.work_dir, seed=args.seed,
                                   partitions=args.partitions, outage_s=args.outage, timeout_s=args.timeout))
 
@@ -35,7 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    "bridge is SIGKILLed while an engine publishes; 2 runs: a replay buffer that "
                                    "covers the outage, and one that does not, which must be reported as a gap), "
                                    "table-recovery (a worker with an empty data dir rebuilds the tables from the "
-                                   "changelogs and answers as before). Prints progress and a summary table; writes "
+                                   "changelogs and answers as before), engine-crash (three engines publish through "
+                                   "the bridge into two workers with a 3 s source lease; one is killed and "
+                                   "restarted, one killed for good: no answer may name a dead engine for more than "
+                                   "the lease + 5 s, and the final answers must name exactly what the engines alive "
+                                   "at the end hold). Prints progress and a summary table; writes "
                                    "the results as JSON. Exit code 1 if any run differs from the truth or fails "
                                    "a scenario check.",
                        epilog='Example: make chaos CHAOS_ARGS="--scenarios crash --runs 3 --output /tmp/crash.json"')
@@ -46,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rebalance-runs", type=positive_int, default=chaos.rebalance_runs,
                    help="runs of the rebalance scenario: even runs without standby replicas, odd runs with one; "
                         "the store alternates every two runs (default: %(default)s)")
+    p.add_argument("--engine-crash-runs", type=positive_int, default=chaos.engine_crash_runs,
+                   help="runs of the engine-crash scenario, each with other seeded kill moments and engine roles; "
+                        "the store alternates: even runs memory://, odd runs rocksdb:// (default: %(default)s)")
     p.add_argument("--requests", type=positive_int, default=chaos.requests,
                    help="trace slice: the first N requests of the vendored trace per run (default: %(default)s)")
     p.add_argument("--output", type=Path, default=chaos.output, metavar="FILE",

@@ -34,6 +34,16 @@ Scenarios (:data:`SCENARIOS`):
     data directory (and another web port) starts on the same app id; it rebuilds
     its tables from the changelogs and must answer a sample of residency lookups
     and ``GET /occupancy/`` exactly as the first worker did.
+``engine-crash``
+    Three engines (:class:`harness.vllm_publisher.FakeVllmPublisher`, each one simulated instance's batches)
+    publish through one ``kvstream bridge`` (heartbeats every 0.5 s) into two workers whose sources hold a 3 s
+    lease (:data:`ENGINE_LEASE_S`: the other scenarios keep a day's). While events flow, one engine is killed
+    (its sockets closed at once) and comes back 10 s later as a new process, one is killed for good, the third
+    runs throughout. A thread asks both workers ``GET /workers``, ``POST /prefix-match/`` and
+    ``POST /query_by_hash`` about the dead engines' blocks: no answer may name a dead engine more than the
+    lease + 5 s after its kill. At the end every worker's answers (``POST /prefix-match/`` of every block ever
+    stored, ``GET /workers``' ``live``) must name exactly what the engines alive at the end hold, and the
+    residency table must keep the dead engine's rows and have retired the restarted engine's old ones.
 
 :func:`run_chaos` runs the chosen scenarios, prints progress and a summary table,
 and writes the results (shape: :data:`DEFINITIONS`) to a JSON file.
@@ -66,6 +76,7 @@ from kafka_io.admin import ensure_topics, group_progress
 from kafka_io.config import client_config
 from kafka_io.reader import messages_to_end
 from kvstream import broker
+from kvstream.client import IndexClient, IndexQueryError
 from kvstream.worker import spawn_worker, stop_worker, wait_until_consumed
 from producers.kafka_sink import KvEventProducer, ProduceError
 from producers.simulator import Batch, ClusterSimulator, FleetConfig, load_trace
@@ -78,19 +89,25 @@ from stream_apps.settings import WorkerSettings
 from stream_apps.snapshot import read_table, resident_rows
 
 #: Scenario names, in the order they run.
-SCENARIOS = ("crash", "rebalance", "broker-outage", "bridge-restart", "table-recovery")
+SCENARIOS = ("crash", "rebalance", "broker-outage", "bridge-restart", "table-recovery", "engine-crash")
 
 #: What the numbers of the results file mean (written into it as ``definitions``).
 DEFINITIONS = {
     "runs": "runs of the scenario; each on a fresh broker data dir and a fresh app id",
     "runs_matching_truth": "runs whose final residency table (read back from <app id>-residency-changelog) "
-                           "equals the ground truth row for row and copy count for copy count",
+                           "equals the ground truth row for row and copy count for copy count. engine-crash: the "
+                           "truth is the engines' residency as far as it reached kv-events (the dead engine's rows "
+                           "kept, the restarted engine's killed process retired), and every worker's final answers "
+                           "must also name exactly what the engines alive at the end hold ('final_answers')",
     "runs_passed": "runs matching the truth whose scenario checks also held (see each run's 'checks')",
     "events_produced": "Kafka messages the producer (or bridge) reported acknowledged into kv-events; a clear "
-                       "counts once per partition. bridge-restart: messages of every batch the engine published",
-    "messages_in_topic": "sum over the partitions of kv-events of (end offset - start offset)",
+                       "counts once per partition. bridge-restart, engine-crash: messages of every batch the "
+                       "engines published",
+    "messages_in_topic": "sum over the partitions of kv-events of (end offset - start offset); engine-crash: the "
+                         "messages of engine batches only (the bridge's own, per kind, are in 'source_events')",
     "events_lost": "messages acknowledged but missing from kv-events (max(0, produced - in topic); "
-                   "bridge-restart: records of batches outside the reported gap that are not in kv-events) "
+                   "bridge-restart: records of batches outside the reported gap that are not in kv-events; "
+                   "engine-crash: records of batches not in kv-events but for a killed engine's tail) "
                    "+ residency rows of the truth that are missing from the table or hold fewer copies than the "
                    "truth. Mixed units on purpose: any non-zero value is a loss",
     "duplicates_applied": "residency rows holding more copies than the truth, plus resident rows the truth does "
@@ -110,6 +127,34 @@ DEFINITIONS = {
                    "over GET /residency/{hex}/ (its local table) while the changelog says 'actual'",
     "rekey": "for a run that differs: distinct kv-events payloads, items and distinct payloads in "
              "<app id>-kv-events-by-ownership, and kv-events payloads never re-keyed (lost by the repartition process)",
+    "dead_engine_named_s": "engine-crash: the longest time, in seconds after its kill, that an answer of a worker "
+                           "named an engine while it was dead: POST /prefix-match/ or POST /query_by_hash of a block "
+                           "it held at the kill listing it, or GET /workers giving it live true; the max over the "
+                           "run's kills, each timed when the answer came back. scenario entry: "
+                           "dead_engine_named_max_s, the max over the runs",
+    "dead_engine_bound_s": "engine-crash: the most dead_engine_named_s may be: the workers' --source-lease-s (3 s) "
+                           "+ 5 s (issue 26); the bridge heartbeats every 0.5 s, its probes time out after 0.5 s",
+    "kills": "engine-crash: per kill: engine, restarted_after_s (null: killed for good), named_for_s and named_by "
+             "(the answer that named it last: API and worker), named_after_kill (the watch saw it named before its "
+             "lease lapsed: its questions can see it), watched_for_s (how long after the kill it was still asked "
+             "about; must exceed the bound), down_seen_s (per worker, when GET /workers first said live false), "
+             "held_blocks, asked; old_blocks, old_asked, old_named_s: after the restart, POST /prefix-match/ of "
+             "the blocks the killed process held (old_blocks of them) that the new process had not stored yet when "
+             "asked, and the latest answer naming the engine for one (seconds after the restart; null: none)",
+    "final_answers": "engine-crash: GET /workers of every worker until each engine's blocks per tier equal the "
+                     "table's and its live flag is right (alive at the end: live true; killed for good: false), "
+                     "then POST /prefix-match/ of every block any engine process stored, one per request, on every "
+                     "worker: the holders and their tiers must be exactly what the engines alive at the end hold; "
+                     "retried for 30 s. blocks_asked, wrong_blocks (with examples), rounds, seconds; counts_equal "
+                     "and workers_view: the last GET /workers (blocks per tier, live flags)",
+    "watch": "engine-crash: lookups the watch asked, and those that got no answer (a 503 or an error: not counted "
+             "as an answer)",
+    "old_blocks_named_after_restart_s": "engine-crash: the kill's old_named_s for the restarted engine",
+    "epochs": "engine-crash: publisher epochs per engine in kv-events; one per engine process (the bridge found the "
+              "restart and took nothing else for one)",
+    "tail_lost_with_engine": "engine-crash: messages of the batches a killed engine published after the last one "
+                             "that reached kv-events: still queued in its PUB socket when it died, they died with it "
+                             "(a crashed vLLM loses them too); not counted in events_lost",
     "queries": "rebalance: GET /residency/{hex}/ lookups of known blocks; 'answered' got 200 (possibly after "
                "retries), 'retried' counts 503 answers (rebalancing: retry) that were retried, 'failed' never got a "
                "200 within 30 s or got another error",
@@ -126,6 +171,16 @@ SESSION_TIMEOUT_S = 6
 #: Environment of every worker a chaos run starts (Faust reads these settings from the environment).
 WORKER_ENV = {"BROKER_SESSION_TIMEOUT": str(SESSION_TIMEOUT_S), "BROKER_HEARTBEAT_INTERVAL": "1"}
 
+#: engine-crash: the workers' ``--source-lease-s``, seconds. Short, so that a run sees leases lapse; the other
+#: scenarios keep a day's lease on purpose (their sources publish once and are checked long after).
+ENGINE_LEASE_S = 3.0
+#: engine-crash: the bridge's ``--heartbeat-interval-s`` and ``--heartbeat-probe-timeout-s``, seconds: well below
+#: the lease, so a live idle engine never lapses between two heartbeats.
+ENGINE_HEARTBEAT_S = 0.5
+ENGINE_PROBE_TIMEOUT_S = 0.5
+#: engine-crash: how much longer than its lease an answer may still name a dead engine, seconds (issue 26).
+DEAD_ANSWER_SLACK_S = 5.0
+
 
 @dataclass
 class ChaosOptions:
@@ -137,6 +192,8 @@ class ChaosOptions:
     crash_runs: int = 10
     #: Runs of the rebalance scenario; even runs have no standby replicas, odd runs one (both must hold).
     rebalance_runs: int = 6
+    #: Runs of the engine-crash scenario; the store alternates (even runs memory://, odd runs rocksdb://).
+    engine_crash_runs: int = 2
     #: Requests of the Mooncake trace replayed per run (the first N).
     requests: int = 300
     #: Results file (JSON); None: do not write one.
@@ -384,13 +441,20 @@ class RunEnv:
         broker.stop(self.broker_dir)
 
     def worker(self, name: str, app_id: str, *, store: str = "memory://", data_dir: Path | None = None,
-               web_port: int | None = None, standby_replicas: int = 0) -> Worker:
-        """Spawn a worker (log ``<run dir>/<name>.log``, data dir ``<run dir>/<name>`` unless given)."""
+               web_port: int | None = None, standby_replicas: int = 0, source_lease_s: float = 86_400.0,
+               source_expiry_s: float | None = None) -> Worker:
+        """Spawn a worker (log ``<run dir>/<name>.log``, data dir ``<run dir>/<name>`` unless given).
+
+        Args:
+            source_lease_s: the worker's ``--source-lease-s``, seconds. A day by default: the fleet scenarios'
+                sources publish once and are checked long after (engine-crash gives its own short one).
+            source_expiry_s: the worker's ``--source-expiry-s``, seconds (0: never); None: the settings' default.
+        """
+        expiry = {} if source_expiry_s is None else {"source_expiry_s": source_expiry_s}
         options = WorkerSettings(bootstrap_servers=self.bootstrap, web_port=web_port or broker.free_port(),
                                 data_dir=data_dir or self.dir / name, store=store, partitions=self.partitions,
-                                app_id=app_id, standby_replicas=standby_replicas,
-                                # the scenarios' sources publish once and are checked long after: a day's lease
-                                source_lease_s=86_400.0)
+                                app_id=app_id, standby_replicas=standby_replicas, source_lease_s=source_lease_s,
+                                **expiry)
         worker = Worker(options, self.dir / f"{name}.log")
         worker.start()
         self.workers.append(worker)
@@ -559,6 +623,32 @@ def _consume(env: RunEnv, worker: Worker, timeout_s: float) -> float:
         return wait_until_consumed(env.bootstrap, worker.options.app_id, worker.process, timeout_s=timeout_s)
     except (RuntimeError, TimeoutError) as exc:
         raise type(exc)(f"{exc}; last lines of {worker.log_file}:\n{worker.tail()}") from None
+
+
+def _start_bridge(env: RunEnv, command: list[str], log_file: Path, timeout_s: float) -> subprocess.Popen:
+    """Start ``kvstream bridge`` (``command``) as a child of ``env``, its output appended to ``log_file``, and wait
+    until it has subscribed to its publishers.
+
+    Raises:
+        RuntimeError: the bridge exited. TimeoutError: it did not subscribe within ``timeout_s``.
+    """
+    offset = log_file.stat().st_size if log_file.exists() else 0
+    with open(log_file, "ab") as out:
+        child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    env.children.append(child)
+
+    def subscribed():
+        if child.poll() is not None:
+            raise RuntimeError(f"the bridge exited with code {child.returncode}:\n"
+                               + log_file.read_text(errors="replace")[-2000:])
+        with open(log_file, "rb") as log:
+            log.seek(offset)
+            return b"subscribed to" in log.read()
+
+    _wait_for(subscribed, timeout_s, "the bridge did not subscribe")
+    time.sleep(1.0)  # ZMQ's slow joiner: let the subscription reach the publisher
+    return child
 
 
 def _run_result(run: int, check: RowCheck, produced: int, in_topic: int, seconds: float,
@@ -816,23 +906,7 @@ class Chaos:
                        str(o.partitions), "--state-file", str(state_file)]
 
             def start_bridge() -> subprocess.Popen:
-                offset = log_file.stat().st_size if log_file.exists() else 0
-                with open(log_file, "ab") as out:
-                    child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
-                env.children.append(child)
-
-                def subscribed():
-                    if child.poll() is not None:
-                        raise RuntimeError(f"the bridge exited with code {child.returncode}:\n"
-                                           + log_file.read_text(errors="replace")[-2000:])
-                    with open(log_file, "rb") as log:
-                        log.seek(offset)
-                        return b"subscribed to" in log.read()
-
-                _wait_for(subscribed, o.timeout_s, "the bridge did not subscribe")
-                time.sleep(1.0)  # ZMQ's slow joiner: let the subscription reach the publisher
-                return child
+                return _start_bridge(env, command, log_file, o.timeout_s)
 
             def publish(batch: Batch) -> None:
                 publisher.publish_payload(msgspec.msgpack.encode([batch.ts, batch.events, 0]))
@@ -954,6 +1028,130 @@ class Chaos:
                            app_id=app_id, queries=len(before), differing_answers=differing[:5],
                            recovered_s=round(recovered_s, 1), duplicates_ignored=final.get("duplicates"))
 
+    # ----------------------------------------------------------------- 6. engine crash
+
+    def engine_crash(self, run: int) -> dict:
+        """Three engines publish through ``kvstream bridge`` into two workers with a short lease: one is killed and
+        comes back as a new process, one is killed for good, one runs throughout. No answer may name a dead engine
+        for longer than its lease plus :data:`DEAD_ANSWER_SLACK_S`, and the final answers must name exactly the
+        blocks the engines alive at the end hold."""
+        o = self.options
+        rng = self.rng("engine-crash", run)
+        fleet = FleetConfig(instances=3, tp_instances=(), clear_instance=rng.randrange(3), clear_at=0.6,
+                            gpu_blocks=600, cpu_blocks=900, kvcr_blocks=1200)
+        batches_of: dict[str, list[Batch]] = {}
+        for batch in ClusterSimulator(fleet).run(load_trace(limit=o.requests)):
+            batches_of.setdefault(batch.publisher.instance_id, []).append(batch)
+        restarting, dying, surviving = rng.sample(sorted(batches_of), 3)
+        store = ("memory://", "rocksdb://")[run % 2]
+        bound_s = ENGINE_LEASE_S + DEAD_ANSWER_SLACK_S
+        down_s = bound_s + 2.0  # the restarting engine stays dead past the bound, so the bound is tested on it too
+        flow_s = 1.5 * o.live_s  # how long an engine that is never killed would take to publish its batches
+        n = {name: len(b) for name, b in batches_of.items()}
+        app_id = _fresh_app_id("engine-crash", run)
+        started = time.monotonic()
+        with self.env(f"engine-crash-{run}") as env:
+            workers = [env.worker(f"worker-{i}", app_id, store=store, source_lease_s=ENGINE_LEASE_S,
+                                  source_expiry_s=0.0)  # 0: never; the dead engine's rows stay for the table check
+                       for i in (1, 2)]
+            for worker in workers:
+                worker.wait_ready(o.timeout_s)
+            watch = _DeadEngineWatch([w.url for w in workers])
+            ports = {name: (broker.free_port(), broker.free_port()) for name in sorted(batches_of)}
+            engines = {
+                restarting: _Engine(restarting, batches_of[restarting], ports[restarting], watch,
+                                    pace_s=flow_s / n[restarting], down_s=down_s,
+                                    kill_after=max(1, int(rng.uniform(0.25, 0.5) * n[restarting]))),
+                dying: _Engine(dying, batches_of[dying], ports[dying], watch, pace_s=flow_s / n[dying],
+                               kill_after=max(1, int(rng.uniform(0.3, 0.7) * n[dying]))),
+                # paced to publish until the restarted engine is back and publishing: events flow throughout
+                surviving: _Engine(surviving, batches_of[surviving], ports[surviving], watch,
+                                   pace_s=(flow_s + down_s) / n[surviving]),
+            }
+            names = sorted(engines)
+            log_file = env.dir / "bridge.log"
+            command = [sys.executable, "-m", "kvstream.cli", "bridge", "--bootstrap-servers", env.bootstrap,
+                       "--partitions", str(o.partitions), "--state-file", str(env.dir / "bridge-state.json"),
+                       "--heartbeat-interval-s", str(ENGINE_HEARTBEAT_S),
+                       "--heartbeat-probe-timeout-s", str(ENGINE_PROBE_TIMEOUT_S)]
+            for name in names:
+                command += ["--endpoint", f"tcp://127.0.0.1:{ports[name][0]}",
+                            "--replay-endpoint", f"tcp://127.0.0.1:{ports[name][1]}", "--instance-id", name]
+            self.log(f"      engines {restarting} (killed after {engines[restarting].kill_after} of "
+                     f"{n[restarting]} batches, back {down_s:.0f}s later), {dying} (killed after "
+                     f"{engines[dying].kill_after} of {n[dying]}), {surviving} (runs throughout); lease "
+                     f"{ENGINE_LEASE_S:g}s, heartbeats every {ENGINE_HEARTBEAT_S:g}s; store {store}")
+            try:
+                for engine in engines.values():
+                    engine.bind()
+                bridge = _start_bridge(env, command, log_file, o.timeout_s)
+                watch.start()
+                for engine in engines.values():
+                    engine.start()
+                for engine in engines.values():
+                    engine.join(o.timeout_s)
+                    if engine.error:
+                        raise RuntimeError(f"engine {engine.engine}: {engine.error}")
+                # the engine killed for good is watched past the bound before the final answers are read
+                kill = watch.kill_of(dying)
+                time.sleep(max(0.0, kill.killed_at + bound_s + 1.0 - time.monotonic()))
+                watch.stop()
+                published = {name: e.incarnations for name, e in engines.items()}
+                live_truth = naive_residency([b for name in (restarting, surviving)
+                                              for b in published[name][-1]])
+                delivery = _engine_delivery(read_topic(env.bootstrap), published, {dying}, o.partitions)
+                stored = {h.to_bytes(8, "big") for processes in published.values() for batches in processes
+                          for b in batches for e in b.events if e["type"] == "BlockStored" for h in e["block_hashes"]}
+                final = _final_answers(workers, live_truth, delivery["table_truth"],
+                                       {name: name != dying for name in names}, sorted(stored), settle_s=30.0)
+                check = check_residency(env.bootstrap, app_id, delivery["table_truth"])
+                _explain(workers[0], check)
+                bridge.send_signal(signal.SIGTERM)
+                bridge.wait(60)
+            finally:
+                watch.stop()
+                for engine in engines.values():
+                    engine.close()
+            duplicates = sum((w.stats() or {}).get("duplicates", 0) for w in workers)
+        kills = [k.summary(bound_s) for k in watch.kills]
+        named_s = max((k["named_for_s"] for k in kills), default=None)
+        old_named = watch.kill_of(restarting).old_named_s
+        self.log(f"      dead engines named up to {named_s}s after their kill (bound {bound_s:g}s); final answers "
+                 f"{'equal' if final['equal'] else 'DIFFER from'} the live truth on {final['blocks_asked']:,} "
+                 f"blocks x {len(workers)} workers ({final['rounds']} rounds, {final['seconds']}s)")
+        checks = {
+            "no answer named a dead engine for more than its lease + 5 s": all(
+                k["named_for_s"] <= bound_s for k in kills),
+            "every dead engine was watched past the bound": all(k["watched_for_s"] > bound_s for k in kills),
+            "every killed engine was named after its kill until its lease lapsed (the watch asks what it held)":
+                all(k["named_after_kill"] for k in kills),
+            ("after the restart, no answer named the engine for a block its killed process held and the new one "
+             "had not stored (some were asked)"): old_named is None and watch.kill_of(restarting).old_asked > 0,
+            "GET /workers: the engines alive at the end live, the dead one not": final["live_flags_equal"],
+            "each engine process is one epoch in kv-events (the restart found, nothing else taken for one)":
+                delivery["epochs_match"],
+            "nothing but the killed engines' unsent last batches is missing from kv-events": delivery["lost"] == 0,
+            "no gap reported (SourceStale)": delivery["source_events"].get("SourceStale", 0) == 0,
+        }
+        entry = _run_result(run, check, delivery["produced"], delivery["in_topic"], time.monotonic() - started,
+                            checks=checks, lost_in_topic=delivery["lost"], app_id=app_id, store=store,
+                            source_lease_s=ENGINE_LEASE_S, heartbeat_interval_s=ENGINE_HEARTBEAT_S,
+                            dead_engine_named_s=named_s, dead_engine_bound_s=bound_s, kills=kills,
+                            old_blocks_named_after_restart_s=old_named,
+                            engines={name: {"role": "restarted" if name == restarting else "killed"
+                                            if name == dying else "survives", "batches": n[name],
+                                            "published_per_process": [len(i) for i in published[name]]}
+                                     for name in names},
+                            final_answers={k: v for k, v in final.items() if k != "equal"},
+                            table_matches_truth=check.matches, tail_lost_with_engine=delivery["tail"],
+                            epochs=delivery["epochs"], source_events=delivery["source_events"],
+                            watch={"asked": watch.asked, "errors": watch.errors,
+                                   "error_examples": watch.error_examples[:5]},
+                            duplicates_ignored=duplicates)
+        entry["matches_truth"] = final["equal"] and check.matches
+        entry["passed"] = entry["matches_truth"] and all(checks.values())
+        return entry
+
     # ----------------------------------------------------------------- driver
 
     def run(self) -> dict:
@@ -962,7 +1160,8 @@ class Chaos:
         self.work.mkdir(parents=True)
         plan = {"crash": (self.crash, self.options.crash_runs), "rebalance": (self.rebalance, self.options.rebalance_runs),
                 "broker-outage": (self.broker_outage, 1), "bridge-restart": (self.bridge_restart, 2),
-                "table-recovery": (self.table_recovery, 1)}
+                "table-recovery": (self.table_recovery, 1),
+                "engine-crash": (self.engine_crash, self.options.engine_crash_runs)}
         results: dict = {}
         for number, name in enumerate(self.options.scenarios, 1):
             method, runs = plan[name]
@@ -1049,6 +1248,373 @@ class _QueryLoad(threading.Thread):
             if len(self.failures) < 20:
                 self.failures.append(f":{worker.options.web_port} {block.hex()}: {status} {body.get('error')}")
             return
+
+
+class _Engine(threading.Thread):
+    """An engine double (:class:`FakeVllmPublisher`: vLLM's ZMQ PUB and replay sockets) publishing one simulated
+    instance's batches, one every ``pace_s`` seconds, in a thread.
+
+    With ``kill_after`` it is killed after that many batches: its sockets close at once, as the kernel closes a
+    SIGKILLed vLLM's, so what is still queued is never sent and nothing answers its replay socket. With ``down_s``
+    too, it comes back that many seconds later as a new process on the same ports (seq from 0, an empty cache
+    and replay buffer), loads for ``boot_s`` seconds and publishes the rest of its batches; otherwise it stays
+    dead. The engine that is never killed stays up, idle, once it has published everything (the bridge's probes
+    keep its lease).
+
+    After :meth:`join`, ``incarnations`` holds per process the batches it published (index = its seq) and
+    ``error`` the traceback text of a failure.
+    """
+
+    def __init__(self, name: str, batches: list[Batch], ports: tuple[int, int], watch: _DeadEngineWatch, *,
+                 pace_s: float, kill_after: int | None = None, down_s: float | None = None,
+                 boot_s: float = 0.5) -> None:
+        super().__init__(daemon=True, name=f"engine-{name}")
+        self.engine = name
+        self.batches = batches
+        self.ports = ports
+        self.watch = watch
+        self.pace_s = pace_s
+        self.kill_after = kill_after
+        self.down_s = down_s
+        self.boot_s = boot_s
+        self.publisher: FakeVllmPublisher | None = None
+        self.incarnations: list[list[Batch]] = []
+        #: Canonical hashes the current process has stored so far, each added before its batch is sent.
+        self.stored: set[bytes] = set()
+        self.error: str | None = None
+        self._halt = threading.Event()
+
+    def bind(self) -> None:
+        """Start the first process: bind its sockets (before the bridge connects)."""
+        self.publisher = FakeVllmPublisher(*self.ports)
+        self.incarnations.append([])
+
+    def run(self) -> None:
+        try:
+            end = len(self.batches) if self.kill_after is None else self.kill_after
+            self._publish(self.batches[:end])
+            if self.kill_after is None or self._halt.is_set():
+                return
+            held = naive_residency(self.incarnations[-1])
+            killed_at = time.monotonic()
+            self.publisher.kill()
+            self.publisher = None
+            self.watch.killed(self.engine, killed_at, sorted({identity[6] for identity in held}))
+            if self.down_s is None or self._halt.wait(self.down_s):
+                return
+            self.stored = set()  # a new object: the watch keeps the new process's
+            self.publisher = FakeVllmPublisher(*self.ports)
+            self.incarnations.append([])
+            self.watch.restarted(self.engine, time.monotonic(), sorted({identity[6] for identity in held}),
+                                 self.stored)
+            if self._halt.wait(self.boot_s):
+                return
+            self._publish(self.batches[end:])
+        except Exception:  # noqa: BLE001 - reported by the scenario, which fails the run
+            self.error = traceback.format_exc(limit=-4)
+
+    def _publish(self, batches: list[Batch]) -> None:
+        start = time.monotonic()
+        for i, batch in enumerate(batches):
+            # an absolute schedule: the pace holds however long a send takes
+            if self._halt.wait(max(0.0, start + i * self.pace_s - time.monotonic())):
+                return
+            # before the send: a block the watch finds missing here was not published when it asked
+            self.stored.update(h.to_bytes(8, "big") for e in batch.events if e["type"] == "BlockStored"
+                               for h in e["block_hashes"])
+            self.publisher.publish_payload(msgspec.msgpack.encode([batch.ts, batch.events, 0]))
+            self.incarnations[-1].append(batch)
+
+    def close(self) -> None:
+        """Stop publishing and close the current process's sockets (end of the run)."""
+        self._halt.set()
+        if self.is_alive():
+            self.join(10)
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
+
+
+@dataclass
+class _Kill:
+    """One engine kill as :class:`_DeadEngineWatch` saw its answers (times: ``time.monotonic()``)."""
+
+    engine: str
+    killed_at: float
+    #: Blocks the engine held when it was killed (what the watch asks about while it is dead).
+    blocks: list[bytes]
+    restarted_at: float | None = None
+    #: After the restart: the blocks the dead process held, and what the new process has stored so far (its
+    #: :attr:`_Engine.stored`); a block of the first not yet in the second is asked about.
+    old_blocks: list[bytes] = field(default_factory=list)
+    stored_since_restart: set = field(default_factory=set)
+    #: Latest answer naming the engine while it was dead, seconds after the kill; and which (API, worker).
+    named_for_s: float = 0.0
+    named_by: str | None = None
+    named_after_kill: bool = False
+    #: Last time the watch asked about the engine while it was dead, seconds after the kill.
+    watched_for_s: float = 0.0
+    #: Per worker URL: seconds after the kill when GET /workers first said ``live: false``.
+    down_seen_s: dict = field(default_factory=dict)
+    #: Latest answer naming the restarted engine for a block its dead process held and the new one had not
+    #: stored when asked, seconds after the restart (None: none did).
+    old_named_s: float | None = None
+    asked: int = 0
+    old_asked: int = 0
+    _turn: int = 0
+
+    def next_block(self, blocks: list[bytes]) -> bytes:
+        """The next of ``blocks`` to ask about, in turn (``blocks`` must not be empty)."""
+        self._turn += 1
+        return blocks[self._turn % len(blocks)]
+
+    def next_old_block(self) -> bytes | None:
+        """The next block the dead process held that the new one has not stored yet; None if there is none."""
+        for _ in range(len(self.old_blocks)):
+            block = self.next_block(self.old_blocks)
+            if block not in self.stored_since_restart:
+                return block
+        return None
+
+    def summary(self, bound_s: float) -> dict:
+        """The kill's entry of the results file."""
+        return {"engine": self.engine, "restarted_after_s": None if self.restarted_at is None
+                else round(self.restarted_at - self.killed_at, 2), "named_for_s": round(self.named_for_s, 2),
+                "bound_s": bound_s, "named_by": self.named_by, "named_after_kill": self.named_after_kill,
+                "watched_for_s": round(self.watched_for_s, 2),
+                "down_seen_s": {url: round(v, 2) for url, v in self.down_seen_s.items()},
+                "held_blocks": len(self.blocks), "asked": self.asked,
+                "old_blocks": len(self.old_blocks), "old_asked": self.old_asked, "old_named_s": self.old_named_s}
+
+
+class _DeadEngineWatch(threading.Thread):
+    """Asks every worker, in a loop, the lookups a router makes about the engines that are dead now:
+    ``GET /workers`` (is it ``live``?), ``POST /prefix-match/`` and ``POST /query_by_hash`` of one block it held
+    when it was killed, each in turn; and, once an engine is back, ``POST /prefix-match/`` of blocks its dead
+    process held that the new one has not stored yet. Records when each answer last named a dead engine (:class:`_Kill`). A 503 or an error is
+    counted in ``errors``, not taken for an answer."""
+
+    def __init__(self, urls: list[str], pause_s: float = 0.1) -> None:
+        super().__init__(daemon=True, name="dead-engine-watch")
+        self.clients = {url: IndexClient(url, timeout_s=10) for url in urls}
+        self.pause_s = pause_s
+        self.kills: list[_Kill] = []
+        self.asked = 0
+        self.errors = 0
+        self.error_examples: list[str] = []
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+
+    def killed(self, engine: str, at: float, blocks: list[bytes]) -> None:
+        """``engine`` was killed at ``at`` (monotonic), holding ``blocks``."""
+        with self._lock:
+            self.kills.append(_Kill(engine, at, blocks))
+
+    def restarted(self, engine: str, at: float, old_blocks: list[bytes], stored: set[bytes]) -> None:
+        """``engine`` is back since ``at`` (monotonic); ``old_blocks``: what its dead process held; ``stored``:
+        the set of what the new process stores, which its engine thread fills as it publishes."""
+        with self._lock:
+            kill = self.kill_of(engine)
+            kill.restarted_at, kill.old_blocks, kill.stored_since_restart = at, old_blocks, stored
+
+    def kill_of(self, engine: str) -> _Kill:
+        """The (last) kill of ``engine``. Raises StopIteration if it was not killed."""
+        return next(k for k in reversed(self.kills) if k.engine == engine)
+
+    def stop(self) -> None:
+        """End the loop and wait for it."""
+        self._done.set()
+        if self.is_alive():
+            self.join(30)
+        for client in self.clients.values():
+            client.close()
+
+    def run(self) -> None:
+        while not self._done.is_set():
+            with self._lock:
+                kills = list(self.kills)
+            for url, client in self.clients.items():
+                dead = [k for k in kills if k.restarted_at is None]
+                back = [k for k in kills if k.restarted_at is not None and k.old_blocks]
+                if dead:
+                    workers = self._ask(url, client.workers)
+                    if workers is not None:
+                        live = {w["instance_id"] for w in workers["workers"] if w["live"]}
+                        for kill in dead:
+                            self._saw(kill, url, "GET /workers", kill.engine in live)
+                            if kill.engine not in live:
+                                kill.down_seen_s.setdefault(url, time.monotonic() - kill.killed_at)
+                for kill in (k for k in dead if k.blocks):
+                    answer = self._ask(url, client.prefix_match, [kill.next_block(kill.blocks)])
+                    if answer is not None:
+                        self._saw(kill, url, "POST /prefix-match/",
+                                  any(m["instance_id"] == kill.engine for m in answer["matches"]))
+                    answer = self._ask(url, client.query_by_hash, [kill.next_block(kill.blocks)])
+                    if answer is not None:
+                        self._saw(kill, url, "POST /query_by_hash", kill.engine in answer["instances"])
+                for kill in back:
+                    block = kill.next_old_block()
+                    answer = None if block is None else self._ask(url, client.prefix_match, [block])
+                    if answer is not None:
+                        kill.old_asked += 1
+                        if any(m["instance_id"] == kill.engine for m in answer["matches"]):
+                            kill.old_named_s = round(time.monotonic() - kill.restarted_at, 2)
+            self._done.wait(self.pause_s)
+
+    def _ask(self, url: str, call, *args):
+        self.asked += 1
+        try:
+            return call(*args)
+        except (IndexQueryError, OSError, ValueError) as exc:
+            self.errors += 1
+            if len(self.error_examples) < 20:
+                self.error_examples.append(f"{url} {getattr(call, '__name__', call)}: {type(exc).__name__}: {exc}")
+            return None
+
+    @staticmethod
+    def _saw(kill: _Kill, url: str, api: str, named: bool) -> None:
+        # the answer's time is when it came back: an upper bound of when the worker computed it
+        now = time.monotonic()
+        if kill.restarted_at is not None and now >= kill.restarted_at:
+            return  # asked while dead, answered after the restart: the engine is alive again
+        kill.asked += 1
+        kill.watched_for_s = max(kill.watched_for_s, now - kill.killed_at)
+        if named:
+            kill.named_after_kill = True
+            if now - kill.killed_at >= kill.named_for_s:
+                kill.named_for_s, kill.named_by = now - kill.killed_at, f"{api} {url}"
+
+
+#: Kinds of ``kv_event`` that carry an engine batch's block events (the rest are the bridge's source events).
+_BLOCK_EVENT_KINDS = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
+
+
+def _engine_delivery(values: list[bytes], published: dict[str, list[list[Batch]]], killed_for_good: set[str],
+                     partitions: int) -> dict:
+    """What of the engines' batches reached kv-events (``values``), per engine process.
+
+    Args:
+        published: engine -> per process, the batches it published (index = seq). Every process but an engine's
+            last was killed (it was restarted); so was the last one of the engines in ``killed_for_good``.
+
+    Returns:
+        ``{"produced", "in_topic", "lost", "tail", "epochs", "epochs_match", "source_events", "table_truth"}``:
+        messages of every published batch; block-event messages in kv-events; messages missing but for the
+        ``tail`` of killed processes (batches after the last one that reached kv-events: still queued in the PUB
+        socket when it closed, they died with the engine); epochs per engine; whether each engine has one epoch
+        per process; the bridge's source events by kind; and the residency the tables must hold
+        (:func:`naive_residency` of each engine's last process, as far as it reached kv-events: a restarted
+        engine's earlier processes are retired, the dead engine's rows stay).
+    """
+    codec = AvroCodec("kv_event")
+    got: Counter = Counter()
+    epochs: dict[str, set[int]] = {}
+    source_events: Counter = Counter()
+    for value in values:
+        record = codec.decode(value)
+        kind = record["event"][0].rsplit(".", 1)[-1]
+        if kind in _BLOCK_EVENT_KINDS:
+            got[(record["instance_id"], record["publisher_epoch"], record["seq"])] += 1
+            epochs.setdefault(record["instance_id"], set()).add(record["publisher_epoch"])
+        else:
+            source_events[kind] += 1
+    produced = lost = tail = 0
+    table_batches: list[Batch] = []
+    for engine, processes in published.items():
+        engine_epochs = sorted(epochs.get(engine, ()))  # epochs grow: the bridge's clock at each new process
+        for number, batches in enumerate(processes):
+            last_process = number == len(processes) - 1
+            killed = not last_process or engine in killed_for_good
+            epoch = engine_epochs[number] if number < len(engine_epochs) else None
+            want = [message_count([r for i, e in enumerate(b.events)
+                                   for r in split_event(b.publisher, seq, b.ts, i, e)], partitions)
+                    for seq, b in enumerate(batches)]
+            have = [got[(engine, epoch, seq)] for seq in range(len(batches))]
+            produced += sum(want)
+            last_delivered = max((seq for seq, n in enumerate(have) if n), default=-1)
+            for seq, (w, h) in enumerate(zip(want, have)):
+                if killed and seq > last_delivered:
+                    tail += w
+                else:
+                    lost += max(w - h, 0)
+            if last_process:
+                table_batches += [b for seq, b in enumerate(batches) if have[seq]]
+    return {"produced": produced, "in_topic": sum(got.values()), "lost": lost, "tail": tail,
+            "epochs": {engine: len(e) for engine, e in sorted(epochs.items())},
+            "epochs_match": all(len(epochs.get(engine, ())) == len(processes)
+                                for engine, processes in published.items()),
+            "source_events": dict(sorted(source_events.items())), "table_truth": naive_residency(table_batches)}
+
+
+def _final_answers(workers: list[Worker], live_truth: dict, table_truth: dict, live: dict[str, bool],
+                   blocks: list[bytes], settle_s: float) -> dict:
+    """Every worker's final answers against the truth, retried for up to ``settle_s`` seconds while the last
+    events reach every worker's fleet index.
+
+    First ``GET /workers`` until, on every worker, each engine's resident blocks per tier equal ``table_truth``'s
+    (the index holds what the tables hold, the dead engine's rows included) and its ``live`` flag equals
+    ``live``; then ``POST /prefix-match/`` of every block any engine stored, one block per request, whose
+    holders and their tiers must be exactly ``live_truth``'s (what the engines alive at the end hold).
+
+    Args:
+        live_truth, table_truth: residency as :func:`naive_residency` gives it.
+        live: engine -> whether it is alive at the end.
+        blocks: the canonical hashes (8 bytes) to ask about: every block any engine process stored.
+
+    Returns:
+        ``{"equal", "live_flags_equal", "counts_equal", "blocks_asked", "wrong_blocks", "examples", "rounds",
+        "seconds", "workers_view"}``: ``equal`` when the live flags and every block's answer are right;
+        ``counts_equal`` whether ``GET /workers``' blocks per tier equal the table truth's (said, not judged: the
+        residency table is compared row by row apart); ``examples`` (up to 10) give a wrong block's worker, hash,
+        expected and answered ``{instance: tiers}``; ``workers_view`` each worker's last ``live`` flags.
+
+    Raises:
+        kvstream.client.IndexQueryError: a worker answered a lookup 4xx or 5xx. OSError: a worker did not answer.
+    """
+    started = time.monotonic()
+    deadline = started + settle_s
+    expected_counts: dict[str, Counter] = {engine: Counter() for engine in live}
+    # the index holds one (block, holder) per ownership and tier: locality and group are not in it
+    for engine, tier, _, _ in {(i[0], i[2], i[3], i[6]) for i in table_truth}:
+        expected_counts[engine][tier] += 1
+    views: dict = {}
+    while True:
+        views = {}
+        for worker in workers:
+            status, body = http_json(f"{worker.url}/workers")
+            rows = body.get("workers", []) if status == 200 else []
+            views[worker.url] = {r["instance_id"]: {"live": r["live"], "blocks": r["blocks"]} for r in rows}
+        flags_equal = all(view.get(engine, {}).get("live") == alive for view in views.values()
+                          for engine, alive in live.items())
+        counts_equal = all(Counter(view.get(engine, {}).get("blocks", {})) == expected_counts[engine]
+                           for view in views.values() for engine in live)
+        if (flags_equal and counts_equal) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    by_block: dict[bytes, dict[str, set]] = {}
+    for engine, _, tier, _, _, _, block in live_truth:
+        by_block.setdefault(block, {}).setdefault(engine, set()).add(tier)
+    blocks = sorted(set(blocks) | {i[6] for i in table_truth} | set(by_block))
+    rounds = 0
+    while True:
+        rounds += 1
+        wrong: list[dict] = []
+        for worker in workers:
+            with IndexClient(worker.url, timeout_s=30) as client:
+                for block in blocks:
+                    matches = client.prefix_match([block])["matches"]
+                    got = {m["instance_id"]: set(m["prefix_blocks"]) for m in matches}
+                    if got != by_block.get(block, {}):
+                        wrong.append({"worker": worker.url, "block": block.hex(),
+                                      "expected": {k: sorted(v) for k, v in by_block.get(block, {}).items()},
+                                      "answered": {k: sorted(v) for k, v in got.items()}})
+        if not wrong or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    return {"equal": not wrong and flags_equal, "live_flags_equal": flags_equal, "counts_equal": counts_equal,
+            "blocks_asked": len(blocks), "wrong_blocks": len(wrong), "examples": wrong[:10], "rounds": rounds,
+            "seconds": round(time.monotonic() - started, 1),
+            "workers_view": {url: {e: v.get("live") for e, v in view.items()} for url, view in views.items()}}
 
 
 def _diagnose(function, *args):
@@ -1158,15 +1724,24 @@ def summarize(entries: list[dict]) -> dict:
             "events_lost": sum(e["events_lost"] for e in entries),
             "duplicates_applied": sum(e["duplicates_applied"] for e in entries),
             "seconds": round(sum(e["seconds"] for e in entries), 1),
+            **({"dead_engine_named_max_s": max((e["dead_engine_named_s"] for e in entries
+                                                if e.get("dead_engine_named_s") is not None), default=None),
+                "dead_engine_bound_s": next(e["dead_engine_bound_s"] for e in entries if "dead_engine_bound_s" in e)}
+               if any("dead_engine_bound_s" in e for e in entries) else {}),
             "run_details": entries}
 
 
 def print_summary(results: dict, log=print) -> None:
-    """Print one line per scenario: runs, matching, passed, produced, lost, duplicates, seconds."""
+    """Print one line per scenario: runs, matching, passed, produced, lost, duplicates, seconds; then engine-crash's
+    longest dead-engine answer against its bound."""
     log(f"\n{'scenario':<16}{'runs':>5}{'match':>7}{'passed':>8}{'produced':>11}{'lost':>6}{'dups':>6}{'seconds':>9}")
     for name, s in results.items():
         log(f"{name:<16}{s['runs']:>5}{s['runs_matching_truth']:>7}{s['runs_passed']:>8}{s['events_produced']:>11,}"
             f"{s['events_lost']:>6}{s['duplicates_applied']:>6}{s['seconds']:>9}")
+    for name, s in results.items():
+        if "dead_engine_bound_s" in s:
+            log(f"{name}: dead engines named up to {s['dead_engine_named_max_s']}s after their kill "
+                f"(bound {s['dead_engine_bound_s']:g}s)")
 
 
 def run_chaos(options: ChaosOptions, log=print) -> int:
@@ -1189,6 +1764,7 @@ def run_chaos(options: ChaosOptions, log=print) -> int:
     document = {"kafka_version": broker.KAFKA_VERSION,
                 "generated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "options": {"scenarios": list(options.scenarios), "crash_runs": options.crash_runs,
+                            "rebalance_runs": options.rebalance_runs, "engine_crash_runs": options.engine_crash_runs,
                             "requests": options.requests, "partitions": options.partitions, "seed": options.seed,
                             "outage_s": options.outage_s, "live_s": options.live_s,
                             "worker_session_timeout_s": SESSION_TIMEOUT_S},
