@@ -251,13 +251,19 @@ def _bridge_endpoints(settings):
         raise ValueError("give one --replay-endpoint per --endpoint, in the same order (or none)")
     if len(instances) != len(endpoints):
         raise ValueError("give one --instance-id per --endpoint, in the same order")
+    modes = list(getattr(settings, "report_mode", None) or ["default"])  # capture has none: it records events
+    if len(modes) == 1:
+        modes *= len(endpoints)
+    if len(modes) != len(endpoints):
+        raise ValueError("give one --report-mode for every --endpoint, or one per --endpoint in the same order")
+    modes = [None if mode == "default" else mode for mode in modes]  # kv_event v5: null is the engine's default
     if settings.data_parallel_size > 1:
         if len(endpoints) != 1:
             raise ValueError("--data-parallel-size follows the ranks of one engine: give a single --endpoint")
         return data_parallel_endpoints(endpoints[0], replays[0] if replays else None, instances[0],
-                                       settings.data_parallel_size, settings.engine)
+                                       settings.data_parallel_size, settings.engine, modes[0])
     return [PublisherEndpoint(e, replays[i] if replays else None, instances[i], settings.dp_rank,
-                              engine=settings.engine) for i, e in enumerate(endpoints)]
+                              engine=settings.engine, report_mode=modes[i]) for i, e in enumerate(endpoints)]
 
 
 def _stop_on_sigterm() -> list:

@@ -63,7 +63,7 @@ import logging
 import os
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -142,6 +142,9 @@ class PublisherEndpoint:
     aggregation: str | None = None
     #: The engine's protocol, ``vllm`` or ``sglang`` (:attr:`producers.split.Publisher.engine`).
     engine: str = "vllm"
+    #: How the engine reports prefix-cache reuse (:attr:`producers.split.Publisher.report_mode`): None, the default;
+    #: ``"full"``, vLLM's ``kv_cache_report_mode="full"``.
+    report_mode: str | None = None
 
     @property
     def label(self) -> str:
@@ -172,11 +175,13 @@ def offset_endpoint(endpoint: str, rank: int) -> str:
 
 
 def data_parallel_endpoints(endpoint: str, replay_endpoint: str | None, instance_id: str,
-                            data_parallel_size: int, engine: str = "vllm") -> list[PublisherEndpoint]:
+                            data_parallel_size: int, engine: str = "vllm",
+                            report_mode: str | None = None) -> list[PublisherEndpoint]:
     """Every rank's endpoints of one engine with ``data_parallel_size`` ranks (vLLM's port-offset rule)."""
     return [PublisherEndpoint(offset_endpoint(endpoint, rank),
                               None if replay_endpoint is None else offset_endpoint(replay_endpoint, rank),
-                              instance_id, rank, engine=engine) for rank in range(data_parallel_size)]
+                              instance_id, rank, engine=engine, report_mode=report_mode)
+            for rank in range(data_parallel_size)]
 
 
 def _state_key(endpoint: PublisherEndpoint) -> str:
@@ -257,9 +262,7 @@ class KafkaBatchSink:
             self.metrics.dead_lettered.labels(*labels).inc()
             return
         if decoded.data_parallel_rank is not None and decoded.data_parallel_rank != publisher.data_parallel_rank:
-            publisher = Publisher(publisher.instance_id, decoded.data_parallel_rank, publisher.worker_rank,
-                                  publisher.world_size, publisher.aggregation, publisher.publisher_epoch,
-                                  publisher.engine)
+            publisher = replace(publisher, data_parallel_rank=decoded.data_parallel_rank)
         for failure in decoded.failures:
             self.producer.dead_letter(failure.raw, failure.reason, f"{where} event {failure.batch_index}")
             self.metrics.dead_lettered.labels(*labels).inc()
@@ -434,7 +437,7 @@ class Bridge:
 
     def _publisher(self, endpoint: PublisherEndpoint, state: _SourceState) -> Publisher:
         return Publisher(endpoint.instance_id, endpoint.data_parallel_rank, endpoint.worker_rank, endpoint.world_size,
-                         endpoint.aggregation, state.epoch, endpoint.engine)
+                         endpoint.aggregation, state.epoch, endpoint.engine, endpoint.report_mode)
 
     @staticmethod
     def _labels(endpoint: PublisherEndpoint) -> tuple[str, str]:

@@ -138,6 +138,15 @@ class BridgeSettings(_KafkaTarget, _EngineEndpoints):
     #: How long a heartbeat's probe of the replay socket may take to answer; later, that interval has no heartbeat.
     heartbeat_probe_timeout_s: float = Field(1.0, gt=0, description="seconds a heartbeat's probe of the replay "
                                                                     "socket may take to answer")
+    #: How each engine reports prefix-cache reuse (vLLM's ``kv_cache_report_mode``): ``default``, or ``full`` (vLLM PR
+    #: #45261: a reused block is re-announced with a BlockStored, and no BlockRemoved follows it). One value for every
+    #: ``--endpoint``, or one per ``--endpoint`` in order. The stores of a ``full`` engine are marked (kv_event v5
+    #: ``BlockStored.report_mode``), so the workers count a repeated store of a block as an announcement.
+    report_mode: Annotated[list[Literal["default", "full"]], NoDecode] = Field(
+        ["default"], description="each engine's KV report mode, default or full (vLLM kv_cache_report_mode; full "
+                                 "re-announces reused blocks): one for all --endpoints or one per --endpoint")
+
+    _split_report_modes = field_validator("report_mode", mode="before")(lambda cls, value: _comma_separated(value))
 
 
 class CaptureSettings(_EngineEndpoints):

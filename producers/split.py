@@ -67,6 +67,10 @@ class Publisher:
     #: ``sglang`` (signed 64-bit hashes). It decides which fields must be present and the hash encoding
     #: (:data:`REQUIRED_FIELDS`, :func:`hash_encoding`).
     engine: str = "vllm"
+    #: How the engine reports prefix-cache reuse (``kv_event`` v5 ``BlockStored.report_mode``): None, the engine's
+    #: default, every store a block just stored; ``"full"``: vLLM's ``kv_cache_report_mode="full"`` (PR #45261),
+    #: which also re-announces reused blocks, so a repeated store is not a second copy (docs/residency.md).
+    report_mode: str | None = None
 
 
 def _hashes(values: Any, what: str) -> list[bytes]:
@@ -368,6 +372,7 @@ def split_event(publisher: Publisher, seq: int, ts: float, batch_index: int, eve
             "parent_known": None,
             **common,
             "content_hash": _content_hash(parsed, i, tokens),
+            "report_mode": publisher.report_mode,
         }
         records.append({**envelope, "block_hash": h, "hash_encoding": encoding, "block_index": i,
                         "block_count": count, "tier": tier, "event": (BLOCK_STORED, body)})
@@ -436,7 +441,7 @@ class BlockEncoder:
     that every block of an event shares are encoded once per event.
 
     Args:
-        writer: the ``kv_event`` v4 writer (:class:`schemas.avro_writers.KvEventWriter`).
+        writer: the ``kv_event`` v5 writer (:class:`schemas.avro_writers.KvEventWriter`).
         parents: tracker that sets ``parent_known``; None leaves it null.
     """
 
@@ -489,6 +494,7 @@ class BlockEncoder:
             parent_known = self.parents.note_run((publisher.instance_id, publisher.data_parallel_rank),
                                                  parsed.parent, hashes)
         given = parsed.content_hashes
+        report_mode = AVRO_NULL if publisher.report_mode is None else w.report_mode(publisher.report_mode)
         out = []
         parent = parsed.parent
         for i, h in enumerate(hashes):
@@ -507,7 +513,7 @@ class BlockEncoder:
                 AVRO_NULL if extra_keys is None else _BRANCH_1 + avro_bytes(_encode_msgpack(extra_keys[i])), tail,
                 AVRO_NULL if lookahead is None else _BRANCH_1 + avro_int_array(lookahead[i]),
                 AVRO_NULL if i or parent_known is None else (b"\x02\x01" if parent_known else b"\x02\x00"),
-                suffix, AVRO_NULL if digest is None else _BRANCH_1 + avro_long(digest)))))
+                suffix, AVRO_NULL if digest is None else _BRANCH_1 + avro_long(digest), report_mode))))
             parent = h
         return out
 

@@ -1,6 +1,6 @@
 """The event contract: what a KV cache event is once it is in Kafka.
 
-* ``kv_event_v4.avsc`` (and v1 to v3): one block-level KV event (topic ``kv-events``).
+* ``kv_event_v5.avsc`` (and v1 to v4): one block-level KV event (topic ``kv-events``).
 * ``residency_v3.avsc`` (and v1, v2): one residency-table entry (the stream app's changelog).
 * ``tier_occupancy_v1.avsc``, ``clear_watermark_v1.avsc``: the stream app's other tables.
 * ``ownership_batch_v1.avsc``: the stream app's repartition topic ``<app id>-kv-events-by-ownership``.
@@ -23,6 +23,14 @@ SOURCE_STALE = "kvstream.v1.SourceStale"
 #: Events the producers make for liveness (schema v4): the source is alive / the source was deregistered.
 SOURCE_HEARTBEAT = "kvstream.v1.SourceHeartbeat"
 SOURCE_UNREGISTERED = "kvstream.v1.SourceUnregistered"
+#: Not an Avro branch: the residency rules' kind of a BlockStored whose source runs in vLLM's full report mode
+#: (kv_event v5 ``BlockStored.report_mode`` ``"full"``), which may re-announce a block it already holds
+#: (``stream_apps.residency.apply_block``). The block events of the materializing stage carry it.
+BLOCK_STORED_OR_REUSED = "kvstream.v1.BlockStored/full-report"
+#: The kinds of a block event that stores: :data:`BLOCK_STORED` and :data:`BLOCK_STORED_OR_REUSED`.
+STORE_KINDS = frozenset({BLOCK_STORED, BLOCK_STORED_OR_REUSED})
+#: The ``report_mode`` (kv_event v5) of a source that re-announces reused blocks (vLLM PR #45261).
+FULL_REPORT_MODE = "full"
 #: Events without a block hash, written to every partition of kv-events.
 SOURCE_WIDE_EVENTS = frozenset({ALL_BLOCKS_CLEARED, PUBLISHER_RESTARTED, SOURCE_STALE, SOURCE_HEARTBEAT,
                                 SOURCE_UNREGISTERED})
@@ -31,11 +39,14 @@ __all__ = [
     "ALL_BLOCKS_CLEARED",
     "BLOCK_REMOVED",
     "BLOCK_STORED",
+    "BLOCK_STORED_OR_REUSED",
+    "FULL_REPORT_MODE",
     "PUBLISHER_RESTARTED",
     "SOURCE_HEARTBEAT",
     "SOURCE_STALE",
     "SOURCE_UNREGISTERED",
     "SOURCE_WIDE_EVENTS",
+    "STORE_KINDS",
     "TIERS",
     "AvroCodec",
     "DecodeError",

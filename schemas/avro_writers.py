@@ -120,12 +120,12 @@ class KvEventWriter:
 
     fastavro's generic writer resolves every union and looks up every field of every record; a
     producer writes hundreds of thousands of records per second that share most of their bytes. This
-    writer encodes the field layout of ``kv_event_v4.avsc`` directly and gives the pieces that
+    writer encodes the field layout of ``kv_event_v5.avsc`` directly and gives the pieces that
     :class:`producers.split.BlockEncoder` reuses across the blocks of one engine event. The
     output is checked against fastavro in ``tests/unit/test_split.py``.
 
     Args:
-        codec: a ``kv_event`` codec writing version 4 (its framing header is reused).
+        codec: a ``kv_event`` codec writing version 5 (its framing header is reused).
 
     Raises:
         ValueError: the codec writes another family or version (the field layout coded here would not
@@ -133,7 +133,7 @@ class KvEventWriter:
     """
 
     #: The writer schema whose field layout this class encodes.
-    VERSION = 4
+    VERSION = 5
 
     def __init__(self, codec: AvroCodec) -> None:
         if codec.family != "kv_event" or codec.schema.version != self.VERSION:
@@ -196,6 +196,11 @@ class KvEventWriter:
                                                          + avro_optional(token_id_width, avro_long))
         return cached
 
+    @staticmethod
+    def report_mode(mode: str | None) -> bytes:
+        """BlockStored's ``report_mode`` (v5, the last field; the same for every store of a source)."""
+        return avro_optional(mode, avro_string)
+
     def removed_body(self, body: dict) -> bytes:
         """A BlockRemoved body, cached."""
         key = (body["medium"], body["group_idx"], body["locality"], body["ownership"])
@@ -244,7 +249,8 @@ class KvEventWriter:
                               self.stored_tail(body), avro_optional(body["lookahead_token_ids"], avro_int_array),
                               AVRO_NULL if pk is None else (b"\x02\x01" if pk else b"\x02\x00"),
                               self.stored_suffix(body.get("cache_salt"), body.get("token_id_width")),
-                              avro_optional(body.get("content_hash"), avro_long)))
+                              avro_optional(body.get("content_hash"), avro_long),
+                              avro_optional(body.get("report_mode"), avro_string)))
         elif kind == "kvstream.v1.BlockRemoved":
             event = self.removed_body(body)
         elif kind == "kvstream.v1.AllBlocksCleared":

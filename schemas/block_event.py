@@ -25,7 +25,7 @@ from __future__ import annotations
 import struct
 from typing import NamedTuple
 
-from schemas import BLOCK_REMOVED, BLOCK_STORED
+from schemas import BLOCK_REMOVED, BLOCK_STORED, BLOCK_STORED_OR_REUSED, FULL_REPORT_MODE
 from schemas.avro_writers import avro_long, avro_optional, avro_string
 from schemas.content_hash import stored_content_hash
 from schemas.tiers import TIERS
@@ -37,10 +37,12 @@ from schemas.tiers import TIERS
 #: one (0: null). The parent block hash's bytes follow, then the canonical block hash fills the rest.
 BLOCK_FIELDS = struct.Struct("<BHqqiidBHHIHBBqBBq")
 
-#: Event kinds by the layout's kind byte (an index into this): 2 BlockStored, 3 BlockRemoved. 0 and 1, the kinds
-#: of the first layout, name none: a walker refuses such block fields, and their message is decoded from its
-#: records (a rolling upgrade), as an older walker refuses kinds 2 and 3.
-KINDS = (None, None, BLOCK_STORED, BLOCK_REMOVED)
+#: Event kinds by the layout's kind byte (an index into this): 2 BlockStored, 3 BlockRemoved, 4 a BlockStored of a
+#: source in full report mode (``BLOCK_STORED_OR_REUSED``). 0 and 1, the kinds of the first layout, name none: a
+#: walker refuses such block fields, and their message is decoded from its records (a rolling upgrade), as an
+#: older walker refuses kinds 2 and 3, and one of this layout before kind 4 refuses kind 4 (so it decodes the
+#: record, and counts the store as its version did).
+KINDS = (None, None, BLOCK_STORED, BLOCK_REMOVED, BLOCK_STORED_OR_REUSED)
 #: ``parent_known`` in the layout's order.
 PARENT_KNOWN = (None, False, True)
 
@@ -74,7 +76,9 @@ class BlockEvent(NamedTuple):
     costs more than the rules' use of it); this class names the fields, and tests build them with it.
     """
 
-    #: ``schemas.BLOCK_STORED`` or ``schemas.BLOCK_REMOVED``.
+    #: ``schemas.BLOCK_STORED``, ``schemas.BLOCK_REMOVED``, or ``schemas.BLOCK_STORED_OR_REUSED``: a store of a
+    #: source in vLLM's full report mode (``BlockStored.report_mode`` ``"full"``, kv_event v5), which may be an
+    #: announcement of a block the source already holds.
     kind: str
     #: The publisher (shared by the events of one batch message).
     source: Source
@@ -132,6 +136,8 @@ def block_event_of(record: dict, content: int | None = None) -> BlockEvent:
     source = Source(record["instance_id"], record["data_parallel_rank"], record["worker_rank"],
                     record["world_size"], record["aggregation"])
     stored = kind == BLOCK_STORED
+    if stored and body.get("report_mode") == FULL_REPORT_MODE:
+        kind = BLOCK_STORED_OR_REUSED
     return BlockEvent(kind, source, record["publisher_epoch"], record["seq"], record["batch_index"],
                       record["block_index"], record["ts"], record["block_hash"], record["tier"], body["medium"],
                       body["locality"], body["group_idx"], body["ownership"], body.get("parent_known"), content,
@@ -167,6 +173,8 @@ class BlockFieldsWriter:
         tokens."""
         kind, body = record["event"]
         if kind == BLOCK_STORED:
+            if body.get("report_mode") == FULL_REPORT_MODE:
+                kind = BLOCK_STORED_OR_REUSED
             parent = body["parent_block_hash"]
             content_hash = body.get("content_hash")
             if content_hash is None and body["token_ids"]:

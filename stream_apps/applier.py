@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 from schemas import (
     ALL_BLOCKS_CLEARED,
     BLOCK_STORED,
+    BLOCK_STORED_OR_REUSED,
     SOURCE_HEARTBEAT,
     SOURCE_STALE,
     SOURCE_UNREGISTERED,
     SOURCE_WIDE_EVENTS,
+    STORE_KINDS,
 )
 from schemas.block_event import block_event_of
 from schemas.clear_position import ClearPosition
@@ -49,6 +51,10 @@ class InvalidRecord(ValueError):
 class NeedsRecord(Exception):
     """A block event's fields lack what this worker needs to apply it; the caller applies the decoded record."""
 
+
+#: ``residency_change.cause`` of a block event kind that is not an Avro branch: a full report mode store is a
+#: BlockStored to the changes' readers.
+_CAUSES = {BLOCK_STORED_OR_REUSED: "BlockStored"}
 
 def occupancy_key(partition: int, ownership: str | None, tier: str, instance_id: str) -> str:
     """Key of a ``tier-occupancy`` row: ``<partition>/<ownership or primary>/<tier>/<instance>``."""
@@ -326,7 +332,7 @@ class BatchApplier:
         source = event[1]
         _, publisher, watermark, retired, clear_tiers, aggregation, replicated = (self._sources.get(source)
                                                                                     or self._source_state(source))
-        if replicated and event[14] is None and event[0] == BLOCK_STORED:
+        if replicated and event[14] is None and event[0] in STORE_KINDS:
             # written by a repartition process that did not know this worker's --aggregation for the source
             raise NeedsRecord(f"{key}: a store of a replicated source without its content digest")
         if retired is not None and event[2] < retired:
@@ -355,4 +361,4 @@ class BatchApplier:
             self.occupancy[(ownership, tier, source[0])] += delta
             if m.outputs.residency_changes:  # change() checks it too; here it spares the call per transition
                 m.outputs.change(block_hash, ownership, source[0], source[1], tier, medium, locality, group,
-                                 delta > 0, copies, ts, kind.rsplit(".", 1)[-1])
+                                 delta > 0, copies, ts, _CAUSES.get(kind) or kind.rsplit(".", 1)[-1])

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 LAG_CACHE_S = 10.0
 #: ApplyStats fields that are counts of events, exported as ``kvstream_events_total{outcome=...}``.
 _OUTCOMES = ("applied", "duplicates", "cleared_late", "retired_late", "unknown_removals", "unknown_parents",
-             "replica_disagreements")
+             "replica_disagreements", "reuse_reports")
 
 
 class WorkerMetrics(Collector):

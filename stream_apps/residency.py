@@ -43,7 +43,7 @@ from hashlib import blake2b
 
 from murmurhash2 import murmurhash2
 
-from schemas import BLOCK_STORED
+from schemas import BLOCK_STORED_OR_REUSED, STORE_KINDS
 from schemas.block_event import block_event_of
 from schemas.clear_position import ClearPosition, clear_mark_record
 from schemas.content_hash import stored_content_hash
@@ -173,6 +173,9 @@ class ApplyStats:
     #: Stores whose parent block the producer had not seen stored by the source (BlockStored.parent_known
     #: false): still resident, counted (docs/residency.md, "Reference counting").
     unknown_parents: int = 0
+    #: Stores of a source in full report mode (``BLOCK_STORED_OR_REUSED``) of a block its worker already counted on
+    #: the row: announcements of a reused block (vLLM PR #45261), which add no copy (docs/residency.md).
+    reuse_reports: int = 0
     #: Stores of a REPLICATED row (world size > 1) whose content differed from another worker's store of the
     #: row (:data:`AGREEMENT_FIELDS`): the row is not resident while they differ.
     replica_disagreements: int = 0
@@ -216,7 +219,7 @@ def needs_content(kind: str, aggregation: tuple[int, str]) -> bool:
     """Whether a ``kind`` event of a source of ``aggregation`` (:func:`source_aggregation`) needs its content
     digest: a store of a REPLICATED source with world size above 1, whose workers' stores are compared
     (:data:`AGREEMENT_FIELDS`)."""
-    return kind == BLOCK_STORED and aggregation[0] > 1 and aggregation[1] == "REPLICATED"
+    return kind in STORE_KINDS and aggregation[0] > 1 and aggregation[1] == "REPLICATED"
 
 
 def apply_block_event(entry: dict | None, record: dict, clear_mark: ClearPosition,
@@ -254,6 +257,10 @@ def apply_block(entry: dict | None, event: tuple, clear_mark: ClearPosition, cle
     (tokenless, e.g. a CPU offload placeholder) leaves them, so an entry keeps its content while any of its rows
     remains. The entry is the block's in one ownership: every tier and source of it stores the same content.
 
+    A store of kind ``BLOCK_STORED_OR_REUSED`` (a source in vLLM's full report mode, kv_event v5
+    ``BlockStored.report_mode``) on a row whose worker already counts the block is an announcement of a reused
+    block: its position is applied, its count is not raised (``stats.reuse_reports``). Otherwise it is a store.
+
     Returns:
         ``(new entry or None when no row is left, change in resident rows: -1, 0 or +1, the row's copies
         after the event)``.
@@ -278,7 +285,7 @@ def apply_block(entry: dict | None, event: tuple, clear_mark: ClearPosition, cle
             break
     world_size, mode = aggregation
     if row is None:
-        if kind != BLOCK_STORED:
+        if kind not in STORE_KINDS:
             stats.unknown_removals += 1
             return entry, 0, 0
         # A new row (most events of a trace): its one worker's first store, written once with its final values.
@@ -341,8 +348,14 @@ def apply_block(entry: dict | None, event: tuple, clear_mark: ClearPosition, cle
 
     row["world_size"] = world_size
     row["aggregation"] = mode
-    if kind == BLOCK_STORED:
-        worker["count"] += 1
+    if kind in STORE_KINDS:
+        if kind == BLOCK_STORED_OR_REUSED and worker["count"] > 0:
+            # full report mode: the engine announces a block it reused and stores nothing, and no removal will
+            # follow; counting it would leave the row resident after the block's one removal. A real duplicate of
+            # such a source is counted once too (the engine's reports cannot tell the two apart).
+            stats.reuse_reports += 1
+        else:
+            worker["count"] += 1
         if content_hash is not None:
             entry["parent_block_hash"] = parent_block_hash
             entry["content_hash"] = content_hash

@@ -227,7 +227,7 @@ def register_views(app: faust.App, tables: Tables, materializer: Materializer, i
         return web.json({**counters(), "applied": stats.applied, "duplicates": stats.duplicates,
                          "cleared_late": stats.cleared_late, "retired_late": stats.retired_late,
                          "unknown_removals": stats.unknown_removals, "unknown_parents": stats.unknown_parents,
-                         "replica_disagreements": stats.replica_disagreements,
+                         "replica_disagreements": stats.replica_disagreements, "reuse_reports": stats.reuse_reports,
                          "became_resident": stats.became_resident, "stopped_resident": stats.stopped_resident,
                          "unknown_media": stats.unknown_media})
 

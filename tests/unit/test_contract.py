@@ -33,7 +33,7 @@ STORED = (BLOCK_STORED, {"parent_block_hash": None, "token_ids": [1, 2, 3, 4], "
                          "kv_cache_spec_kind": "full_attention", "kv_cache_spec_sliding_window": None,
                          "locality": None, "ownership": "kvcr", "session_id": "s-1",
                          "lookahead_token_ids": None, "parent_known": None, "cache_salt": "salt-ø",
-                         "token_id_width": None, "content_hash": -(2**63)})
+                         "token_id_width": None, "content_hash": -(2**63), "report_mode": "full"})
 REMOVED = (BLOCK_REMOVED, {"medium": "CPU", "group_idx": 1, "locality": "LOCAL", "ownership": None})
 
 

@@ -155,7 +155,8 @@ def _records(rng: random.Random, count: int) -> list[dict]:
     for n in range(count):
         instance = rng.choice(["e1", "engine-é7", "x" * 300])
         publisher = Publisher(instance, rng.choice([0, 3, 2**31 - 1]), worker_rank=rng.choice([None, 0, 5]),
-                              world_size=rng.choice([None, 1, 4]), aggregation=rng.choice([None, "REPLICATED", "SHARDED"]))
+                              world_size=rng.choice([None, 1, 4]), aggregation=rng.choice([None, "REPLICATED", "SHARDED"]),
+                              report_mode=rng.choice([None, "full"]))
         kind = rng.choice(["BlockStored", "BlockRemoved"])
         event = {"type": kind, "block_hashes": [rng.choice([n, 2**64 - 1 - n, bytes(rng.randrange(32) for _ in range(32))])],
                  "medium": rng.choice([None, "GPU", "cpu", "DISK", "weird-é"]), "group_idx": rng.choice([None, 0, 7, 2**31 - 1]),
@@ -195,6 +196,9 @@ def test_block_fields_read_back_as_the_block_event_of_the_record_they_were_writt
     items = OwnershipBatchReader(EVENTS).read(message)
     assert [item[5] for item in items] == [block_event_of(r, c) for r, c in zip(records, contents)]
     assert all(type(item[5]) is tuple for item in items)
+    # a full report mode source's stores read back as the kind the rules take for possible announcements
+    full = [item[5][0] for item, r in zip(items, records) if r["event"][1].get("report_mode") == "full"]
+    assert set(full) <= {"kvstream.v1.BlockStored/full-report", "kvstream.v1.BlockRemoved"}
     # the events themselves still travel, for dead letters and for readers of the topic (fastavro reads it all)
     decoded = BATCH.decode(message)
     assert [EVENTS.decode(item["event"]) for item in decoded["events"]] == records
@@ -276,9 +280,10 @@ def _reference_block_event(block: bytes, sources: list[dict], strings: list[str]
      has_content, content, parent_size, has_content_hash, content_hash) = BLOCK_FIELDS.unpack_from(block)
     text = [None, *strings]
     s = sources[source]
-    assert BLOCK_FIELDS.size == 66 and kind in (2, 3)
+    assert BLOCK_FIELDS.size == 66 and kind in (2, 3, 4)
     hash_start = BLOCK_FIELDS.size + max(parent_size - 1, 0)
-    return BlockEvent(("kvstream.v1.BlockStored", "kvstream.v1.BlockRemoved")[kind - 2],
+    kinds = ("kvstream.v1.BlockStored", "kvstream.v1.BlockRemoved", "kvstream.v1.BlockStored/full-report")
+    return BlockEvent(kinds[kind - 2],
                       Source(s["instance_id"], s["data_parallel_rank"], s["worker_rank"], s["world_size"],
                              s["aggregation"]),
                       epoch, seq, batch_index, block_index, ts, block[hash_start:], TIERS[tier], text[medium],

@@ -67,6 +67,55 @@ def test_reference_counting_keeps_a_block_until_its_last_copy_is_removed():
     assert stats.stopped_resident == 1 and stats.became_resident == 1
 
 
+FULL = Publisher("e1", report_mode="full")
+
+
+def _run(publisher: Publisher, events: list[dict]) -> list[dict]:
+    """The records of engine events published at seqs 0, 1, ... (one event per batch)."""
+    return [r for seq, event in enumerate(events) for r in split_event(publisher, seq, 1.0 + seq, 0, event)]
+
+
+_STORED_H1_H2 = {"type": "BlockStored", "block_hashes": [0xF1, 0xF2], "parent_block_hash": None,
+                 "token_ids": list(range(32)), "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None}
+_REMOVED_H1_H2 = {"type": "BlockRemoved", "block_hashes": [0xF1, 0xF2], "medium": "GPU"}
+
+
+def test_a_full_mode_reuse_report_is_an_announcement_and_the_one_removal_empties_the_rows():
+    """Issue 26's example: seq 0 stores [h1, h2], seq 1 repeats it (a reuse report), seq 2 removes both."""
+    stats = ApplyStats()
+    records = _run(FULL, [_STORED_H1_H2, _STORED_H1_H2, _REMOVED_H1_H2])
+    assert {r["event"][1].get("report_mode") for r in records[:4]} == {"full"}
+    entries = {}
+    for record in records[:4]:  # the two stores
+        key = record["block_hash"]
+        entries[key] = _apply(entries.get(key), [record], stats)
+    assert [_copies(e) for e in entries.values()] == [[("e1", "GPU", 1)]] * 2
+    assert stats.reuse_reports == 2 and stats.duplicates == 0
+    for record in records[4:]:  # the removal
+        key = record["block_hash"]
+        entries[key] = _apply(entries[key], [record], stats)
+    assert entries == {(0xF1).to_bytes(8, "big"): None, (0xF2).to_bytes(8, "big"): None}
+
+
+def test_in_the_default_mode_a_repeated_store_is_a_second_copy():
+    stats = ApplyStats()
+    records = _run(ENGINE, [_STORED_H1_H2, _STORED_H1_H2, _REMOVED_H1_H2])
+    assert {r["event"][1].get("report_mode") for r in records} == {None}
+    entry = _apply(None, [r for r in records if r["block_hash"] == (0xF1).to_bytes(8, "big")], stats)
+    assert _copies(entry) == [("e1", "GPU", 1)] and stats.reuse_reports == 0
+
+
+def test_a_full_mode_store_after_the_removal_stores_again_and_a_redelivered_report_is_a_duplicate():
+    stats = ApplyStats()
+    stored, again, removed, stored_later = (r for r in _run(FULL, [_STORED_H1_H2, _STORED_H1_H2, _REMOVED_H1_H2,
+                                                                   _STORED_H1_H2])
+                                            if r["block_hash"] == (0xF1).to_bytes(8, "big"))
+    entry = _apply(None, [stored, again, again], stats)
+    assert _copies(entry) == [("e1", "GPU", 1)] and stats.reuse_reports == 1 and stats.duplicates == 1
+    assert _apply(entry, [removed], stats) is None
+    assert _copies(_apply(None, [stored_later], stats)) == [("e1", "GPU", 1)]
+
+
 def test_removal_of_an_unknown_block_is_counted_not_applied_below_zero():
     stats = ApplyStats()
     assert _apply(None, [_remove(0xB1, ENGINE)], stats) is None

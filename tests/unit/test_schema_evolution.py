@@ -14,11 +14,12 @@ from schemas import PUBLISHER_RESTARTED, AvroCodec, DecodeError
 from schemas.codec import SCHEMA_DIR
 
 PUBLISHER = Publisher("evolve", publisher_epoch=5)
-V1, V2, V3, V4 = (AvroCodec("kv_event", version) for version in (1, 2, 3, 4))
+V1, V2, V3, V4, V5 = (AvroCodec("kv_event", version) for version in (1, 2, 3, 4, 5))
 #: The BlockStored fields each version added, with their defaults.
-ADDED = {2: {"parent_known": None}, 3: {"cache_salt": None, "token_id_width": None}, 4: {"content_hash": None}}
+ADDED = {2: {"parent_known": None}, 3: {"cache_salt": None, "token_id_width": None}, 4: {"content_hash": None},
+         5: {"report_mode": None}}
 #: Every (older, newer) pair of versions.
-PAIRS = [(V1, V2), (V2, V3), (V3, V4), (V1, V3), (V1, V4), (V2, V4)]
+PAIRS = [(old, new) for i, old in enumerate((V1, V2, V3, V4, V5)) for new in (V1, V2, V3, V4, V5)[i + 1:]]
 
 
 def _stored(**body_fields) -> dict:
@@ -39,15 +40,15 @@ def _as_of(record: dict, version: int) -> dict:
 @pytest.mark.parametrize("old, new", PAIRS, ids=[f"v{o.schema.version}->v{n.schema.version}" for o, n in PAIRS])
 def test_old_writer_new_reader_fills_the_added_fields_with_their_defaults(old, new):
     written = _as_of(_stored(), old.schema.version)
-    assert new.decode(old.encode(written)) == _as_of(_stored(parent_known=None, cache_salt=None,
-                                                             token_id_width=None, content_hash=None),
-                                                     new.schema.version)
+    defaults = {name: value for version, fields in ADDED.items() if version > old.schema.version
+                for name, value in fields.items()}
+    assert new.decode(old.encode(written)) == _as_of(_stored(**defaults), new.schema.version)
 
 
 @pytest.mark.parametrize("old, new", PAIRS, ids=[f"v{n.schema.version}->v{o.schema.version}" for o, n in PAIRS])
 def test_new_writer_old_reader_drops_the_added_fields_and_keeps_the_rest(old, new):
-    record = _as_of(_stored(parent_known=False, cache_salt="s", token_id_width=2, content_hash=-(2**63)),
-                    new.schema.version)
+    record = _as_of(_stored(parent_known=False, cache_salt="s", token_id_width=2, content_hash=-(2**63),
+                            report_mode="full"), new.schema.version)
     decoded = old.decode(new.encode(record))
     assert decoded == _as_of(record, old.schema.version)
     assert decoded["event"][1]["ownership"] == "kvcr" and decoded["block_hash"] == (9).to_bytes(8, "big")
@@ -62,7 +63,7 @@ def test_new_event_type_is_a_clear_error_for_an_old_reader():
 
 def test_a_tier_symbol_from_a_newer_writer_reads_as_the_enum_default():
     """A future schema adds tier HBM; readers of today's schema see UNKNOWN (the enum's default)."""
-    future = json.loads((SCHEMA_DIR / "kv_event_v4.avsc").read_text())
+    future = json.loads((SCHEMA_DIR / "kv_event_v5.avsc").read_text())
     tier_field = next(f for f in future["fields"] if f["name"] == "tier")
     tier_enum = copy.deepcopy(tier_field["type"][1])
     tier_enum["symbols"].append("HBM")
@@ -70,7 +71,7 @@ def test_a_tier_symbol_from_a_newer_writer_reads_as_the_enum_default():
     writer = fastavro.parse_schema(future)
     out = io.BytesIO()
     fastavro.schemaless_writer(out, writer, {**_stored(), "tier": "HBM"})
-    read = fastavro.schemaless_reader(io.BytesIO(out.getvalue()), writer, V4.schema.parsed,
+    read = fastavro.schemaless_reader(io.BytesIO(out.getvalue()), writer, V5.schema.parsed,
                                       return_record_name=True, return_record_name_override=True)
     assert read["tier"] == "UNKNOWN"
 
@@ -79,8 +80,8 @@ def test_every_version_is_kept_and_distinct():
     from schemas.codec import schema_versions
 
     versions = schema_versions("kv_event")
-    assert [v.version for v in versions] == [1, 2, 3, 4]
-    assert len({v.fingerprint for v in versions}) == 4
+    assert [v.version for v in versions] == [1, 2, 3, 4, 5]
+    assert len({v.fingerprint for v in versions}) == 5
 
 
 RESIDENCY_ROW = {"instance_id": "e", "data_parallel_rank": 0, "tier": "CPU", "medium": "CPU", "locality": None,

@@ -141,7 +141,7 @@ def test_block_encoder_writes_the_bytes_of_split_event_and_fastavro():
            "group_idx": 1, "kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 128,
            "locality": "LOCAL", "ownership": "kvcr", "session_id": "s", "lookahead_token_ids": [[9], [], [1, 2]]}
     publishers = [PUBLISHER, Publisher("sim-1", 3, worker_rank=1, world_size=2, aggregation="SHARDED",
-                                       publisher_epoch=(1 << 62))]
+                                       publisher_epoch=(1 << 62)), Publisher("full-1", report_mode="full")]
     unsigned = {**odd, "block_hashes": [5, 7, b"\x01" * 32], "parent_block_hash": 9}
     events = [*_simulated_events(),
               *((p, seq, 1767225600.25, i, e) for p in publishers for seq in (0, 5000, 1 << 40)
@@ -165,8 +165,8 @@ def test_kv_event_writer_encodes_every_event_type_like_fastavro():
                source_event(publisher, SOURCE_STALE, {"first_lost_seq": 3, "last_lost_seq": 1 << 50}, 9, 1.5),
                *(r for args in _simulated_events(60) for r in split_event(*args))]
     assert [writer.encode(r) for r in records] == [codec.encode(r) for r in records]
-    with pytest.raises(ValueError, match="kv_event v4"):
-        KvEventWriter(AvroCodec("kv_event", version=3))
+    with pytest.raises(ValueError, match="kv_event v5"):
+        KvEventWriter(AvroCodec("kv_event", version=4))
 
 
 @pytest.mark.parametrize("engine, kind", [(engine, kind) for engine, kinds in REQUIRED_FIELDS.items() for kind in kinds])
