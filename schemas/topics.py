@@ -2,7 +2,8 @@
 
 Two kinds of topic:
 
-- **shared** by every producer and app on a cluster: ``kv-events`` and ``kv-events-dead-letter``;
+- **shared** by every producer and app on a cluster: ``kv-events``, ``kv-events-dead-letter`` and the
+  registrations ``kv-instances``;
 - **per app** (one stream app = one app id = one set of tables): the re-keyed topic, the clear history, the
   tables' changelogs and the output topics, all named ``<app id>-...``, as Kafka Streams names an
   application's internal topics. Two apps on one cluster (say, two clear scopes) never read or overwrite each
@@ -20,6 +21,10 @@ from dataclasses import dataclass
 KV_EVENTS = "kv-events"
 #: Records that could not be decoded or applied, with the reason in the ``kvstream-error`` header.
 KV_EVENTS_DEAD_LETTER = "kv-events-dead-letter"
+#: Compacted: the serving instances routers and operators registered (``POST /register``), Avro
+#: ``instance_registration``, key = instance id; a tombstone is an unregistration. Shared: an instance's model,
+#: block size and endpoint are facts of the fleet, which every app, index replica and following bridge reads.
+KV_INSTANCES = "kv-instances"
 #: Per app: the same events re-keyed by ``<ownership or primary>/<block hash hex>``, carried in
 #: ``ownership_batch`` messages, one per destination partition (the key's murmur2 partition) and read batch.
 KV_EVENTS_BY_OWNERSHIP = "kv-events-by-ownership"
@@ -96,6 +101,10 @@ class TopicNames:
     @property
     def dead_letter(self) -> str:
         return self.prefix + KV_EVENTS_DEAD_LETTER
+
+    @property
+    def instances(self) -> str:
+        return self.prefix + KV_INSTANCES
 
     @property
     def by_ownership(self) -> str:

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 
 import faust
+from confluent_kafka import KafkaException
 
 from kafka_io.config import aiokafka_security
 from kafka_io.schema_registry import reader_codec
@@ -34,6 +35,7 @@ from stream_apps.checkpoint import Checkpoint, CheckpointError, CommitSensor, tu
 from stream_apps.health import Readiness
 from stream_apps.index.fleet_index import FleetIndex
 from stream_apps.index.liveness import SourceLeases, leases_from_sources_table, unregister_record
+from stream_apps.index.registrations import RegistrationsFeed, RegistrationWriter
 from stream_apps.index.server import open_feed
 from stream_apps.materialize import register_agent
 from stream_apps.metrics import WorkerMetrics
@@ -62,6 +64,9 @@ def broker_credentials():
 
 #: How often the worker looks for sources down for --source-expiry-s, to clear them (seconds).
 LEASE_CHECK_EVERY_S = 1.0
+#: Seconds between reads of kv-instances (registrations are rare; a second is what a router waits at most to see
+#: another process's registration here).
+REGISTRATIONS_EVERY_S = 1.0
 #: How often the worker serves its output producer's delivery reports between checkpoints (seconds).
 DELIVERY_REPORTS_EVERY_S = 0.05
 
@@ -184,8 +189,12 @@ def create_app(settings: WorkerSettings) -> StreamApp:
             outputs.produce(topics.kv_events, None, value, partition=partition)
         log.info("unregistering %s%s: %s", instance, "" if rank is None else f" rank {rank}", reason)
 
+    # registrations are the fleet's, not this worker's: written to kv-instances and read back by every process
+    registrations = RegistrationsFeed(settings.bootstrap_servers, topics.instances, index.apply_registration,
+                                      reader_codec("instance_registration", settings.bootstrap_servers,
+                                                   settings.schema_registry_url, topics.schemas))
     register_views(app, tables, materializer, index, index_feed.not_ready, stream_app.counters, readiness, metrics,
-                   unregister)
+                   unregister, RegistrationWriter(settings.bootstrap_servers, topics.instances))
     expired: set[tuple[str, int]] = set()
 
     @app.timer(LEASE_CHECK_EVERY_S)
@@ -204,6 +213,13 @@ def create_app(settings: WorkerSettings) -> StreamApp:
     @app.task
     async def _feed_index() -> None:
         await index_feed.run()
+
+    @app.timer(REGISTRATIONS_EVERY_S)
+    async def _read_registrations() -> None:
+        try:
+            registrations.poll()
+        except KafkaException as exc:
+            log.warning("reading %s: %s; retrying", topics.instances, exc)
 
     store = tables.residency_store
 

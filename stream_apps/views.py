@@ -59,7 +59,8 @@ async def _read_body(request, limit: int) -> bytes:
 def register_views(app: faust.App, tables: Tables, materializer: Materializer, index: FleetIndex,
                    index_not_ready: Callable[[], list[str]], counters: Callable[[], dict[str, int]],
                    readiness: Readiness, metrics: WorkerMetrics,
-                   unregister: Callable[[str, int | None, str], None] | None = None) -> None:
+                   unregister: Callable[[str, int | None, str], None] | None = None,
+                   registrations=None) -> None:
     """Declare the HTTP views on ``app``.
 
     Args:
@@ -67,6 +68,8 @@ def register_views(app: faust.App, tables: Tables, materializer: Materializer, i
         index_not_ready: why the index may not answer yet (its feed has not caught up).
         unregister: writes a ``SourceUnregistered`` of (instance, rank or None, reason) to kv-events
             (``POST /unregister``).
+        registrations: writes ``POST /register`` and ``/unregister`` to ``kv-instances``
+            (:class:`~stream_apps.index.registrations.RegistrationWriter`), so every process has them.
         counters: this worker's event counters (``/stats/``), including the repartition process's.
         readiness: the conditions of ``GET /ready``; lookups answer 503 until they hold.
         metrics: ``GET /metrics``; every view's answers are counted there.
@@ -160,7 +163,8 @@ def register_views(app: faust.App, tables: Tables, materializer: Materializer, i
         return web.json({"block_hash": block_hash.hex(), "rows": rows, "sources": freshness})
 
     api = IndexAPI(index, lambda: readiness.reasons() + index_not_ready(),
-                   prefix_match_limits=(MAX_REQUEST_BYTES, MAX_PREFIX_BLOCKS), on_unregister=unregister)
+                   prefix_match_limits=(MAX_REQUEST_BYTES, MAX_PREFIX_BLOCKS), on_unregister=unregister,
+                   registrations=registrations)
 
     def reply(web, answer: Reply):
         return web.bytes(answer.body, content_type=answer.content_type, status=answer.status)

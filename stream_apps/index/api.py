@@ -247,14 +247,22 @@ class IndexAPI:
     Args:
         index: the index answered from.
         not_ready: the reasons the index may not answer yet (empty: ready); lookups answer 503 with them.
-        on_register: called with each registered :class:`SourceInfo` (e.g. to check its hash profile).
+        on_register: called with each registered :class:`SourceInfo`, ranks merged, before it is recorded.
+        prefix_match_limits: (body bytes, block hashes) ``POST /prefix-match/`` takes at most.
+        on_unregister: writes a ``SourceUnregistered`` of (instance, rank or None for all, reason) to ``kv-events``;
+            None: ``/unregister`` answers 501.
+        registrations: a :class:`~stream_apps.index.registrations.RegistrationWriter`, or None.
     """
 
     def __init__(self, index: FleetIndex, not_ready: Callable[[], list[str]],
                  on_register: Callable[[SourceInfo], None] | None = None,
                  prefix_match_limits: tuple[int, int] = (MAX_BODY_BYTES, MAX_CHAIN_BLOCKS),
-                 on_unregister: Callable[[str, int | None, str], None] | None = None) -> None:
+                 on_unregister: Callable[[str, int | None, str], None] | None = None,
+                 registrations=None) -> None:
         self.index = index
+        #: A :class:`~stream_apps.index.registrations.RegistrationWriter`: every registration and unregistration
+        #: is written to ``kv-instances``, which every process reads; None: they stay in this process.
+        self._registrations = registrations
         #: Writes a ``SourceUnregistered`` of (instance, rank or None for all, reason) to ``kv-events``.
         self._on_unregister = on_unregister
         self._not_ready = not_ready
@@ -351,18 +359,27 @@ class IndexAPI:
             info = SourceInfo(instance, model_name=_optional_str(request, "modelname", "model_name", "model"),
                               block_size=_optional_int(request, "block_size", 1),
                               tenant_id=_optional_str(request, "tenant_id") or "default",
-                              endpoint=_optional_str(request, "endpoint"), engine_type=_optional_str(request, "type"),
+                              endpoint=_optional_str(request, "endpoint"),
+                              replay_endpoint=_optional_str(request, "replay_endpoint"),
+                              engine_type=_optional_str(request, "type"),
                               dp_ranks=set() if rank is None else {rank},
                               lora_name=_optional_str(request, "lora_name"), hash_profile=profile)
             try:
-                if self._on_register is not None:
-                    self._on_register(info)
                 with self.index.lock:
-                    self.index.sources.register(info)
+                    info = self.index.sources.merged(info)
             except ValueError as exc:
                 raise BadRequest(str(exc)) from None
         except BadRequest as exc:
             return encode({"error": str(exc)}, msgpack, 400)
+        if self._on_register is not None:
+            self._on_register(info)
+        if self._registrations is not None:
+            try:
+                self._registrations.write(info)
+            except RuntimeError as exc:
+                return encode({"error": f"the registration was not written: {exc}; retry"}, msgpack, 503)
+        with self.index.lock:
+            self.index.sources.put(info)
         return encode({"status": "registered successfully", "instance_id": instance}, msgpack)
 
     def unregister(self, body: bytes, content_type: str | None = None, accept: str | None = None) -> Reply:
@@ -379,6 +396,8 @@ class IndexAPI:
             return encode({"error": "this process cannot write to kv-events"}, msgpack, 501)
         try:
             self._on_unregister(instance, rank, "POST /unregister")
+            if self._registrations is not None:
+                self._registrations.remove(instance)
         except (RuntimeError, OSError) as exc:
             return encode({"error": f"the unregistration was not written: {exc}; retry"}, msgpack, 503)
         with self.index.lock:

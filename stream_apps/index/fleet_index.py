@@ -50,6 +50,8 @@ class SourceInfo:
     tenant_id: str = DEFAULT_TENANT
     #: The engine's KV event endpoint (``tcp://HOST:PORT``), as registered.
     endpoint: str | None = None
+    #: The engine's replay endpoint (vLLM's ``replay_endpoint``), a kvstream field beside Mooncake's body.
+    replay_endpoint: str | None = None
     #: Engine kind as registered (``vLLM``, ``SGLang``, ``Mooncake``).
     engine_type: str | None = None
     #: Data-parallel ranks registered.
@@ -74,8 +76,9 @@ class SourceRegistry:
         self.version = 0
         self._sources: dict[str, SourceInfo] = {}
 
-    def register(self, info: SourceInfo) -> None:
-        """Record (or update) an instance's metadata; data-parallel ranks accumulate.
+    def merged(self, info: SourceInfo) -> SourceInfo:
+        """``info`` as :meth:`register` would record it: its data-parallel ranks joined to those already
+        registered (``info`` itself is changed).
 
         Raises:
             ValueError: a ``hash_profile`` that :meth:`schemas.engine_hashes.HashProfile.parse` refuses.
@@ -88,6 +91,22 @@ class SourceRegistry:
         known = self._sources.get(info.instance_id)
         if known is not None:
             info.dp_ranks |= known.dp_ranks
+        return info
+
+    def register(self, info: SourceInfo) -> None:
+        """Record (or update) an instance's metadata; data-parallel ranks accumulate.
+
+        Raises:
+            ValueError: a ``hash_profile`` that :meth:`schemas.engine_hashes.HashProfile.parse` refuses.
+        """
+        self.put(self.merged(info))
+
+    def put(self, info: SourceInfo) -> None:
+        """Make ``info`` the instance's registration as it is (a record of ``kv-instances``: ranks already
+        merged). A hash profile check already made is kept while the profile stays the same."""
+        known = self._sources.get(info.instance_id)
+        if known is not None and known.hash_profile == info.hash_profile and info.hash_profile_ok is None:
+            info.hash_profile_ok = known.hash_profile_ok
         self._sources[info.instance_id] = info
         self.version += 1
 
@@ -236,6 +255,15 @@ class FleetIndex:
                 holders = [known[row] for row in rows]
             self._table.replace(block, scope, holders, None if parent is None else block_key(parent),
                                 None if content is None else content & _U64)
+
+    def apply_registration(self, instance_id: str, info: SourceInfo | None) -> None:
+        """Apply one record of ``kv-instances`` (:mod:`stream_apps.index.registrations`): ``info`` becomes the
+        instance's registration, or None (a tombstone) forgets it."""
+        with self.lock:
+            if info is None:
+                self.sources.unregister(instance_id)
+            else:
+                self.sources.put(info)
 
     def clear(self) -> None:
         """Forget every block (the feed starts over)."""

@@ -28,6 +28,7 @@ from stream_apps.index.api import IndexAPI, Reply
 from stream_apps.index.feed import ChangelogFeed
 from stream_apps.index.fleet_index import DEFAULT_BLOCK_SIZE, FleetIndex
 from stream_apps.index.liveness import DEFAULT_LEASE_S, SourceLeases, SourcesFeed, write_unregister
+from stream_apps.index.registrations import RegistrationsFeed, RegistrationWriter
 
 log = logging.getLogger(__name__)
 
@@ -149,13 +150,22 @@ def open_sources_feed(index: FleetIndex, bootstrap_servers: str, topics: TopicNa
     return SourcesFeed(index.leases, bootstrap_servers, topics.changelog("sources"), codec)
 
 
-async def _follow_sources(sources: SourcesFeed) -> None:
+def open_registrations_feed(index: FleetIndex, bootstrap_servers: str, topics: TopicNames,
+                            schema_registry_url: str) -> RegistrationsFeed:
+    """The feed of ``kv-instances`` into ``index``'s registry (not started)."""
+    codec = reader_codec("instance_registration", bootstrap_servers, schema_registry_url, topics.schemas)
+    return RegistrationsFeed(bootstrap_servers, topics.instances, index.apply_registration, codec)
+
+
+async def _follow(*feeds) -> None:
+    """Poll the small feeds (leases, registrations) in the event loop, each read taking no wait."""
     while True:
-        try:
-            read = sources.poll()
-        except KafkaException as exc:
-            log.warning("index: %s; retrying", exc)
-            read = 0
+        read = 0
+        for feed in feeds:
+            try:
+                read += feed.poll()
+            except KafkaException as exc:
+                log.warning("index: %s; retrying", exc)
         await asyncio.sleep(0 if read else 0.1)
 
 
@@ -165,23 +175,27 @@ def run_index(settings) -> int:
     feed = open_feed(index, settings.bootstrap_servers, settings.topics, settings.schema_registry_url)
     sources = open_sources_feed(index, settings.bootstrap_servers, settings.topics, settings.schema_registry_url,
                                 settings.source_lease_s)
+    registrations = open_registrations_feed(index, settings.bootstrap_servers, settings.topics,
+                                            settings.schema_registry_url)
 
     def unregister(instance: str, rank: int | None, reason: str) -> None:
         # the one write a replica makes: an operator's or a router's explicit deregistration
         write_unregister(settings.bootstrap_servers, settings.topics.kv_events, instance, rank, reason)
 
-    api = IndexAPI(index, feed.not_ready, on_unregister=unregister)
+    api = IndexAPI(index, feed.not_ready, on_unregister=unregister,
+                   registrations=RegistrationWriter(settings.bootstrap_servers, settings.topics.instances))
     app = build_web_app(api, feed, IndexMetrics(index, feed))
 
     async def start_feed(app: web.Application) -> None:
         app["feed"] = asyncio.get_running_loop().create_task(feed.run())
-        app["sources"] = asyncio.get_running_loop().create_task(_follow_sources(sources))
+        app["sources"] = asyncio.get_running_loop().create_task(_follow(sources, registrations))
 
     async def stop_feed(app: web.Application) -> None:
         app["feed"].cancel()
         app["sources"].cancel()
         feed.close()
         sources.close()
+        registrations.close()
 
     app.on_startup.append(start_feed)
     app.on_cleanup.append(stop_feed)
@@ -212,6 +226,7 @@ class EmbeddedIndex:
         topics = TopicNames(app_id, topic_prefix)
         self.feed = open_feed(self.index, bootstrap_servers, topics, schema_registry_url)
         self.sources = open_sources_feed(self.index, bootstrap_servers, topics, schema_registry_url, source_lease_s)
+        self.registrations = open_registrations_feed(self.index, bootstrap_servers, topics, schema_registry_url)
         self._stop = threading.Event()
 
     def start(self, wait_s: float | None = None) -> EmbeddedIndex:
@@ -246,12 +261,13 @@ class EmbeddedIndex:
     def _follow_sources(self) -> None:
         while not self._stop.is_set():
             try:
-                if not self.sources.poll():
+                if not self.sources.poll() + self.registrations.poll():
                     self._stop.wait(0.1)
             except KafkaException as exc:
                 log.warning("index: %s; retrying", exc)
                 self._stop.wait(1.0)
         self.sources.close()
+        self.registrations.close()
 
     def close(self) -> None:
         """Stop the feeds."""

@@ -109,9 +109,13 @@ def fleet(kafka_bootstrap, tmp_path_factory):
         index_url = f"http://127.0.0.1:{index_port}"
         for url in [*urls, index_url]:
             _wait_ready(url)
-        for url in urls:  # the workers' own indexes answer with the default block size of 16: register ours
-            for instance in ("plain", "lora", "salted", "offload"):
-                assert _post(f"{url}/register", {"instance_id": instance, "block_size": BLOCK})[0] == 200
+        # the workers' own indexes answer with the default block size of 16: register ours, with one process;
+        # kv-instances brings the registrations to every other
+        for instance in ("plain", "lora", "salted", "offload"):
+            assert _post(f"{urls[0]}/register", {"instance_id": instance, "block_size": BLOCK})[0] == 200
+        for url in [*urls, index_url]:
+            assert _eventually(lambda url=url: _registered(url), dict.fromkeys(INSTANCES, BLOCK)) == dict.fromkeys(
+                INSTANCES, BLOCK), url
         yield {"workers": urls, "index": index_url, "all": [*urls, index_url]}
     except Exception:
         for log in sorted(work.glob("*.log")):
@@ -122,6 +126,23 @@ def fleet(kafka_bootstrap, tmp_path_factory):
         index.wait(30)
         for process in workers:
             stop_worker(process)
+
+
+INSTANCES = ("plain", "lora", "salted", "offload")
+
+
+def _registered(url: str) -> dict[str, int | None]:
+    """instance -> registered block size, of the instances ``GET /workers`` says are registered."""
+    with urllib.request.urlopen(f"{url}/workers", timeout=30) as response:
+        workers = json.loads(response.read())["workers"]
+    return {w["instance_id"]: w["block_size"] for w in workers if w.get("registered")}
+
+
+def _ranks(url: str, instance: str) -> list[int]:
+    """The data-parallel ranks ``GET /workers`` lists for ``instance``."""
+    with urllib.request.urlopen(f"{url}/workers", timeout=30) as response:
+        return sorted(w["data_parallel_rank"] for w in json.loads(response.read())["workers"]
+                      if w["instance_id"] == instance)
 
 
 def _eventually(read, expected, timeout_s: float = 30):
@@ -173,6 +194,22 @@ def test_every_process_answers_every_query_the_same(fleet):
     assert matches[0] == [{"instance_id": "plain", "data_parallel_rank": 0, "matched_blocks": 4,
                            "prefix_blocks": {"GPU": 4}, "score": 4.0}]
     assert all(m == matches[0] for m in matches)
+
+
+def test_a_registration_with_one_process_reaches_every_process_and_so_does_its_unregistration(fleet):
+    body = {"instance_id": "late", "modelname": "llama-3", "block_size": 32, "dp_rank": 1, "type": "vLLM",
+            "endpoint": "tcp://10.0.0.9:5557"}
+    assert _post(f"{fleet['index']}/register", body)[0] == 200
+    # ranks accumulate in the process asked: once the first registration has reached it (the latest record wins)
+    assert _eventually(lambda: _ranks(fleet["workers"][1], "late"), [1]) == [1]
+    assert _post(f"{fleet['workers'][1]}/register", {**body, "dp_rank": 0})[0] == 200
+    for url in fleet["all"]:
+        assert _eventually(lambda url=url: _registered(url).get("late"), 32) == 32, url
+        assert _eventually(lambda url=url: _ranks(url, "late"), [0, 1]) == [0, 1], url
+    status, answer = _post(f"{fleet['workers'][2]}/unregister", {"instance_id": "late"})
+    assert status == 200 and answer["removed_instances"] == ["late"]
+    for url in fleet["all"]:
+        assert _eventually(lambda url=url: "late" in _registered(url), False) is False, url
 
 
 def test_the_python_client_speaks_msgpack_to_the_index(fleet):

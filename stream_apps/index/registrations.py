@@ -1,0 +1,168 @@
+"""Registrations shared by every process: the compacted topic ``kv-instances``.
+
+``POST /register`` (Mooncake's conductor body) records an instance's model, block size, tenant, endpoints and
+hash profile. Kept only in the process that was asked, a router registering with one replica would get other
+answers from the next; so the process that was asked also writes the registration to ``kv-instances``
+(Avro ``instance_registration``, keyed by instance id, a tombstone for ``POST /unregister``), and every worker,
+index replica, embedded index and following bridge (``kvstream bridge --follow-registrations``) reads it from the
+beginning, as Kafka Streams applications read a global table. The latest record of an instance is its
+registration: the writer merges the data-parallel ranks before it writes (docs/querying.md, ``POST /register``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer, TopicPartition
+
+from kafka_io.admin import ensure_topics
+from kafka_io.config import client_config, producer_config
+from schemas import AvroCodec, DecodeError
+from stream_apps.index.fleet_index import DEFAULT_TENANT, SourceInfo
+
+log = logging.getLogger(__name__)
+
+#: Partitions of ``kv-instances``: a handful of records per instance, read whole by every process.
+INSTANCES_PARTITIONS = 1
+#: Topic configs of ``kv-instances``: compacted, so it holds the latest registration of each instance.
+INSTANCES_TOPIC_CONFIG = {"cleanup.policy": "compact"}
+
+
+def registration_record(info: SourceInfo, now: float | None = None) -> dict:
+    """The ``instance_registration`` record of ``info``."""
+    return {"instance_id": info.instance_id, "model_name": info.model_name, "block_size": info.block_size,
+            "tenant_id": info.tenant_id, "endpoint": info.endpoint, "replay_endpoint": info.replay_endpoint,
+            "engine_type": info.engine_type, "dp_ranks": sorted(info.dp_ranks), "lora_name": info.lora_name,
+            "hash_profile": None if info.hash_profile is None else json.dumps(info.hash_profile, sort_keys=True),
+            "registered_at": time.time() if now is None else now}
+
+
+def registration_of(record: dict) -> SourceInfo:
+    """The :class:`SourceInfo` of a decoded ``instance_registration`` record.
+
+    Raises:
+        ValueError: a ``hash_profile`` that is not the JSON of a map.
+    """
+    profile = record["hash_profile"]
+    if profile is not None:
+        profile = json.loads(profile)
+        if not isinstance(profile, dict):
+            raise ValueError("hash_profile is not a JSON map")
+    return SourceInfo(record["instance_id"], model_name=record["model_name"], block_size=record["block_size"],
+                      tenant_id=record["tenant_id"] or DEFAULT_TENANT, endpoint=record["endpoint"],
+                      replay_endpoint=record["replay_endpoint"], engine_type=record["engine_type"],
+                      dp_ranks=set(record["dp_ranks"]), lora_name=record["lora_name"], hash_profile=profile)
+
+
+class RegistrationWriter:
+    """Writes registrations to ``kv-instances`` and waits for the broker (a registration is rare, and a router
+    that got "registered successfully" may ask another replica next)."""
+
+    def __init__(self, bootstrap_servers: str, topic: str, timeout_s: float = 10.0) -> None:
+        self.topic = topic
+        self.timeout_s = timeout_s
+        self._bootstrap_servers = bootstrap_servers
+        self._codec = AvroCodec("instance_registration")
+        self._producer: Producer | None = None
+
+    def _send(self, key: str, value: bytes | None) -> None:
+        if self._producer is None:
+            ensure_topics(self._bootstrap_servers, {self.topic: INSTANCES_PARTITIONS},
+                          configs={self.topic: INSTANCES_TOPIC_CONFIG}, timeout_s=self.timeout_s)
+            self._producer = Producer(producer_config(self._bootstrap_servers))
+        failures: list[str] = []
+        self._producer.produce(self.topic, key=key.encode(), value=value,
+                               on_delivery=lambda err, _: failures.append(str(err)) if err else None)
+        if self._producer.flush(self.timeout_s) or failures:
+            raise RuntimeError(f"{self.topic} did not take the record of {key!r} within {self.timeout_s:.0f} s"
+                               + (f": {failures[0]}" if failures else ""))
+
+    def write(self, info: SourceInfo) -> None:
+        """Write ``info`` (the whole registration, ranks merged).
+
+        Raises:
+            RuntimeError: the broker did not acknowledge it, or the topic could not be created.
+        """
+        self._send(info.instance_id, self._codec.encode(registration_record(info)))
+
+    def remove(self, instance_id: str) -> None:
+        """Write the tombstone of ``instance_id``.
+
+        Raises:
+            RuntimeError: as :meth:`write`.
+        """
+        self._send(instance_id, None)
+
+
+class RegistrationsFeed:
+    """Reads ``kv-instances`` from the beginning (no group, no commits) and hands each registration or
+    unregistration to ``apply``.
+
+    Args:
+        apply: called with (instance id, :class:`SourceInfo` or None for a tombstone), in the topic's order.
+        codec: reads ``instance_registration`` records (a :func:`kafka_io.schema_registry.reader_codec`, or the
+            plain codec).
+    """
+
+    def __init__(self, bootstrap_servers: str, topic: str, apply: Callable[[str, SourceInfo | None], None],
+                 codec: AvroCodec | None = None) -> None:
+        self.topic = topic
+        self.records = 0
+        self._apply = apply
+        self._codec = codec or AvroCodec("instance_registration")
+        self._bootstrap_servers = bootstrap_servers
+        self._consumer: Consumer | None = None
+        self._next_look = 0.0
+
+    def _open(self) -> bool:
+        """Assigns the topic's partitions from the beginning; False while the topic does not exist (nobody has
+        registered yet), looked for again at most once a second."""
+        if time.monotonic() < self._next_look:
+            return False
+        self._next_look = time.monotonic() + 1.0
+        consumer = Consumer(client_config(self._bootstrap_servers, **{
+            "group.id": f"kvstream-registrations-{uuid.uuid4().hex}", "enable.auto.commit": False,
+            "auto.offset.reset": "earliest"}))
+        try:
+            topic = consumer.list_topics(self.topic, timeout=10).topics.get(self.topic)
+        except KafkaException:
+            topic = None
+        if topic is None or topic.error is not None or not topic.partitions:
+            consumer.close()
+            return False
+        consumer.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in topic.partitions])
+        self._consumer = consumer
+        return True
+
+    def poll(self, timeout_s: float = 0.0) -> int:
+        """Read and apply what has arrived (waiting up to ``timeout_s``); returns the records read. A record that
+        does not decode is skipped with an error in the log (it cannot be retried; the next registration of
+        the instance replaces it)."""
+        if self._consumer is None and not self._open():
+            return 0
+        messages = self._consumer.consume(500, timeout_s)
+        for message in messages:
+            if message.error() is not None or message.key() is None:
+                continue
+            instance = message.key().decode()
+            self.records += 1
+            if not message.value():
+                self._apply(instance, None)
+                continue
+            try:
+                info = registration_of(self._codec.decode(message.value()))
+            except (DecodeError, ValueError) as exc:
+                log.error("skipped the registration of %r in %s: %s", instance, self.topic, exc)
+                continue
+            self._apply(instance, info)
+        return len(messages)
+
+    def close(self) -> None:
+        """Close the consumer."""
+        if self._consumer is not None:
+            self._consumer.close()
+            self._consumer = None
