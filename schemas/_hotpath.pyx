@@ -69,9 +69,67 @@ cdef inline uint64_t _le(const uint8_t* p, int n):
     return value
 
 
+#: The block fields this walk reads: name -> ``struct`` code. Their offsets come from the caller's layout
+#: (``schemas.block_event.BLOCK_LAYOUT``), checked field by field against these codes (:func:`_use_layout`).
+_BLOCK_CODES = {"kind": "B", "source": "H", "publisher_epoch": "q", "seq": "q", "batch_index": "i",
+                "block_index": "i", "ts": "d", "tier": "B", "medium": "H", "locality": "H", "group": "I",
+                "ownership": "H", "parent_known": "B", "has_content": "B", "content": "q", "parent_size": "B",
+                "has_content_hash": "B", "content_hash": "q"}
+_STRUCT_SIZES = {"B": 1, "H": 2, "I": 4, "i": 4, "q": 8, "d": 8}
+
+cdef enum:
+    F_KIND, F_SOURCE, F_EPOCH, F_SEQ, F_BATCH, F_BLOCK, F_TS, F_TIER, F_MEDIUM, F_LOCALITY, F_GROUP, F_OWNERSHIP, \
+        F_KNOWN, F_HAS_CONTENT, F_CONTENT, F_PARENT_SIZE, F_HAS_CONTENT_HASH, F_CONTENT_HASH, F_COUNT
+
+_FIELD_INDEX = {name: i for i, name in enumerate(_BLOCK_CODES)}
+cdef Py_ssize_t _offsets[F_COUNT]
+cdef Py_ssize_t _fields_size = 0
+cdef object _layout_in_use = None
+
+
+cdef int _use_layout(tuple layout) except -1:
+    """Takes the offsets of the block fields from ``layout`` ((name, struct code) pairs, packed little-endian),
+    once per layout object.
+
+    Raises:
+        ValueError: a field this walk reads is missing, or has another type than it reads (rebuild
+            schemas/_hotpath.pyx after changing the layout's types), or the layout names a field it does not
+            know (its bytes would be skipped unread).
+    """
+    global _fields_size, _layout_in_use
+    cdef Py_ssize_t offset = 0
+    seen = set()
+    for name, code in layout:
+        expected = _BLOCK_CODES.get(name)
+        if expected is None:
+            raise ValueError(f"block field {name!r} is not one the compiled walk reads: rebuild schemas/_hotpath.pyx")
+        if code != expected:
+            raise ValueError(f"block field {name!r} is {code!r} in the layout, {expected!r} in the compiled walk: "
+                             "rebuild schemas/_hotpath.pyx")
+        _offsets[_FIELD_INDEX[name]] = offset
+        offset += _STRUCT_SIZES[code]
+        seen.add(name)
+    missing = set(_BLOCK_CODES) - seen
+    if missing:
+        raise ValueError(f"block fields {sorted(missing)} are missing from the layout")
+    _fields_size = offset
+    _layout_in_use = layout
+    return 0
+
+
+def check_block_layout(tuple layout not None):
+    """The size in bytes of ``layout`` (``schemas.block_event.BLOCK_LAYOUT``) as this walk reads it.
+
+    Raises:
+        ValueError: as :func:`walk_items` for a layout it cannot read.
+    """
+    _use_layout(layout)
+    return _fields_size
+
+
 def walk_items(bytes data not None, Py_ssize_t pos, list items not None, list sources not None,
                tuple strings not None, tuple kinds not None, tuple tiers not None, tuple parent_known not None,
-               read_event, clear_position, no_clear, Py_ssize_t fields_size):
+               read_event, clear_position, no_clear, tuple layout not None):
     """Append the items of an ``ownership_batch`` message's ``events`` array, which starts at ``pos``, to
     ``items`` (:data:`schemas.ownership_batch.BatchItem` tuples), as ``OwnershipBatchReader._walk`` does.
 
@@ -79,8 +137,8 @@ def walk_items(bytes data not None, Py_ssize_t pos, list items not None, list so
     ``kinds``, ``tiers`` and ``parent_known`` the layout's symbol tuples (:mod:`schemas.block_event`; a kind
     byte whose entry in ``kinds`` is None, the first layout's, is refused);
     ``read_event(data, start, end)`` reads an item without block fields; ``clear_position`` is
-    :class:`schemas.clear_position.ClearPosition` and ``no_clear`` its ``NO_CLEAR``; ``fields_size`` is
-    ``BLOCK_FIELDS.size`` (66).
+    :class:`schemas.clear_position.ClearPosition` and ``no_clear`` its ``NO_CLEAR``; ``layout`` is
+    ``schemas.block_event.BLOCK_LAYOUT``, whose fields' offsets the walk reads (checked once per layout object).
 
     Returns:
         The position after the array (the caller checks it is the message's end).
@@ -89,8 +147,10 @@ def walk_items(bytes data not None, Py_ssize_t pos, list items not None, list so
         IndexError, ValueError (UnicodeDecodeError included): a message this walk does not read; the caller
         then decodes it with its codec.
     """
-    if fields_size != 66:
-        raise ValueError("block field layout changed: rebuild schemas/_hotpath.pyx")
+    if layout is not _layout_in_use:
+        _use_layout(layout)
+    cdef Py_ssize_t fields_size = _fields_size
+    cdef const Py_ssize_t* off = _offsets
     cdef _Cursor c = _Cursor()
     c.data = <const uint8_t*>PyBytes_AS_STRING(data)
     c.size = PyBytes_GET_SIZE(data)
@@ -157,26 +217,24 @@ def walk_items(bytes data not None, Py_ssize_t pos, list items not None, list so
             fields = c.pos + fields_size
             if n < fields_size or n > c.size - c.pos:
                 raise ValueError("bad block length")
-            # BLOCK_FIELDS "<BHqqiidBHHIHBBqBBq": offsets 0, 1, 3, 11, 19, 23, 27, 35, 36, 38, 40, 44, 46, 47, 48,
-            # 56, 57, 58
             p = c.data + c.pos
-            kind = p[0]
-            source = <Py_ssize_t>_le(p + 1, 2)
-            f_epoch = <int64_t>_le(p + 3, 8)
-            f_seq = <int64_t>_le(p + 11, 8)
-            f_batch = <int32_t>_le(p + 19, 4)
-            f_block = <int32_t>_le(p + 23, 4)
-            bits = _le(p + 27, 8)
+            kind = p[off[F_KIND]]
+            source = <Py_ssize_t>_le(p + off[F_SOURCE], 2)
+            f_epoch = <int64_t>_le(p + off[F_EPOCH], 8)
+            f_seq = <int64_t>_le(p + off[F_SEQ], 8)
+            f_batch = <int32_t>_le(p + off[F_BATCH], 4)
+            f_block = <int32_t>_le(p + off[F_BLOCK], 4)
+            bits = _le(p + off[F_TS], 8)
             memcpy(&ts, &bits, 8)  # the double's bits, read as the little-endian integer they are
-            tier = p[35]
-            medium = <Py_ssize_t>_le(p + 36, 2)
-            locality = <Py_ssize_t>_le(p + 38, 2)
-            group = <uint32_t>_le(p + 40, 4)
-            ownership = <Py_ssize_t>_le(p + 44, 2)
-            known = p[46]
-            content = <int64_t>_le(p + 48, 8)
-            parent_size = p[56]
-            content_hash = <int64_t>_le(p + 58, 8)
+            tier = p[off[F_TIER]]
+            medium = <Py_ssize_t>_le(p + off[F_MEDIUM], 2)
+            locality = <Py_ssize_t>_le(p + off[F_LOCALITY], 2)
+            group = <uint32_t>_le(p + off[F_GROUP], 4)
+            ownership = <Py_ssize_t>_le(p + off[F_OWNERSHIP], 2)
+            known = p[off[F_KNOWN]]
+            content = <int64_t>_le(p + off[F_CONTENT], 8)
+            parent_size = p[off[F_PARENT_SIZE]]
+            content_hash = <int64_t>_le(p + off[F_CONTENT_HASH], 8)
             if (kind >= len(kinds) or source >= n_sources or tier >= len(tiers) or medium >= n_strings
                     or locality >= n_strings or ownership >= n_strings or known >= len(parent_known)):
                 raise IndexError("a block field's index is outside its table")
@@ -195,7 +253,8 @@ def walk_items(bytes data not None, Py_ssize_t pos, list items not None, list so
                 kind_name, sources[source], f_epoch, f_seq, f_batch, f_block, ts,
                 PyBytes_FromStringAndSize(<const char*>c.data + parent_end, c.pos - parent_end),
                 tiers[tier], strings[medium], strings[locality], (group - 1) if group else None, strings[ownership],
-                parent_known[known], content if p[47] else None, parent, content_hash if p[57] else None)))
+                parent_known[known], content if p[off[F_HAS_CONTENT]] else None, parent,
+                content_hash if p[off[F_HAS_CONTENT_HASH]] else None)))
     return c.pos
 
 

@@ -30,12 +30,23 @@ from schemas.avro_writers import avro_long, avro_optional, avro_string
 from schemas.content_hash import stored_content_hash
 from schemas.tiers import TIERS
 
-#: The layout of ``KeyedEvent.block`` before the parent and block hashes (little-endian, 66 bytes): kind, source
-#: index, publisher_epoch, seq, batch_index, block_index, ts, tier index, medium, locality, group_idx + 1 (0:
-#: null), ownership, parent_known (0 null, 1 false, 2 true), has_content, content, parent_block_hash's length + 1
-#: (0: null), has_content_hash, content_hash. String fields are indexes into the message's ``strings`` table plus
-#: one (0: null). The parent block hash's bytes follow, then the canonical block hash fills the rest.
-BLOCK_FIELDS = struct.Struct("<BHqqiidBHHIHBBqBBq")
+#: The layout of ``KeyedEvent.block`` before the parent and block hashes, field by field: (name, ``struct`` code),
+#: little-endian and packed, 66 bytes. The one definition of the layout: :data:`BLOCK_FIELDS` and the compiled walk
+#: (``schemas/_hotpath.pyx``, which takes each field's offset from it by name and refuses a layout whose field
+#: types differ from those it reads) both come from it.
+#:
+#: ``kind`` indexes :data:`KINDS`; ``source`` the message's ``sources`` table; ``tier`` ``schemas.TIERS``; the
+#: string fields (``medium``, ``locality``, ``ownership``) the message's ``strings`` table plus one (0: null);
+#: ``group`` is group_idx + 1 (0: null); ``parent_known`` 0 null, 1 false, 2 true; ``content`` the replica content
+#: digest when ``has_content``; ``parent_size`` the parent block hash's length + 1 (0: null);
+#: ``content_hash`` the store's content hash when ``has_content_hash``. The parent block hash's bytes follow, then
+#: the canonical block hash fills the rest.
+BLOCK_LAYOUT = (("kind", "B"), ("source", "H"), ("publisher_epoch", "q"), ("seq", "q"), ("batch_index", "i"),
+                ("block_index", "i"), ("ts", "d"), ("tier", "B"), ("medium", "H"), ("locality", "H"),
+                ("group", "I"), ("ownership", "H"), ("parent_known", "B"), ("has_content", "B"), ("content", "q"),
+                ("parent_size", "B"), ("has_content_hash", "B"), ("content_hash", "q"))
+#: :data:`BLOCK_LAYOUT` as a ``struct``: the Python walk's and the writer's.
+BLOCK_FIELDS = struct.Struct("<" + "".join(code for _, code in BLOCK_LAYOUT))
 
 #: Event kinds by the layout's kind byte (an index into this): 2 BlockStored, 3 BlockRemoved, 4 a BlockStored of a
 #: source in full report mode (``BLOCK_STORED_OR_REUSED``). 0 and 1, the kinds of the first layout, name none: a

@@ -18,9 +18,10 @@ event codec, which resolves the version or raises the ``DecodeError`` that says 
 
 from __future__ import annotations
 
+import logging
 import struct
 
-from schemas.block_event import BLOCK_FIELDS, KINDS, PARENT_KNOWN, BlockEvent, Source
+from schemas.block_event import BLOCK_FIELDS, BLOCK_LAYOUT, KINDS, PARENT_KNOWN, BlockEvent, Source
 from schemas.clear_position import NO_CLEAR, ClearPosition
 from schemas.codec import _HEADER_LEN, SINGLE_OBJECT_MAGIC, AvroCodec
 from schemas.compiled import choose
@@ -33,6 +34,7 @@ from schemas.tiers import TIERS
 BatchItem = tuple[str, ClearPosition, bytes, int, int, BlockEvent | dict | None]
 
 _tuple_new = tuple.__new__
+log = logging.getLogger(__name__)
 
 
 def _long(data: bytes, pos: int) -> tuple[int, int]:
@@ -54,12 +56,21 @@ class OwnershipBatchReader:
         event_codec: the ``kv_event`` codec of the caller (its framing, registry and writer schemas); records
             of its own version are decoded as the items are read.
         compiled: walk the items with the compiled hot path (:func:`schemas._hotpath.walk_items`): None when it
-            is built (:mod:`schemas.compiled`), True always (ImportError if not built), False never. Both give
-            the same items.
+            is built (:mod:`schemas.compiled`) and reads :data:`~schemas.block_event.BLOCK_LAYOUT` (else an error is
+            logged and Python walks), True always (ImportError if not built, ValueError if it cannot read the
+            layout), False never. Both give the same items.
     """
 
     def __init__(self, event_codec: AvroCodec, compiled: bool | None = None) -> None:
         hotpath = choose(compiled)
+        if hotpath is not None and compiled is None:
+            try:  # a compiled walk built for another layout than the source's: the Python walk reads it
+                hotpath.check_block_layout(BLOCK_LAYOUT)
+            except ValueError as exc:
+                log.error("the compiled batch walk does not read this block layout (%s); walking in Python", exc)
+                hotpath = None
+        elif hotpath is not None:
+            hotpath.check_block_layout(BLOCK_LAYOUT)  # compiled=True: say why it cannot be used
         self._walk_items = None if hotpath is None else hotpath.walk_items
         self._batch_codec = AvroCodec("ownership_batch")
         own = self._batch_codec.schema.parsed
@@ -103,7 +114,7 @@ class OwnershipBatchReader:
         strings = (None, *strings)  # a block field's string index 0 is null
         if self._walk_items is not None and type(data) is bytes:  # the compiled walk takes bytes, not a subclass
             pos = self._walk_items(data, pos, items, sources, strings, KINDS, TIERS, PARENT_KNOWN, read_event,
-                                   ClearPosition, NO_CLEAR, BLOCK_FIELDS.size)
+                                   ClearPosition, NO_CLEAR, BLOCK_LAYOUT)
             if pos != size:
                 raise ValueError("trailing bytes")
             return items

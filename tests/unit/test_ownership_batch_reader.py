@@ -15,6 +15,7 @@ from schemas.block_event import BLOCK_FIELDS, KINDS, PARENT_KNOWN, BlockEvent, B
 from schemas.clear_position import NO_CLEAR, ClearPosition
 from schemas.ownership_batch import OwnershipBatchReader
 from schemas.tiers import TIERS
+from tests.conftest import hotpath_module
 
 BATCH = AvroCodec("ownership_batch")
 EVENTS = AvroCodec("kv_event")
@@ -375,3 +376,62 @@ def test_a_length_near_2_63_in_a_block_field_is_refused_as_the_python_walk_refus
     broken = message[:start - len(length)] + avro_long(2**63 - 2) + message[start:]
     assert _outcome(broken, compiled=True) == _outcome(broken, compiled=False)
     assert _outcome(broken, compiled=True).startswith("DecodeError")
+
+
+# --------------------------------------------------------------------------- one layout for both walks
+
+def test_the_compiled_walk_takes_the_offsets_from_the_layout_and_refuses_other_types(monkeypatch):
+    """A reordered layout of the same fields is read right (the offsets come from the one definition,
+    schemas.block_event.BLOCK_LAYOUT); a field of another type is refused naming it, not misread."""
+    import struct
+
+    from schemas.block_event import BLOCK_LAYOUT
+
+    _hotpath = hotpath_module("compiled")
+    records = _records(random.Random(11), 20)
+    contents = [None, 5, -7, None] * 5
+    message, _ = _block_message(records, contents)
+    expected = [item[5] for item in OwnershipBatchReader(EVENTS, compiled=True).read(message)]
+    # medium and locality swapped, and the content hash moved to the front: the same sizes at other offsets
+    swapped = list(BLOCK_LAYOUT)
+    i, j = [n for n, (name, _) in enumerate(swapped) if name in ("medium", "locality")]
+    swapped[i], swapped[j] = swapped[j], swapped[i]
+    swapped.insert(0, swapped.pop(next(n for n, (name, _) in enumerate(swapped) if name == "content_hash")))
+    layout = tuple(swapped)
+    packed = struct.Struct("<" + "".join(code for _, code in layout))
+    names = [name for name, _ in BLOCK_LAYOUT]
+    writer = BlockFieldsWriter()
+    blocks = []
+    for record, content in zip(records, contents):
+        block = writer.block(record, content)
+        values = dict(zip(names, BLOCK_FIELDS.unpack_from(block)))
+        blocks.append(packed.pack(*(values[name] for name, _ in layout)) + block[BLOCK_FIELDS.size:])
+    other = encode_ownership_batch(BATCH.header, [
+        encode_keyed_event(f"k{n}", encode_clear_mark((1, n, 0)), EVENTS.encode(r), b)
+        for n, (r, b) in enumerate(zip(records, blocks))], writer.tables())
+    assert other != message
+    monkeypatch.setattr("schemas.ownership_batch.BLOCK_LAYOUT", layout)
+    assert [item[5] for item in OwnershipBatchReader(EVENTS, compiled=True).read(other)] == expected
+    with pytest.raises(ValueError, match="block field 'seq' is 'i' in the layout, 'q' in the compiled walk"):
+        _hotpath.check_block_layout(tuple((name, "i" if name == "seq" else code) for name, code in BLOCK_LAYOUT))
+    with pytest.raises(ValueError, match=r"missing from the layout"):
+        _hotpath.check_block_layout(BLOCK_LAYOUT[:-1])
+    assert _hotpath.check_block_layout(BLOCK_LAYOUT) == BLOCK_FIELDS.size == 66
+
+
+def test_a_compiled_walk_that_cannot_read_the_layout_leaves_the_walk_to_python(monkeypatch, caplog):
+    from schemas.block_event import BLOCK_LAYOUT
+
+    records = _records(random.Random(12), 6)
+    message, _ = _block_message(records, [None] * len(records))
+    expected = OwnershipBatchReader(EVENTS, compiled=False).read(message)
+    bad = tuple((name, "H" if name == "kind" else code) for name, code in BLOCK_LAYOUT)
+    monkeypatch.setattr("schemas.ownership_batch.BLOCK_LAYOUT", bad)
+    monkeypatch.setattr("schemas.compiled.HOTPATH", hotpath_module("compiled"))
+    reader = OwnershipBatchReader(EVENTS)
+    assert reader._walk_items is None and "walking in Python" in caplog.text
+    monkeypatch.setattr("schemas.ownership_batch.BLOCK_LAYOUT", BLOCK_LAYOUT)
+    assert repr(reader.read(message)) == repr(expected)
+    with pytest.raises(ValueError, match="block field 'kind' is 'H'"):
+        monkeypatch.setattr("schemas.ownership_batch.BLOCK_LAYOUT", bad)
+        OwnershipBatchReader(EVENTS, compiled=True)
