@@ -241,12 +241,22 @@ def _cmd_query(args: argparse.Namespace) -> int:
 
 
 def _bridge_endpoints(settings):
-    """The publishers to subscribe to, from a BridgeSettings or CaptureSettings."""
+    """The publishers to subscribe to, from a BridgeSettings or CaptureSettings: none only for a bridge that
+    follows the registrations (``--follow-registrations``), which finds its publishers in ``kv-instances``.
+
+    Raises:
+        ValueError: the endpoint options do not go together; the message says what to give.
+    """
     from producers.bridge import PublisherEndpoint, data_parallel_endpoints
 
     endpoints, replays, instances = settings.endpoint, settings.replay_endpoint, settings.instance_id
-    if not endpoints:
-        raise ValueError("give at least one --endpoint tcp://HOST:PORT (or KVSTREAM_ENDPOINT)")
+    following = getattr(settings, "follow_registrations", None)  # capture has no such option
+    if not endpoints and not following:
+        raise ValueError("give at least one --endpoint tcp://HOST:PORT (or KVSTREAM_ENDPOINT)"
+                         + (", or --follow-registrations" if following is not None else ""))
+    if not endpoints and (replays or instances):
+        raise ValueError("--replay-endpoint and --instance-id name the --endpoints, and none is given (followed "
+                         "registrations name their own)")
     if replays and len(replays) != len(endpoints):
         raise ValueError("give one --replay-endpoint per --endpoint, in the same order (or none)")
     if len(instances) != len(endpoints):
@@ -275,6 +285,26 @@ def _stop_on_sigterm() -> list:
     return stopping
 
 
+def _registration_follower(settings, bridge):
+    """``(follower, feed)`` for ``kvstream bridge --follow-registrations``: a
+    :class:`producers.bridge.RegistrationFollower` of ``bridge`` and the feed of ``kv-instances`` (the settings'
+    topic prefix applied) that calls it; the feed opens at its first poll."""
+    from kafka_io.schema_registry import reader_codec
+    from producers.bridge import RegistrationFollower
+    from schemas.topics import TopicNames
+    from stream_apps.index.registrations import RegistrationsFeed
+
+    # a single --report-mode is every engine's; one per --endpoint says nothing of the registered ones
+    modes = settings.report_mode
+    follower = RegistrationFollower(bridge, report_mode=modes[0] if len(modes) == 1 and modes[0] != "default"
+                                    else None)
+    codec = reader_codec("instance_registration", settings.bootstrap_servers, settings.schema_registry_url,
+                         settings.schemas_topic)
+    feed = RegistrationsFeed(settings.bootstrap_servers, TopicNames(prefix=settings.topic_prefix).instances,
+                             follower.apply, codec)
+    return follower, feed
+
+
 def _cmd_bridge(args: argparse.Namespace) -> int:
     from prometheus_client import start_http_server
 
@@ -297,11 +327,19 @@ def _cmd_bridge(args: argparse.Namespace) -> int:
     stopping = _stop_on_sigterm()
     for e in endpoints:
         print(f"subscribed to {e.endpoint} (replay: {e.replay_endpoint or 'none'}) as {e.label}")
+    feed = None
     try:
-        bridge.run(should_stop=lambda: bool(stopping))
+        if settings.follow_registrations:
+            follower, feed = _registration_follower(settings, bridge)
+            print(f"following the registrations in {feed.topic}", flush=True)
+            follower.run(feed, should_stop=lambda: bool(stopping))
+        else:
+            bridge.run(should_stop=lambda: bool(stopping))
     except KeyboardInterrupt:
         pass
     finally:
+        if feed is not None:
+            feed.close()
         bridge.close()
         stats = producer.flush()
         print(f"produced {stats.acked - stats.dead_lettered:,} messages to {settings.events_topic}; "
@@ -519,13 +557,16 @@ def build_parser() -> argparse.ArgumentParser:
                                    "connection comes up; a seq that goes backwards starts a new publisher epoch; "
                                    "undecodable input goes to kv-events-dead-letter. Every --heartbeat-interval-s "
                                    "each source gets a heartbeat while its engine shows it is alive (its batches, "
-                                   "an answer of its replay socket, or its connection up). Stop with Ctrl-C or "
-                                   "SIGTERM.",
+                                   "an answer of its replay socket, or its connection up). With "
+                                   "--follow-registrations it also subscribes to the engine of every instance "
+                                   "registered in kv-instances (POST /register) with an endpoint, and unsubscribes "
+                                   "when the registration is removed or changes. Stop with Ctrl-C or SIGTERM.",
                        epilog="Example, one vLLM engine with 2 data-parallel ranks started with "
                               "--kv-events-config '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
                               "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5567\"}': "
                               "kvstream bridge --endpoint tcp://ENGINE:5557 --replay-endpoint tcp://ENGINE:5567 "
-                              "--instance-id engine-0 --data-parallel-size 2")
+                              "--instance-id engine-0 --data-parallel-size 2. Every engine the routers register: "
+                              "kvstream bridge --follow-registrations")
     add_settings_arguments(p, BridgeSettings)
     p.set_defaults(func=_cmd_bridge)
 

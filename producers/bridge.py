@@ -153,6 +153,8 @@ class PublisherEndpoint:
 
 
 _TCP = re.compile(r"^(?P<head>tcp://.*:)(?P<port>\d+)$")
+#: Addresses a subscriber can connect to: tcp with a host (not a bind address's ``*``) and a port, ipc, inproc.
+_CONNECTABLE = re.compile(r"^(tcp://(?!\*:).+:\d+|ipc://.+|inproc://.+)$")
 
 
 def offset_endpoint(endpoint: str, rank: int) -> str:
@@ -182,6 +184,33 @@ def data_parallel_endpoints(endpoint: str, replay_endpoint: str | None, instance
                               None if replay_endpoint is None else offset_endpoint(replay_endpoint, rank),
                               instance_id, rank, engine=engine, report_mode=report_mode)
             for rank in range(data_parallel_size)]
+
+
+def registration_endpoints(info, report_mode: str | None = None) -> list[PublisherEndpoint]:
+    """The publishers of one registered instance (``POST /register``, a record of ``kv-instances``), which
+    ``kvstream bridge --follow-registrations`` subscribes to.
+
+    Args:
+        info: the registration, a :class:`stream_apps.index.fleet_index.SourceInfo` (its ``instance_id``,
+            ``endpoint``, ``replay_endpoint``, ``engine_type`` and ``dp_ranks`` are read).
+        report_mode: the engine's report mode (:attr:`PublisherEndpoint.report_mode`); a registration names none.
+
+    Returns:
+        One endpoint per registered data-parallel rank (rank 0 when it names none), in rank order: rank ``r``
+        on ``offset_endpoint(endpoint, r)`` and ``offset_endpoint(replay_endpoint, r)`` (vLLM's port-offset
+        rule, as ``--data-parallel-size``), protocol ``sglang`` when ``engine_type`` is SGLang (in any case), else
+        ``vllm``. Empty when the registration has no ``endpoint``.
+
+    Raises:
+        ValueError: a rank above 0 on an endpoint that cannot be offset (ipc), as vLLM refuses it.
+    """
+    if not info.endpoint:
+        return []
+    engine = "sglang" if (info.engine_type or "").lower() == "sglang" else "vllm"
+    return [PublisherEndpoint(offset_endpoint(info.endpoint, rank),
+                              None if not info.replay_endpoint else offset_endpoint(info.replay_endpoint, rank),
+                              info.instance_id, rank, engine=engine, report_mode=report_mode)
+            for rank in sorted(info.dp_ranks or {0})]
 
 
 def _state_key(endpoint: PublisherEndpoint) -> str:
@@ -354,7 +383,8 @@ class Bridge:
     """Subscribe to publishers and hand their batches, in seq order, to a sink; replay on connect; heartbeats.
 
     Args:
-        endpoints: the publishers.
+        endpoints: the publishers to begin with; :meth:`add_endpoint` and :meth:`remove_endpoint` change the set
+            while the bridge runs (:class:`RegistrationFollower`).
         sink: where batches go (e.g. :class:`KafkaBatchSink`).
         zmq_topic: subscription prefix (vLLM ``KVEventsConfig.topic``, default empty: everything).
         replay_timeout_s: how long to wait for the end marker of a replay that recovers a gap (the live loop waits)
@@ -410,26 +440,104 @@ class Bridge:
             self._last_epoch = max((s["epoch"] for s in self._saved.values()), default=0)
         self._closed = False
         self._poller = zmq.Poller()
+        self._zmq_topic = zmq_topic
+        self._receive_hwm = receive_hwm
+        #: The publishers subscribed to now, in the order they were added (:meth:`add_endpoint`,
+        #: :meth:`remove_endpoint`).
+        self.endpoints: list[PublisherEndpoint] = []
         for endpoint in endpoints:
-            sock = self._context.socket(zmq.SUB)
-            sock.setsockopt(zmq.RCVHWM, receive_hwm)
-            sock.setsockopt(zmq.SUBSCRIBE, zmq_topic)
-            sock.setsockopt(zmq.HEARTBEAT_IVL, ZMTP_PING_MS)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMTP_TIMEOUT_MS)
-            link = self.links[endpoint] = _Link(unconfirmed=_state_key(endpoint) in self._saved)
+            self.add_endpoint(endpoint)
+
+    def add_endpoint(self, endpoint: PublisherEndpoint) -> None:
+        """Subscribe to one more publisher, at once (``kvstream bridge --follow-registrations`` adds the engines
+        registered while it runs).
+
+        Its SUB socket connects, and the replay on connect asks for what the bridge has not seen as soon as the
+        connection is up (module docstring): from the last seq of the state file (or of an earlier subscription
+        of the same source, :meth:`remove_endpoint`), else from 0.
+
+        Raises:
+            ValueError: ``endpoint`` is already subscribed, the bridge is closed, or its PUB or replay address is
+                no ZMQ address a subscriber can connect to (``tcp://HOST:PORT``, ``ipc://PATH``,
+                ``inproc://NAME``; a bind address such as ``tcp://*:5557`` is not). Nothing is left subscribed.
+        """
+        if self._closed:
+            raise ValueError(f"the bridge is closed: cannot subscribe to {endpoint.endpoint}")
+        if endpoint in self.endpoints:
+            raise ValueError(f"{endpoint.label}: already subscribed to {endpoint.endpoint}")
+        for address in (endpoint.endpoint, endpoint.replay_endpoint):
+            # the replay socket is connected only once the PUB connection is up: a bad address would fail there,
+            # inside the live loop, so it is refused here
+            if address is not None and not _CONNECTABLE.match(address):
+                raise ValueError(f"{endpoint.label}: cannot connect to {address!r}: expected tcp://HOST:PORT, "
+                                 "ipc://PATH or inproc://NAME")
+        sock = self._context.socket(zmq.SUB)
+        sock.setsockopt(zmq.RCVHWM, self._receive_hwm)
+        sock.setsockopt(zmq.SUBSCRIBE, self._zmq_topic)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, ZMTP_PING_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMTP_TIMEOUT_MS)
+        link = _Link(unconfirmed=_state_key(endpoint) in self._saved)
+        monitor = None
+        try:
             if _monitorable(endpoint.endpoint):
                 # before connect, so that the first EVENT_CONNECTED is seen: it starts the replay on connect
                 monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-                self._monitors[monitor] = endpoint
-                self._poller.register(monitor, zmq.POLLIN)
             else:
                 link.connected = True
             sock.connect(endpoint.endpoint)
-            self._sockets[sock] = endpoint
-            self._poller.register(sock, zmq.POLLIN)
-        for endpoint, link in self.links.items():
-            if link.connected:  # no monitor: replay on connect now
-                self._start_replay(endpoint, heartbeat=False, timeout_s=self.replay_timeout_ms / 1000)
+        except zmq.ZMQError as exc:
+            if monitor is not None:
+                sock.disable_monitor()
+                monitor.close(linger=0)
+            sock.close(linger=0)
+            raise ValueError(f"{endpoint.label}: cannot connect to {endpoint.endpoint!r}: {exc}") from None
+        self.links[endpoint] = link
+        if monitor is not None:
+            self._monitors[monitor] = endpoint
+            self._poller.register(monitor, zmq.POLLIN)
+        self._sockets[sock] = endpoint
+        self._poller.register(sock, zmq.POLLIN)
+        self.endpoints.append(endpoint)
+        if link.connected:  # no monitor: replay on connect now
+            self._start_replay(endpoint, heartbeat=False, timeout_s=self.replay_timeout_ms / 1000)
+
+    def remove_endpoint(self, endpoint: PublisherEndpoint) -> None:
+        """Stop following a publisher: close its SUB socket, its socket monitor and any replay request in flight,
+        and forget its connection. No more batches or heartbeats of it are produced from now on.
+
+        Its epoch and last seq are kept (in memory at once, in the state file at its next write): subscribed again
+        (:meth:`add_endpoint`), in this process or after a restart, the source continues its epoch and the replay
+        on connect delivers what the publisher still buffers of what it sent meanwhile, as after a bridge restart;
+        a publisher that restarted meanwhile begins a new epoch.
+
+        Raises:
+            KeyError: ``endpoint`` is not subscribed.
+        """
+        if endpoint not in self.endpoints:
+            raise KeyError(f"{endpoint.label}: not subscribed to {endpoint.endpoint}")
+        link = self.links[endpoint]
+        if link.probe is not None:
+            self._close_probe(link.probe)
+        sock = next(s for s, e in self._sockets.items() if e == endpoint)
+        monitor = next((m for m, e in self._monitors.items() if e == endpoint), None)
+        self._poller.unregister(sock)
+        del self._sockets[sock]
+        if monitor is not None:
+            sock.disable_monitor()
+            self._poller.unregister(monitor)
+            del self._monitors[monitor]
+            monitor.close(linger=0)
+        sock.close(linger=0)
+        del self.links[endpoint]
+        self.endpoints.remove(endpoint)
+        state = self.state.pop(endpoint, None)
+        if state is not None:
+            key = _state_key(endpoint)
+            if state.last_seq is not None:
+                self._saved[key] = {"epoch": state.epoch, "last_seq": state.last_seq}
+            else:  # an epoch begun by a restart, before its first batch: the saved seq is the old process's
+                self._saved.pop(key, None)
+        self._maybe_save()
 
     def _new_epoch(self) -> int:
         self._last_epoch = max(self._clock_ms(), self._last_epoch + 1)
@@ -876,3 +984,115 @@ class Bridge:
             sock.close(linger=0)
         for monitor in self._monitors:
             monitor.close(linger=0)
+
+
+class RegistrationFollower:
+    """Keeps a :class:`Bridge` subscribed to the engine of every registered instance (``kvstream bridge
+    --follow-registrations``, docs/ingesting.md "Following registrations").
+
+    :meth:`apply` is the callback of a :class:`stream_apps.index.registrations.RegistrationsFeed` of
+    ``kv-instances``: a registration with an ``endpoint`` subscribes the bridge to its publishers
+    (:func:`registration_endpoints`); a tombstone, or a registration without an endpoint, unsubscribes them; a
+    changed endpoint, replay endpoint, engine type or set of ranks unsubscribes what is no longer named and
+    subscribes what is new (a rank whose publisher is unchanged stays connected). The bridge's own ``--endpoint``
+    publishers are never unsubscribed, and a PUB address the bridge already follows is not subscribed again
+    (its batches would be produced twice, under two names): it waits until the address is free.
+
+    Args:
+        bridge: the bridge to subscribe and unsubscribe; its other endpoints are left alone.
+        report_mode: the report mode of every followed engine (:attr:`PublisherEndpoint.report_mode`; None: the
+            default), as registrations name none.
+        monotonic: the clock of :meth:`run`'s reads of the feed, seconds.
+    """
+
+    def __init__(self, bridge: Bridge, report_mode: str | None = None,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        self.bridge = bridge
+        self.report_mode = report_mode
+        #: instance id -> the publishers its registration names (what the bridge should follow for it).
+        self.wanted: dict[str, list[PublisherEndpoint]] = {}
+        #: instance id -> the publishers the bridge follows for it now (a subset of :attr:`wanted`'s).
+        self.followed: dict[str, list[PublisherEndpoint]] = {}
+        self._monotonic = monotonic
+        # publishers not subscribed, with why, so each is logged once, not at every reconciliation
+        self._refused: dict[PublisherEndpoint, str] = {}
+
+    def apply(self, instance_id: str, info) -> None:
+        """Apply one record of ``kv-instances``: ``info`` (a :class:`stream_apps.index.fleet_index.SourceInfo`) is
+        the instance's registration, None its unregistration (a tombstone). Errors of one registration (an
+        endpoint the bridge cannot connect to) are logged, never raised: the other instances go on."""
+        if info is None:
+            wanted, why = [], "unregistered"
+        else:
+            why = "registration changed" if info.endpoint else "registered without an endpoint"
+            try:
+                wanted = registration_endpoints(info, self.report_mode)
+            except ValueError as exc:
+                log.error("registered instance %s: cannot follow its endpoint %s: %s", instance_id, info.endpoint,
+                          exc)
+                wanted = []
+        if wanted:
+            self.wanted[instance_id] = wanted
+        else:
+            self.wanted.pop(instance_id, None)
+        for endpoint in [e for e in self._refused if e.instance_id == instance_id and e not in wanted]:
+            del self._refused[endpoint]
+        self._unsubscribe(instance_id, why)
+        self._subscribe(instance_id)
+        for other in list(self.wanted):  # a publisher address this instance let go of may be another's to follow
+            if other != instance_id:
+                self._subscribe(other)
+
+    def _unsubscribe(self, instance_id: str, why: str) -> None:
+        wanted = self.wanted.get(instance_id, [])
+        kept = []
+        for endpoint in self.followed.pop(instance_id, []):
+            if endpoint in wanted:
+                kept.append(endpoint)
+                continue
+            self.bridge.remove_endpoint(endpoint)
+            log.info("unsubscribed from %s as %s: instance %s %s", endpoint.endpoint, endpoint.label, instance_id,
+                     why)
+        if kept:
+            self.followed[instance_id] = kept
+
+    def _subscribe(self, instance_id: str) -> None:
+        followed = self.followed.setdefault(instance_id, [])
+        for endpoint in self.wanted.get(instance_id, []):
+            if endpoint in followed:
+                continue
+            holder = next((e for e in self.bridge.endpoints if e.endpoint == endpoint.endpoint), None)
+            try:
+                if holder is not None:
+                    raise ValueError(f"the bridge already follows {endpoint.endpoint} as {holder.label}")
+                self.bridge.add_endpoint(endpoint)
+            except ValueError as exc:
+                if self._refused.get(endpoint) != str(exc):
+                    self._refused[endpoint] = str(exc)
+                    log.warning("registered instance %s: not subscribed to %s: %s", instance_id, endpoint.endpoint,
+                                exc)
+                continue
+            self._refused.pop(endpoint, None)
+            followed.append(endpoint)
+            log.info("subscribed to %s (replay: %s) as %s: registered instance %s", endpoint.endpoint,
+                     endpoint.replay_endpoint or "none", endpoint.label, instance_id)
+        if not followed:
+            del self.followed[instance_id]
+
+    def run(self, feed, should_stop: Callable[[], bool] = lambda: False, read_interval_s: float = 0.5) -> None:
+        """Poll the bridge until ``should_stop()`` returns True, reading ``feed`` (a ``RegistrationsFeed`` whose
+        callback is :meth:`apply`) without waiting every ``read_interval_s`` seconds between the bridge's polls.
+
+        A feed that raises :class:`confluent_kafka.KafkaException` is logged and read again at the next interval:
+        the bridge goes on forwarding what it follows while the broker cannot say what changed."""
+        from confluent_kafka import KafkaException
+
+        next_read = self._monotonic()
+        while not should_stop():
+            if self._monotonic() >= next_read:
+                try:
+                    feed.poll(0)
+                except KafkaException as exc:
+                    log.warning("reading the registrations in %s: %s; retrying", getattr(feed, "topic", "?"), exc)
+                next_read = self._monotonic() + read_interval_s
+            self.bridge.poll(100)

@@ -123,6 +123,11 @@ class SimulateSettings(_KafkaTarget):
 class BridgeSettings(_KafkaTarget, _EngineEndpoints):
     """``kvstream bridge``: subscribe to live engine publishers and produce their events to ``kv-events``."""
 
+    #: Publisher PUB endpoints, ``tcp://HOST:PORT``, one per publisher; none only with ``follow_registrations``.
+    endpoint: Annotated[list[str], NoDecode] = Field([], description="publisher PUB endpoint tcp://HOST:PORT "
+                                                                     "(repeatable, one per publisher); required "
+                                                                     "unless --follow-registrations")
+
     #: Port of the Prometheus ``/metrics`` endpoint; none: off.
     metrics_port: int | None = Field(None, ge=1, le=65535, description="port of the Prometheus /metrics "
                                                                         "endpoint; none: off")
@@ -145,6 +150,13 @@ class BridgeSettings(_KafkaTarget, _EngineEndpoints):
     report_mode: Annotated[list[Literal["default", "full"]], NoDecode] = Field(
         ["default"], description="each engine's KV report mode, default or full (vLLM kv_cache_report_mode; full "
                                  "re-announces reused blocks): one for all --endpoints or one per --endpoint")
+
+    #: Also follow the engine of every instance registered in ``kv-instances`` (``POST /register``; the topic prefix
+    #: applies) that has an ``endpoint``: each registered data-parallel rank on its offset port, its replay endpoint
+    #: likewise, unfollowed when the registration is removed or its endpoint changes (docs/ingesting.md).
+    follow_registrations: bool = Field(False, description="also subscribe to the engine of every registration in "
+                                                          "kv-instances that has an endpoint, and unsubscribe when "
+                                                          "it is removed or changes")
 
     _split_report_modes = field_validator("report_mode", mode="before")(lambda cls, value: _comma_separated(value))
 
