@@ -52,7 +52,17 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from kvstream.options import settings_from_args
     from producers.kafka_sink import KvEventProducer
     from producers.settings import SimulateSettings
-    from producers.simulator import DEFAULT_TRACE, FleetConfig, load_trace, replay_to_kafka
+    from producers.simulator import (
+        DEFAULT_TRACE,
+        TRACE_BLOCK_SIZE,
+        FleetConfig,
+        load_trace,
+        replay_to_kafka,
+        simulated_instance_names,
+    )
+    from schemas.topics import TopicNames
+    from stream_apps.index.fleet_index import SourceInfo
+    from stream_apps.index.registrations import register_sources
 
     settings = settings_from_args(SimulateSettings, args)
     configure_logging(settings.log_level, settings.log_format)
@@ -60,6 +70,13 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     producer = KvEventProducer.from_settings(settings)
     config = FleetConfig(instances=settings.instances, gpu_blocks=settings.gpu_blocks, cpu_blocks=settings.cpu_blocks,
                          kvcr_blocks=settings.kvcr_blocks)
+    # before the replay: a query by token ids right after it cuts the 512-token trace blocks as the instances do
+    registered = register_sources(settings.bootstrap_servers, TopicNames(prefix=settings.topic_prefix).instances,
+                                  [SourceInfo(name, model_name=settings.model_name, block_size=TRACE_BLOCK_SIZE,
+                                              engine_type="kvstream simulate", dp_ranks={0})
+                                   for name in simulated_instance_names(config)])
+    print(f"registered {len(registered)} simulated instances in {TopicNames(prefix=settings.topic_prefix).instances} "
+          f"(block size {TRACE_BLOCK_SIZE}, model {settings.model_name or 'any'})")
     with tqdm(total=len(requests), unit="req", disable=None) as bar:
         result = replay_to_kafka(requests, producer, config, progress=bar.update,
                                  heartbeat_interval_s=settings.heartbeat_interval_s)
@@ -305,6 +322,43 @@ def _registration_follower(settings, bridge):
     return follower, feed
 
 
+def _per_endpoint(values: list, endpoints: list[str], flag: str) -> list:
+    """One value per endpoint from a flag given once (for all), once per endpoint, or not at all (Nones)."""
+    if not values:
+        return [None] * len(endpoints)
+    if len(values) == 1:
+        return values * len(endpoints)
+    if len(values) != len(endpoints):
+        raise ValueError(f"give one {flag} for every --endpoint, or one per --endpoint in the same order")
+    return list(values)
+
+
+def _register_bridge_sources(settings, endpoints) -> list:
+    """With ``--model-name`` or ``--block-size``, register the bridge's engines in kv-instances (merged into what
+    routers registered); returns what was written."""
+    if not settings.model_name and not settings.block_size:
+        return []
+    from schemas.topics import TopicNames
+    from stream_apps.index.fleet_index import SourceInfo
+    from stream_apps.index.registrations import register_sources
+
+    bases = settings.endpoint  # one per engine; with --data-parallel-size, rank 0's (the others are offset ports)
+    models = _per_endpoint(settings.model_name, bases, "--model-name")
+    sizes = _per_endpoint(settings.block_size, bases, "--block-size")
+    if any(size is not None and size < 1 for size in sizes):
+        raise ValueError("--block-size must be at least 1")
+    by_instance = {instance: i for i, instance in enumerate(settings.instance_id)}
+    engine_type = {"vllm": "vLLM", "sglang": "SGLang"}[settings.engine]
+    infos = []
+    for endpoint in endpoints:
+        i = by_instance[endpoint.instance_id]
+        infos.append(SourceInfo(endpoint.instance_id, model_name=models[i], block_size=sizes[i],
+                                endpoint=bases[i], replay_endpoint=(settings.replay_endpoint[i]
+                                                                    if settings.replay_endpoint else None),
+                                engine_type=engine_type, dp_ranks={endpoint.data_parallel_rank}))
+    return register_sources(settings.bootstrap_servers, TopicNames(prefix=settings.topic_prefix).instances, infos)
+
+
 def _cmd_bridge(args: argparse.Namespace) -> int:
     from prometheus_client import start_http_server
 
@@ -316,6 +370,7 @@ def _cmd_bridge(args: argparse.Namespace) -> int:
     settings = settings_from_args(BridgeSettings, args)
     configure_logging(settings.log_level, settings.log_format)
     endpoints = _bridge_endpoints(settings)
+    registered = _register_bridge_sources(settings, endpoints)
     producer = KvEventProducer.from_settings(settings)
     metrics = BridgeMetrics()
     if settings.metrics_port:
@@ -327,6 +382,9 @@ def _cmd_bridge(args: argparse.Namespace) -> int:
     stopping = _stop_on_sigterm()
     for e in endpoints:
         print(f"subscribed to {e.endpoint} (replay: {e.replay_endpoint or 'none'}) as {e.label}")
+    for info in registered:
+        print(f"registered {info.instance_id}: model {info.model_name or 'any'}, block size "
+              f"{info.block_size or 'the default'}, ranks {sorted(info.dp_ranks)}", flush=True)
     feed = None
     try:
         if settings.follow_registrations:

@@ -118,6 +118,10 @@ class SimulateSettings(_KafkaTarget):
     heartbeat_interval_s: float = Field(5.0, ge=0, description="seconds between the heartbeats of every simulated "
                                                                "publisher while it publishes, and one at the end; "
                                                                "0: none")
+    #: The model the simulated instances serve, registered with their block size (512 tokens, the trace's) in
+    #: ``kv-instances`` before the replay, so a query by token ids needs no ``block_size``; none: any model.
+    model_name: str | None = Field(None, description="model the simulated instances are registered with (their "
+                                                     "512-token blocks are registered in any case); none: any")
 
 
 class BridgeSettings(_KafkaTarget, _EngineEndpoints):
@@ -158,7 +162,19 @@ class BridgeSettings(_KafkaTarget, _EngineEndpoints):
                                                           "kv-instances that has an endpoint, and unsubscribe when "
                                                           "it is removed or changes")
 
-    _split_report_modes = field_validator("report_mode", mode="before")(lambda cls, value: _comma_separated(value))
+    #: The model each engine serves (one for every ``--endpoint``, or one per ``--endpoint`` in order): registered in
+    #: ``kv-instances`` at start, so a query for another model does not name the engine (docs/querying.md).
+    model_name: Annotated[list[str], NoDecode] = Field(
+        [], description="the model each engine serves, registered at start so queries for other models skip it: "
+                        "one for all --endpoints or one per --endpoint")
+    #: Tokens per KV block of each engine (vLLM's --block-size; one for every ``--endpoint``, or one per
+    #: ``--endpoint``): registered with the model, so a query by token ids cuts its blocks as the engine does.
+    block_size: Annotated[list[int], NoDecode] = Field(
+        [], description="each engine's tokens per KV block (vLLM --block-size), registered at start: one for all "
+                        "--endpoints or one per --endpoint")
+
+    _split_report_modes = field_validator("report_mode", "model_name", "block_size", mode="before")(
+        lambda cls, value: _comma_separated(value))
 
 
 class CaptureSettings(_EngineEndpoints):

@@ -252,6 +252,11 @@ class SimulationStats:
     engine_events: int = 0
 
 
+def simulated_instance_names(config: FleetConfig) -> list[str]:
+    """The instance ids of the simulated fleet (``sim-0``, ``sim-1``, ...), as its events name them."""
+    return [f"sim-{i}" for i in range(config.instances)]
+
+
 class ClusterSimulator:
     """Replay requests through the fleet and yield the event batches it publishes.
 
@@ -263,8 +268,8 @@ class ClusterSimulator:
         self.config = config = config or FleetConfig()
         if config.gpu_blocks < 2 * 247:
             raise ValueError("gpu_blocks must hold at least two of the trace's longest requests (494 blocks)")
-        self.instances = [_Instance(f"sim-{i}", 2 if i in config.tp_instances else 1)
-                          for i in range(config.instances)]
+        self.instances = [_Instance(name, 2 if i in config.tp_instances else 1)
+                          for i, name in enumerate(simulated_instance_names(config))]
         self.stats = SimulationStats()
         self._epoch = publisher_epoch
         self._seq: dict[Publisher, int] = {}

@@ -21,6 +21,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer
 
 from kafka_io.admin import ensure_topics
 from kafka_io.config import client_config, producer_config
+from kafka_io.reader import messages_to_end
 from schemas import AvroCodec, DecodeError
 from stream_apps.index.fleet_index import DEFAULT_TENANT, SourceInfo
 
@@ -56,6 +57,67 @@ def registration_of(record: dict) -> SourceInfo:
                       tenant_id=record["tenant_id"] or DEFAULT_TENANT, endpoint=record["endpoint"],
                       replay_endpoint=record["replay_endpoint"], engine_type=record["engine_type"],
                       dp_ranks=set(record["dp_ranks"]), lora_name=record["lora_name"], hash_profile=profile)
+
+
+def merge_registration(known: SourceInfo | None, given: SourceInfo) -> SourceInfo:
+    """``given`` over ``known``: the fields ``given`` sets replace ``known``'s, the others (a router's hash profile,
+    say) are kept, and the data-parallel ranks are joined. A producer that knows some of an instance's metadata
+    (its model and block size) registers it without erasing what a router registered."""
+    if known is None:
+        return given
+    return SourceInfo(
+        given.instance_id, model_name=given.model_name or known.model_name,
+        block_size=given.block_size or known.block_size,
+        tenant_id=given.tenant_id if given.tenant_id != DEFAULT_TENANT else known.tenant_id,
+        endpoint=given.endpoint or known.endpoint, replay_endpoint=given.replay_endpoint or known.replay_endpoint,
+        engine_type=given.engine_type or known.engine_type, dp_ranks=given.dp_ranks | known.dp_ranks,
+        lora_name=given.lora_name or known.lora_name,
+        hash_profile=given.hash_profile if given.hash_profile is not None else known.hash_profile)
+
+
+def read_registrations(bootstrap_servers: str, topic: str, timeout_s: float = 30.0,
+                       codec: AvroCodec | None = None) -> dict[str, SourceInfo]:
+    """Every instance's registration in ``topic``, read to its end as of the call (empty when the topic does not
+    exist yet). Records that do not decode are skipped, as :class:`RegistrationsFeed` skips them.
+
+    Raises:
+        TimeoutError: the end was not reached within ``timeout_s``.
+    """
+    codec = codec or AvroCodec("instance_registration")
+    found: dict[str, SourceInfo] = {}
+    for message in messages_to_end(bootstrap_servers, topic, timeout_s):
+        if message.key() is None:
+            continue
+        instance = message.key().decode()
+        if not message.value():
+            found.pop(instance, None)
+            continue
+        try:
+            found[instance] = registration_of(codec.decode(message.value()))
+        except (DecodeError, ValueError) as exc:
+            log.error("skipped the registration of %r in %s: %s", instance, topic, exc)
+    return found
+
+
+def register_sources(bootstrap_servers: str, topic: str, infos: list[SourceInfo],
+                     timeout_s: float = 30.0) -> list[SourceInfo]:
+    """Register ``infos`` (a producer's sources: ``kvstream bridge --model-name``, ``kvstream simulate``), each
+    merged into the instance's registration so far (:func:`merge_registration`); returns what was written.
+
+    Raises:
+        RuntimeError: the broker did not take a record (:meth:`RegistrationWriter.write`).
+        TimeoutError: the registrations so far could not be read within ``timeout_s``.
+    """
+    known = read_registrations(bootstrap_servers, topic, timeout_s)
+    writer = RegistrationWriter(bootstrap_servers, topic, timeout_s)
+    merged: dict[str, SourceInfo] = {}
+    for info in infos:  # ranks of one instance given apart (one endpoint per rank) join before the write
+        merged[info.instance_id] = merge_registration(merged.get(info.instance_id) or known.get(info.instance_id),
+                                                      info)
+    for info in merged.values():
+        writer.write(info)
+    writer.close()
+    return list(merged.values())
 
 
 class RegistrationWriter:
@@ -96,6 +158,12 @@ class RegistrationWriter:
             RuntimeError: as :meth:`write`.
         """
         self._send(instance_id, None)
+
+    def close(self) -> None:
+        """Deliver what is queued (up to the timeout) and drop the producer."""
+        if self._producer is not None:
+            self._producer.flush(self.timeout_s)
+            self._producer = None
 
 
 class RegistrationsFeed:

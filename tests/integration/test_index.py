@@ -212,6 +212,29 @@ def test_a_registration_with_one_process_reaches_every_process_and_so_does_its_u
         assert _eventually(lambda url=url: "late" in _registered(url), False) is False, url
 
 
+def test_a_producers_registration_keeps_what_a_router_registered(fleet, kafka_bootstrap):
+    """kvstream bridge --model-name/--block-size and kvstream simulate register their sources merged into what a
+    router registered: the router's hash profile and ranks stay, the producer's model and block size are added."""
+    from stream_apps.index.fleet_index import SourceInfo
+    from stream_apps.index.registrations import read_registrations, register_sources
+
+    profile = {"strategy": "vllm_v1", "algorithm": "sha256_cbor", "python_hash_seed": "0",
+               "index_projection": "low64_be"}
+    assert _post(f"{fleet['workers'][0]}/register", {"instance_id": "bridged", "dp_rank": 1,
+                                                     "hash_profile": profile})[0] == 200
+    topic = TopicNames(APP_ID, PREFIX).instances
+    assert _eventually(lambda: "bridged" in read_registrations(kafka_bootstrap, topic), True) is True
+    written = register_sources(kafka_bootstrap, topic, [
+        SourceInfo("bridged", model_name="qwen-2", block_size=32, endpoint="tcp://10.0.0.7:5557", dp_ranks={0}),
+        SourceInfo("bridged", model_name="qwen-2", block_size=32, endpoint="tcp://10.0.0.7:5557", dp_ranks={2})])
+    assert [(w.instance_id, w.dp_ranks, w.hash_profile) for w in written] == [("bridged", {0, 1, 2}, profile)]
+    found = read_registrations(kafka_bootstrap, topic)["bridged"]
+    assert (found.model_name, found.block_size, found.dp_ranks, found.hash_profile) == ("qwen-2", 32, {0, 1, 2},
+                                                                                        profile)
+    for url in fleet["all"]:
+        assert _eventually(lambda url=url: _registered(url).get("bridged"), 32) == 32, url
+
+
 def test_the_python_client_speaks_msgpack_to_the_index(fleet):
     with IndexClient(fleet["index"], timeout_s=10) as client:
         assert client.query(TOKENS)["instances"]["plain"]["longest_matched"] == 16

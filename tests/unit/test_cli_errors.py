@@ -81,3 +81,14 @@ def test_a_wrong_broker_address_fails_in_seconds_naming_it(capsys, monkeypatch, 
     err = capsys.readouterr().err
     assert f"error: Kafka at {address} did not answer within {CONNECT_TIMEOUT_S:g} s" in err
     assert "KafkaError{" not in err  # the reason's text, not the error object's repr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--model-name", "a", "--model-name", "b", "--model-name", "c"], "give one --model-name for every --endpoint"),
+    (["--block-size", "0"], "--block-size must be at least 1"),
+])
+def test_the_bridges_registration_flags_are_checked_before_kafka(capsys, flags, message):
+    endpoints = ["--endpoint", "tcp://127.0.0.1:5557", "--instance-id", "a", "--endpoint", "tcp://127.0.0.1:5558",
+                 "--instance-id", "b"]
+    assert main(["bridge", *endpoints, *flags, "--bootstrap-servers", "127.0.0.1:9"]) == 1
+    assert message in capsys.readouterr().err
