@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -216,8 +217,8 @@ def create_app(settings: WorkerSettings) -> StreamApp:
 
     @app.timer(REGISTRATIONS_EVERY_S)
     async def _read_registrations() -> None:
-        try:
-            registrations.poll()
+        try:  # in a thread: looking for the topic may wait seconds for a broker that does not answer
+            await asyncio.to_thread(registrations.poll)
         except KafkaException as exc:
             log.warning("reading %s: %s; retrying", topics.instances, exc)
 
