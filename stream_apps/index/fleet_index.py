@@ -123,6 +123,9 @@ class SourceRegistry:
         """Every registered instance."""
         return list(self._sources.values())
 
+    def __len__(self) -> int:
+        return len(self._sources)
+
     def block_size(self, instance_id: str) -> int:
         """Tokens per block of ``instance_id``: registered, else the default."""
         info = self._sources.get(instance_id)
@@ -184,8 +187,10 @@ class FleetIndex:
         #: ownership -> (instance_id, data_parallel_rank, tier) -> holder id: :meth:`apply_rows`'s look-up, by the
         #: row tuples it is given (so no HolderInfo is built per row).
         self._row_holders: dict[str | None, dict[tuple, int]] = {}
-        #: (model, tenant, block size) -> (stamp, verdict bytes over holder ids): :meth:`_verdicts`'s cache.
+        #: (model, tenant, block size) -> (stamp, verdict bytes over holder ids): :meth:`_allowed`'s cache.
         self._verdict_cache: dict[tuple, tuple[tuple, bytes]] = {}
+        #: (model, tenant) -> (stamp, block sizes): :meth:`_block_sizes`'s cache.
+        self._size_cache: dict[tuple, tuple[tuple, list[int]]] = {}
 
     # -- feeding ---------------------------------------------------------------------------------------------
 
@@ -290,7 +295,7 @@ class FleetIndex:
         registration, a new holder or a lease changes it."""
         sources = self.sources
         down = self.leases.down() if self.leases is not None else frozenset()
-        if (model_name is None and tenant_id in (None, DEFAULT_TENANT) and block_size is None and not sources.all()
+        if (model_name is None and tenant_id in (None, DEFAULT_TENANT) and block_size is None and not len(sources)
                 and not down):
             return None  # nothing registered, nothing asked, nobody down: every holder counts (the fast path)
         key = (model_name, tenant_id, block_size)
@@ -315,9 +320,20 @@ class FleetIndex:
         return verdicts
 
     def _block_sizes(self, model_name: str | None, tenant_id: str | None) -> list[int]:
-        """The block sizes of the instances a query for ``model_name`` of ``tenant_id`` may name, ascending."""
-        return sorted({self.sources.block_size(info.instance_id) for info in self._holders
-                       if self.sources.matches(info.instance_id, model_name, tenant_id)})
+        """The block sizes of the instances a query for ``model_name`` of ``tenant_id`` may name, ascending; kept
+        until a registration or a new holder changes them (a scan of every holder per query would cost more than
+        the lookup in a fleet of thousands)."""
+        key = (model_name, tenant_id)
+        stamp = (self.sources.version, len(self._holders))
+        cached = self._size_cache.get(key)
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+        sizes = sorted({self.sources.block_size(info.instance_id) for info in self._holders
+                        if self.sources.matches(info.instance_id, model_name, tenant_id)})
+        if len(self._size_cache) >= 256:
+            self._size_cache.clear()
+        self._size_cache[key] = (stamp, sizes)
+        return sizes
 
     def prefix_match(self, chain: Sequence[bytes]) -> list[dict]:
         """``POST /prefix-match/``'s ``matches`` for a chain of engine block hashes (prefix order)."""
