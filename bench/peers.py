@@ -125,8 +125,8 @@ class KafkaStreamsPeer:
 def partition_end_offsets(bootstrap: str, topics: list[str] | None = None) -> dict[tuple[str, int], int]:
     """(topic, partition) -> end offset (high watermark) now, for ``topics`` (None: every topic); where a
     read of what is written from now on starts."""
-    from confluent_kafka.admin import AdminClient, OffsetSpec
     from confluent_kafka import TopicPartition
+    from confluent_kafka.admin import AdminClient, OffsetSpec
 
     from kafka_io.config import client_config
 

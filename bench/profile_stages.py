@@ -116,7 +116,7 @@ class FakeMessage:
 def kv_events_input(requests: int | None) -> tuple[dict[int, list[FakeMessage]], int]:
     """The simulator's events, encoded by the real producer path, per kv-events partition in offset order."""
     import producers.kafka_sink as sink
-    from producers.simulator import ClusterSimulator, TRACE_START_TS, load_trace
+    from producers.simulator import TRACE_START_TS, ClusterSimulator, load_trace
 
     sink.topic_partitions = lambda *a, **k: PARTITIONS
     sink.Producer = RecordingProducer

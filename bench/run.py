@@ -35,8 +35,8 @@ import multiprocessing
 import os
 import platform
 import shutil
-import subprocess
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -1118,11 +1118,10 @@ class Bench:
         """``peers.kv-events``, written once with the stream steps' trace requests (untimed), and the truth."""
         if self._peer_input_info is not None:
             return self._peer_input_info
+        from bench.peers import PEER_PREFIX
         from kafka_io.admin import ensure_topics
         from producers.simulator import load_trace
         from schemas.topics import TopicNames
-
-        from bench.peers import PEER_PREFIX
 
         topic = TopicNames(prefix=PEER_PREFIX).kv_events
         ensure_topics(self.bootstrap, {topic: self.o.partitions})

@@ -22,10 +22,10 @@ import io
 import json
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import fastavro

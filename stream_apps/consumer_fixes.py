@@ -47,7 +47,6 @@ mode-streaming versions they were written against, and both are checked.
 from __future__ import annotations
 
 import logging
-
 from importlib.metadata import version
 
 from faust.transport.drivers import aiokafka as driver

@@ -267,9 +267,8 @@ def test_every_schema_file_parses_alone_with_avros_java_parser(schema_registry_u
     fetched, parses each .avsc with a parser of its own (a type named but defined in another file fails)."""
     from pathlib import Path
 
-    from kvstream.registry import ensure_registry
-
     import schemas
+    from kvstream.registry import ensure_registry
 
     lib = ensure_registry().parent / "lib"
     wanted = ("org.apache.avro.avro-", "com.fasterxml.jackson.core.", "org.slf4j.slf4j-api-",

@@ -3,8 +3,13 @@
 import pytest
 from rocksdict import Rdict, WriteBatch
 
-from stream_apps.store_settings import (BLOOM_BITS_PER_KEY, MEMTABLE_BLOOM_RATIO, MIB, ResidencyRocksDBOptions,
-                                        residency_rocksdb_options)
+from stream_apps.store_settings import (
+    BLOOM_BITS_PER_KEY,
+    MEMTABLE_BLOOM_RATIO,
+    MIB,
+    ResidencyRocksDBOptions,
+    residency_rocksdb_options,
+)
 
 
 def test_defaults_bound_memtables_and_block_cache_per_partition():
