@@ -1,6 +1,8 @@
 # Two commands do all the set-up on a fresh machine (CPython 3.11, Java 17 and Maven needed):
 #   make demo   - the whole pipeline on the embedded Kafka broker and the Mooncake trace
-#   make test   - unit tests and integration tests against a real broker (-rs: each skipped test's reason)
+#   make test   - the linter (make lint), then unit tests and integration tests against a real broker (-rs: each
+#                 skipped test's reason)
+#   make lint   - ruff check . (the rules of [tool.ruff] in pyproject.toml)
 #   make bench  - the benchmark (bench/results.json, bench/results.png)
 #   make chaos  - the fault scenarios (worker crash, rebalance, broker outage, bridge restart, table recovery, engine crash)
 #   make compose-test - docker-compose.yml brought up and checked against the ground truth (needs Docker)
@@ -9,7 +11,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench chaos broker-start broker-stop clean images-local compose-test
+.PHONY: install demo test lint bench chaos broker-start broker-stop clean images-local compose-test
 
 # the compiled hot path and the index table are built by the install: a changed .pyx or setup.py installs again
 $(STAMP): pyproject.toml setup.py schemas/_hotpath.pyx stream_apps/index/_table.pyx
@@ -27,7 +29,11 @@ demo: $(STAMP)
 chaos: $(STAMP)
 	$(PY) -m chaos $(CHAOS_ARGS)
 
-test: $(STAMP)
+# ruff's report on standard output and a non-zero exit on any violation, so a lint error fails `make test`
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+test: $(STAMP) lint
 	$(PY) -m pytest -rs $(PYTEST_ARGS)
 
 # every benchmark figure into bench/results.json and bench/results.png; BENCH_ARGS="--quick" for a smoke run

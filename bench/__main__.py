@@ -22,8 +22,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if unknown:
             raise ValueError(f"unknown step(s) {', '.join(unknown)}; steps: {', '.join(STEPS)}")
     options = BenchOptions(output_dir=args.output_dir, work_dir=args.work_dir, quick=args.quick,
-                           requests=args.requests, stream_requests=args.stream_requests, rows=args.rows, rows_large=args.rows_large,
-                           latency_rate=args.latency_rate, latency_s=args.latency_seconds,
+                           requests=args.requests, stream_requests=args.stream_requests, rows=args.rows,
+                           rows_large=args.rows_large, latency_rate=args.latency_rate, latency_s=args.latency_seconds,
                            memory_rows=args.memory_rows, partitions=args.partitions, timeout_s=args.timeout,
                            only=only, peer_rounds=args.peer_rounds, schema_registry=args.schema_registry)
     return run_bench(options)

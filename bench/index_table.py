@@ -50,7 +50,10 @@ def _rss() -> int:
 
 def _percentiles(ns: list[int]) -> str:
     ns = sorted(ns)
-    p = lambda q: ns[min(len(ns) - 1, int(q * len(ns)))] / 1000
+
+    def p(q: float) -> float:
+        return ns[min(len(ns) - 1, int(q * len(ns)))] / 1000
+
     return f"p50 {p(0.50):6.2f} µs  p99 {p(0.99):6.2f} µs  mean {statistics.fmean(ns) / 1000:6.2f} µs"
 
 

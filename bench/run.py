@@ -376,8 +376,8 @@ class _Workers:
             if fresh_dirs:
                 shutil.rmtree(data_dir, ignore_errors=True)
             log = self.work / f"{self.app_id}-{index}.log"
-            options = WorkerSettings(bootstrap_servers=self.bootstrap, web_port=port, data_dir=data_dir, store=self.store,
-                                    partitions=self.partitions, app_id=self.app_id, log_level="info",
+            options = WorkerSettings(bootstrap_servers=self.bootstrap, web_port=port, data_dir=data_dir,
+                                    store=self.store, partitions=self.partitions, app_id=self.app_id, log_level="info",
                                     topic_prefix=self.topic_prefix, residency_changes=self.residency_changes,
                                     schema_registry_url=self.schema_registry_url,
                                     source_lease_s=BENCH_SOURCE_LEASE_S)

@@ -1158,7 +1158,8 @@ class Chaos:
         """Run every chosen scenario; returns the results (see :data:`DEFINITIONS`)."""
         shutil.rmtree(self.work, ignore_errors=True)
         self.work.mkdir(parents=True)
-        plan = {"crash": (self.crash, self.options.crash_runs), "rebalance": (self.rebalance, self.options.rebalance_runs),
+        plan = {"crash": (self.crash, self.options.crash_runs),
+                "rebalance": (self.rebalance, self.options.rebalance_runs),
                 "broker-outage": (self.broker_outage, 1), "bridge-restart": (self.bridge_restart, 2),
                 "table-recovery": (self.table_recovery, 1),
                 "engine-crash": (self.engine_crash, self.options.engine_crash_runs)}
@@ -1391,8 +1392,8 @@ class _DeadEngineWatch(threading.Thread):
     """Asks every worker, in a loop, the lookups a router makes about the engines that are dead now:
     ``GET /workers`` (is it ``live``?), ``POST /prefix-match/`` and ``POST /query_by_hash`` of one block it held
     when it was killed, each in turn; and, once an engine is back, ``POST /prefix-match/`` of blocks its dead
-    process held that the new one has not stored yet. Records when each answer last named a dead engine (:class:`_Kill`). A 503 or an error is
-    counted in ``errors``, not taken for an answer."""
+    process held that the new one has not stored yet. Records when each answer last named a dead engine
+    (:class:`_Kill`). A 503 or an error is counted in ``errors``, not taken for an answer."""
 
     def __init__(self, urls: list[str], pause_s: float = 0.1) -> None:
         super().__init__(daemon=True, name="dead-engine-watch")

@@ -549,8 +549,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format trace (default: vendored)")
     p.add_argument("--requests", type=positive_int, default=None,
                    help="replay only the first N requests (default: all)")
-    p.add_argument("--partitions", type=positive_int, default=DEFAULT_PARTITIONS, help="partitions (default: %(default)s)")
-    p.add_argument("--instances", type=positive_int, default=fleet.instances, help="simulated instances (default: %(default)s)")
+    p.add_argument("--partitions", type=positive_int, default=DEFAULT_PARTITIONS,
+                   help="partitions (default: %(default)s)")
+    p.add_argument("--instances", type=positive_int, default=fleet.instances,
+                   help="simulated instances (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=1800, metavar="SECONDS",
                    help="give up if the worker has not consumed everything by then (default: %(default)s)")
     p.add_argument("--keep-running", action="store_true",
@@ -647,11 +649,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_produce)
 
     p = sub.add_parser("tail", help="print a pipeline topic's messages decoded, as JSON lines",
-                       description="Print the messages of kv-events, <app id>-kv-events-by-ownership, a table changelog "
-                                   "(<app id>-<table>-changelog) or the dead-letter topic as JSON lines, values "
-                                   "decoded with the project's Avro schemas, bytes as hex. The app's topics may be "
-                                   "named without their '<app id>-' (kv-residency-changes, residency-changelog): "
-                                   "those of --app-id, with --topic-prefix in front.")
+                       description="Print the messages of kv-events, <app id>-kv-events-by-ownership, a table "
+                                   "changelog (<app id>-<table>-changelog) or the dead-letter topic as JSON lines, "
+                                   "values decoded with the project's Avro schemas, bytes as hex. The app's topics "
+                                   "may be named without their '<app id>-' (kv-residency-changes, "
+                                   "residency-changelog): those of --app-id, with --topic-prefix in front.")
     p.add_argument("topic", help="topic to read, e.g. kv-events, kv-residency-changes (short for "
                                  "<app id>-kv-residency-changes) or kvstream-residency-changelog")
     add_settings_arguments(p, TailSettings)

@@ -309,8 +309,8 @@ def _named_enum(codec: AvroCodec, name: str) -> dict[str, bytes]:
 
 
 class _TableRecordWriter:
-    """Base of the materializing agent's hand-written encoders: the writer schema a subclass encodes by hand (``FAMILY``,
-    ``VERSION``, ``FINGERPRINT``), checked against the codec's, and what both subclasses take from it.
+    """Base of the materializing agent's hand-written encoders: the writer schema a subclass encodes by hand
+    (``FAMILY``, ``VERSION``, ``FINGERPRINT``), checked against the codec's, and what both subclasses take from it.
 
     Args:
         codec: a codec writing exactly that schema (its framing header is reused).
@@ -568,7 +568,8 @@ class ResidencyChangeWriter(_TableRecordWriter):
 # --------------------------------------------------------------------------- ownership_batch (repartition)
 
 def encode_clear_mark(mark: tuple[int, int, int]) -> bytes:
-    """The Avro ``["null", ClearMark]`` union value of a clear position (branch 0 for ``NO_CLEAR``, schemas.clear_position)."""
+    """The Avro ``["null", ClearMark]`` union value of a clear position (branch 0 for ``NO_CLEAR``,
+    schemas.clear_position)."""
     if mark == NO_CLEAR:
         return b"\x00"
     return b"\x02" + avro_long(mark[0]) + avro_long(mark[1]) + avro_long(mark[2])
@@ -578,8 +579,8 @@ def encode_keyed_event(key: str, mark: bytes, event: bytes, block: bytes | None 
     """One ``KeyedEvent`` of schemas/ownership_batch_v2.avsc in Avro binary (``mark`` from :func:`encode_clear_mark`,
     ``block`` from :meth:`schemas.block_event.BlockFieldsWriter.block` or None).
 
-    Written by hand because the repartition process writes one per event and fastavro's generic writer costs several times
-    more; tests check the bytes against fastavro's.
+    Written by hand because the repartition process writes one per event and fastavro's generic writer costs several
+    times more; tests check the bytes against fastavro's.
     """
     raw_key = key.encode()
     if block is None:

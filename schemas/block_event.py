@@ -203,7 +203,8 @@ class BlockFieldsWriter:
                 if len(self._sources) > _MAX_TABLE:
                     return None
                 index = self._sources[source] = len(self._sources)
-                self.table_bytes += len(avro_string(source[0])) + len(source[4] or "") + 40  # ints and unions: at most 40
+                # ints and unions: at most 40
+                self.table_bytes += len(avro_string(source[0])) + len(source[4] or "") + 40
             fields = BLOCK_FIELDS.pack(
                 _KIND_INDEX[kind], index, record["publisher_epoch"], record["seq"], record["batch_index"],
                 record["block_index"], record["ts"], _TIER_INDEX[record["tier"]], self._string(body["medium"]),

@@ -124,7 +124,8 @@ def _record_unions(schema: dict) -> dict[str, tuple[str, ...]]:
     for field in schema.get("fields", []):
         kind = field["type"]
         if isinstance(kind, list):
-            names = tuple(branch["name"] for branch in kind if isinstance(branch, dict) and branch.get("type") == "record")
+            names = tuple(branch["name"] for branch in kind
+                          if isinstance(branch, dict) and branch.get("type") == "record")
             if len(names) >= 2:
                 found[field["name"]] = names
     return found

@@ -105,7 +105,8 @@ class OwnershipBatchReader:
         # The newest batch schema read in line: the sources and strings tables, then an array of (key: string,
         # clear_mark: [null, ClearMark], event: bytes, block: [null, bytes]). Anything unusual (a long-form union
         # index, a bad length, a block field's index out of its table) raises IndexError, ValueError (ReadError
-        # included) or struct.error, and read() hands the message to the codec, which reads what is valid and names what is not.
+        # included) or struct.error, and read() hands the message to the codec, which reads what is valid and names
+        # what is not.
         read_event, items, size = self._read_event, [], len(data)
         sources, pos = self._read_sources(data, _HEADER_LEN)
         sources = [_tuple_new(Source, (s["instance_id"], s["data_parallel_rank"], s["worker_rank"], s["world_size"],
@@ -118,7 +119,8 @@ class OwnershipBatchReader:
             if pos != size:
                 raise ValueError("trailing bytes")
             return items
-        unpack, fields_size, kinds, tiers, known = BLOCK_FIELDS.unpack_from, BLOCK_FIELDS.size, KINDS, TIERS, PARENT_KNOWN
+        unpack, fields_size, kinds, tiers, known = (BLOCK_FIELDS.unpack_from, BLOCK_FIELDS.size, KINDS, TIERS,
+                                                    PARENT_KNOWN)
         while True:
             count, pos = _long(data, pos)
             if count == 0:
@@ -132,7 +134,8 @@ class OwnershipBatchReader:
                 if n < 0 or end > size:
                     raise ValueError("bad key length")
                 key = data[pos:end].decode()
-                b = data[end]; pos = end + 1
+                b = data[end]
+                pos = end + 1
                 if b == 0:
                     mark = NO_CLEAR
                 elif b == 2:
@@ -147,7 +150,8 @@ class OwnershipBatchReader:
                 pos = end = start + n
                 if n < 0 or end > size:
                     raise ValueError("bad event length")
-                b = data[pos]; pos += 1
+                b = data[pos]
+                pos += 1
                 if b == 0:
                     items.append((key, mark, data, start, end, read_event(data, start, end)))
                     continue

@@ -2,7 +2,8 @@
 rebalance from skipping messages, and one setting of its consumer that Faust does not expose.
 
 The two sequences below, which the corrections close, were found by ``make chaos``'s rebalance scenario, which
-lost rows about once in six runs, with or without standby replicas (docs/operations.md, "Standby replicas"). The sequence that lost them:
+lost rows about once in six runs, with or without standby replicas (docs/operations.md, "Standby replicas"). The
+sequence that lost them:
 
 1. A partition of the re-keyed topic has no committed offset yet (Faust drops its acknowledged offsets when
    partitions are revoked, before it commits them), and a message arrives on it while the worker recovers

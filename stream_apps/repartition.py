@@ -75,8 +75,8 @@ log = logging.getLogger(__name__)
 CLEAR_HISTORY = 8
 #: Upper bound of one ownership_batch message's payload; the re-keyed topic allows 8 MiB messages.
 MAX_BATCH_BYTES = 1 << 20
-#: In :class:`stream_apps.agent_progress.AgentProgress`, a partition whose progress does not hold the next batch back: this worker's agent
-#: does not read it (another worker does, or it is not assigned yet).
+#: In :class:`stream_apps.agent_progress.AgentProgress`, a partition whose progress does not hold the next batch
+#: back: this worker's agent does not read it (another worker does, or it is not assigned yet).
 NOT_READ_HERE = 1 << 62
 #: How often a batch that waits for the agent to finish the previous one checks again (seconds).
 AGENT_CHECK_S = 0.002
@@ -108,7 +108,8 @@ class ClearHistory:
         return NO_CLEAR
 
     def encoded_mark_before(self, offset: int) -> bytes:
-        """:func:`schemas.avro_writers.encode_clear_mark` of :meth:`mark_before` (the common case, the newest clear, is encoded once)."""
+        """:func:`schemas.avro_writers.encode_clear_mark` of :meth:`mark_before` (the common case, the newest clear,
+        is encoded once)."""
         if self.clears and self.clears[-1][0] < offset:
             if self._newest_encoded is None:
                 self._newest_encoded = encode_clear_mark(self.clears[-1][1])
@@ -434,7 +435,8 @@ class Repartitioner:
         self.counters["repartitioned"] += len(messages)
         if next_offsets:
             try:
-                self._consumer.commit(offsets=[TopicPartition(self.topics.kv_events, p, o) for p, o in next_offsets.items()],
+                self._consumer.commit(offsets=[TopicPartition(self.topics.kv_events, p, o)
+                                               for p, o in next_offsets.items()],
                                       asynchronous=True)
             except KafkaException as exc:  # e.g. no partitions assigned any more: they are read again elsewhere
                 log.warning("repartition commit failed (%s); the batch will be redelivered", exc)

@@ -237,7 +237,8 @@ def apply_block_event(entry: dict | None, record: dict, clear_mark: ClearPositio
 
 
 def apply_block(entry: dict | None, event: tuple, clear_mark: ClearPosition, clear_watermark: ClearPosition,
-                clear_tiers: frozenset, stats: ApplyStats, aggregation: tuple[int, str]) -> tuple[dict | None, int, int]:
+                clear_tiers: frozenset, stats: ApplyStats,
+                aggregation: tuple[int, str]) -> tuple[dict | None, int, int]:
     """Apply one BlockStored/BlockRemoved to a block's residency entry.
 
     Args:

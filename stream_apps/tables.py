@@ -114,7 +114,8 @@ def define_tables(app: faust.App, settings: WorkerSettings) -> Tables:
         # store None: the app's store (STORE_SCHEMES[settings.store], set by stream_apps.app.create_app)
         residency=table("residency", "Where each block of each ownership is resident, one row per residency "
                                      "identity.", store=None,
-                        options=residency_rocksdb_options(settings.rocksdb_write_buffer_mib, settings.rocksdb_block_cache_mib)
+                        options=residency_rocksdb_options(settings.rocksdb_write_buffer_mib,
+                                                          settings.rocksdb_block_cache_mib)
                         if settings.store == "rocksdb://" else None),
         clear_watermarks=table("clear-watermarks", "Latest AllBlocksCleared applied per source and partition."),
         publisher_epochs=table("publisher-epochs", "Latest publisher epoch started per publisher and partition."),

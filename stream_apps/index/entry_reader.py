@@ -96,7 +96,8 @@ def _read_python(data: bytes, pos: int, tiers: tuple, aggregations: int) -> Inde
     size = len(data)
     long_tail, branch_tail, six_longs = _long_tail, _branch_tail, _SIX_LONGS
     # block_hash: the key has it
-    b = data[pos]; pos += 1
+    b = data[pos]
+    pos += 1
     if b & 0x80:
         n, pos = long_tail(data, pos, b)
     else:
@@ -106,12 +107,14 @@ def _read_python(data: bytes, pos: int, tiers: tuple, aggregations: int) -> Inde
         raise ValueError(f"bad length {n} at {pos}")
     pos = end
     # ownership: the key has it, but a value that is not UTF-8 must still be refused
-    b = data[pos]; pos += 1
+    b = data[pos]
+    pos += 1
     present = b == 2
     if b != 0 and b != 2:
         present, pos = branch_tail(data, pos, b)
     if present:
-        b = data[pos]; pos += 1
+        b = data[pos]
+        pos += 1
         if b & 0x80:
             n, pos = long_tail(data, pos, b)
         else:
@@ -119,11 +122,13 @@ def _read_python(data: bytes, pos: int, tiers: tuple, aggregations: int) -> Inde
         end = pos + n
         if n < 0 or end > size:
             raise ValueError(f"bad length {n} at {pos}")
-        data[pos:end].decode(); pos = end
+        data[pos:end].decode()
+        pos = end
     n_tiers = len(tiers)
     rows = []
     while True:
-        b = data[pos]; pos += 1
+        b = data[pos]
+        pos += 1
         if b & 0x80:
             count, pos = long_tail(data, pos, b)
         else:
@@ -134,7 +139,8 @@ def _read_python(data: bytes, pos: int, tiers: tuple, aggregations: int) -> Inde
             count = -count
             _, pos = _long(data, pos)
         for _ in range(count):
-            b = data[pos]; pos += 1  # instance_id
+            b = data[pos]  # instance_id
+            pos += 1
             if b & 0x80:
                 n, pos = long_tail(data, pos, b)
             else:
@@ -142,13 +148,16 @@ def _read_python(data: bytes, pos: int, tiers: tuple, aggregations: int) -> Inde
             end = pos + n
             if n < 0 or end > size:
                 raise ValueError(f"bad length {n} at {pos}")
-            instance_id = data[pos:end].decode(); pos = end
-            b = data[pos]; pos += 1  # data_parallel_rank
+            instance_id = data[pos:end].decode()
+            pos = end
+            b = data[pos]  # data_parallel_rank
+            pos += 1
             if b & 0x80:
                 rank, pos = long_tail(data, pos, b)
             else:
                 rank = (b >> 1) ^ -(b & 1)
-            b = data[pos]; pos += 1  # tier
+            b = data[pos]  # tier
+            pos += 1
             if b & 0x80:
                 tier, pos = long_tail(data, pos, b)
             else:
@@ -156,14 +165,16 @@ def _read_python(data: bytes, pos: int, tiers: tuple, aggregations: int) -> Inde
             if not 0 <= tier < n_tiers:
                 raise ValueError(f"enum index {tier} at {pos}")
             for _field in range(2):  # medium, locality: checked, not kept
-                b = data[pos]; pos += 1
+                b = data[pos]
+                pos += 1
                 if b == 0:
                     continue
                 if b != 2:
                     present, pos = branch_tail(data, pos, b)
                     if not present:
                         continue
-                b = data[pos]; pos += 1
+                b = data[pos]
+                pos += 1
                 if b & 0x80:
                     n, pos = long_tail(data, pos, b)
                 else:
@@ -174,19 +185,23 @@ def _read_python(data: bytes, pos: int, tiers: tuple, aggregations: int) -> Inde
                 if not data[pos:end].isascii():  # ASCII is UTF-8: only another string needs decoding to tell
                     data[pos:end].decode()
                 pos = end
-            b = data[pos]; pos += 1  # group_idx
+            b = data[pos]  # group_idx
+            pos += 1
             if b != 0:
                 present = True
                 if b != 2:
                     present, pos = branch_tail(data, pos, b)
                 if present:
-                    b = data[pos]; pos += 1
+                    b = data[pos]
+                    pos += 1
                     if b & 0x80:
                         _, pos = long_tail(data, pos, b)
-            b = data[pos]; pos += 1  # world_size
+            b = data[pos]  # world_size
+            pos += 1
             if b & 0x80:
                 _, pos = long_tail(data, pos, b)
-            b = data[pos]; pos += 1  # aggregation
+            b = data[pos]  # aggregation
+            pos += 1
             if b & 0x80:
                 aggregation, pos = long_tail(data, pos, b)
             else:
@@ -194,7 +209,8 @@ def _read_python(data: bytes, pos: int, tiers: tuple, aggregations: int) -> Inde
             if not 0 <= aggregation < aggregations:
                 raise ValueError(f"enum index {aggregation} at {pos}")
             while True:  # workers
-                b = data[pos]; pos += 1
+                b = data[pos]
+                pos += 1
                 if b & 0x80:
                     workers, pos = long_tail(data, pos, b)
                 else:
@@ -211,46 +227,54 @@ def _read_python(data: bytes, pos: int, tiers: tuple, aggregations: int) -> Inde
                     if skipped is None:
                         raise ValueError(f"bad varint in a worker count at {pos}")
                     pos = skipped.end()
-                    b = data[pos]; pos += 1
+                    b = data[pos]
+                    pos += 1
                     if b != 0:
                         present = True
                         if b != 2:
                             present, pos = branch_tail(data, pos, b)
                         if present:
-                            b = data[pos]; pos += 1
+                            b = data[pos]
+                            pos += 1
                             if b & 0x80:
                                 _, pos = long_tail(data, pos, b)
-            b = data[pos]; pos += 1  # copies
+            b = data[pos]  # copies
+            pos += 1
             if b & 0x80:
                 copies, pos = long_tail(data, pos, b)
             else:
                 copies = (b >> 1) ^ -(b & 1)
-            b = data[pos]; pos += 1  # since's branch, then since (if set) and last_ts: any 8 bytes are a double
+            b = data[pos]  # since's branch, then since (if set) and last_ts: any 8 bytes are a double
+            pos += 1
             present = b == 2
             if b != 0 and b != 2:
                 present, pos = branch_tail(data, pos, b)
             pos += 16 if present else 8
             if pos >= size:  # the clear_mark's branch follows
                 raise IndexError("double past the end of the record")
-            b = data[pos]; pos += 1  # clear_mark: publisher_epoch, seq, batch_index
+            b = data[pos]  # clear_mark: publisher_epoch, seq, batch_index
+            pos += 1
             if b != 0:
                 present = True
                 if b != 2:
                     present, pos = branch_tail(data, pos, b)
                 if present:
                     for _field in range(3):
-                        b = data[pos]; pos += 1
+                        b = data[pos]
+                        pos += 1
                         if b & 0x80:
                             _, pos = long_tail(data, pos, b)
             if copies > 0:
                 rows.append((instance_id, rank, tiers[tier]))
     parent = content = None
-    b = data[pos]; pos += 1  # parent_block_hash
+    b = data[pos]  # parent_block_hash
+    pos += 1
     present = b == 2
     if b != 0 and b != 2:
         present, pos = branch_tail(data, pos, b)
     if present:
-        b = data[pos]; pos += 1
+        b = data[pos]
+        pos += 1
         if b & 0x80:
             n, pos = long_tail(data, pos, b)
         else:
@@ -258,13 +282,16 @@ def _read_python(data: bytes, pos: int, tiers: tuple, aggregations: int) -> Inde
         end = pos + n
         if n < 0 or end > size:
             raise ValueError(f"bad length {n} at {pos}")
-        parent = data[pos:end]; pos = end
-    b = data[pos]; pos += 1  # content_hash
+        parent = data[pos:end]
+        pos = end
+    b = data[pos]  # content_hash
+    pos += 1
     present = b == 2
     if b != 0 and b != 2:
         present, pos = branch_tail(data, pos, b)
     if present:
-        b = data[pos]; pos += 1
+        b = data[pos]
+        pos += 1
         if b & 0x80:
             content, pos = long_tail(data, pos, b)
         else:

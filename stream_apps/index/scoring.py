@@ -214,7 +214,9 @@ def table_prefix_runs(table, keys: Sequence[int], holders: Sequence[HolderInfo],
         if allowed is not None and not callable(allowed):  # the reference takes a predicate on HolderInfo
             flags = memoryview(allowed).cast("B")
             ids = {info: i for i, info in enumerate(holders)}  # holders are distinct: ids[holders[i]] == i
-            allowed = lambda info: ids[info] < len(flags) and flags[ids[info]] != 0
+
+            def allowed(info: HolderInfo) -> bool:
+                return ids[info] < len(flags) and flags[ids[info]] != 0
         return prefix_runs(walk(keys), holders, weights, allowed)
     tier_weights = [weights.get(tier, OTHER_TIER_WEIGHT) for tier in TIERS]
     verdict = allowed if allowed is None or not callable(allowed) else (

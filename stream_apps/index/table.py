@@ -412,7 +412,10 @@ class PyBlockTable:
             counts = verdicts.__getitem__
         else:
             mask = allowed
-            counts = lambda h: h < len(mask) and mask[h] != 0
+
+            def counts(h: int) -> bool:
+                return h < len(mask) and mask[h] != 0
+
         info = self._info
 
         def identify(holder: int):

@@ -37,7 +37,8 @@ def _app(bootstrap: str, tmp_path, store: str, app_id: str | None = None):
 
 def _records(bootstrap: str, topic: str) -> list[tuple[int, int, str, bytes | None]]:
     """Every record of ``topic``: (partition, offset, key, value)."""
-    return sorted((m.partition(), m.offset(), m.key().decode(), m.value()) for m in messages_to_end(bootstrap, topic, 30))
+    return sorted((m.partition(), m.offset(), m.key().decode(), m.value())
+                  for m in messages_to_end(bootstrap, topic, 30))
 
 
 def _status(instance: str, events_applied: int) -> dict:

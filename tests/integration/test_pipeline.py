@@ -141,8 +141,9 @@ def pipeline(kafka_bootstrap, tmp_path_factory):
     garbage.flush(30)
     work = tmp_path_factory.mktemp("worker")
     started = time.time()
-    options = WorkerSettings(bootstrap_servers=kafka_bootstrap, web_port=free_port(), data_dir=work / "data", partitions=PARTITIONS,
-                            app_id="kvstream-test", residency_changes=True, aggregation="skew=2:REPLICATED")
+    options = WorkerSettings(bootstrap_servers=kafka_bootstrap, web_port=free_port(), data_dir=work / "data",
+                            partitions=PARTITIONS, app_id="kvstream-test", residency_changes=True,
+                            aggregation="skew=2:REPLICATED")
     process = spawn_worker(options, work / "worker.log")
     try:
         wait_until_consumed(kafka_bootstrap, options.app_id, process, timeout_s=300)
@@ -236,7 +237,8 @@ def test_unknown_block_and_bad_hex_get_empty_rows_and_400(pipeline):
         assert excinfo.value.code == 400
         assert "16 or 64 hex digits" in json.loads(excinfo.value.read())["error"]
     # the decimal form vLLM logs finds the same rows as the hex form
-    assert _get(f"{pipeline['url']}/residency/{0xA1}/")["rows"] == _get(f"{pipeline['url']}/residency/{0xA1:016x}/")["rows"]
+    assert (_get(f"{pipeline['url']}/residency/{0xA1}/")["rows"]
+            == _get(f"{pipeline['url']}/residency/{0xA1:016x}/")["rows"])
 
 
 def test_residency_answers_without_the_trailing_slash_too(pipeline):
@@ -556,8 +558,9 @@ def test_two_workers_share_the_partitions_and_forward_lookups(pipeline, kafka_bo
     Last in the module: while the group rebalances after the second worker leaves, lookups answer 503.
     """
     first = pipeline["options"]
-    second = WorkerSettings(bootstrap_servers=kafka_bootstrap, web_port=free_port(), data_dir=pipeline["work"] / "data-2",
-                           partitions=PARTITIONS, app_id=first.app_id, residency_changes=True)
+    second = WorkerSettings(bootstrap_servers=kafka_bootstrap, web_port=free_port(),
+                           data_dir=pipeline["work"] / "data-2", partitions=PARTITIONS, app_id=first.app_id,
+                           residency_changes=True)
     second_started = time.time()
     process = spawn_worker(second, pipeline["work"] / "worker-2.log")
     urls = [pipeline["url"], f"http://127.0.0.1:{second.web_port}"]
@@ -590,9 +593,9 @@ def test_two_workers_share_the_partitions_and_forward_lookups(pipeline, kafka_bo
 
 def test_case3_with_clear_scope_all_the_clear_also_removes_offloaded_copies(pipeline, kafka_bootstrap):
     """A second app (its own id, tables and re-keyed topic) over the same kv-events, with --clear-scope all."""
-    options = WorkerSettings(bootstrap_servers=kafka_bootstrap, web_port=free_port(), data_dir=pipeline["work"] / "data-all",
-                            partitions=PARTITIONS, app_id="kvstream-test-all", clear_scope="all",
-                            residency_changes=True)
+    options = WorkerSettings(bootstrap_servers=kafka_bootstrap, web_port=free_port(),
+                            data_dir=pipeline["work"] / "data-all", partitions=PARTITIONS, app_id="kvstream-test-all",
+                            clear_scope="all", residency_changes=True)
     process = spawn_worker(options, pipeline["work"] / "worker-all.log")
     try:
         wait_until_consumed(kafka_bootstrap, options.app_id, process, timeout_s=300)

@@ -160,8 +160,8 @@ def test_pipeline_runs_secured_and_never_logs_a_secret(secured):
     fleet = FleetConfig(gpu_blocks=600, cpu_blocks=900, kvcr_blocks=1200, clear_instance=None)
     result = replay_to_kafka(load_trace(limit=150), KvEventProducer(bootstrap, KV_EVENTS), fleet)
     log_file = data_dir / "worker.log"
-    options = WorkerSettings(bootstrap_servers=bootstrap, web_port=free_port(), data_dir=data_dir / "worker", partitions=2,
-                            app_id="kvstream-secured")
+    options = WorkerSettings(bootstrap_servers=bootstrap, web_port=free_port(), data_dir=data_dir / "worker",
+                            partitions=2, app_id="kvstream-secured")
     process = spawn_worker(options, log_file)
     try:
         wait_until_consumed(bootstrap, options.app_id, process, timeout_s=300)

@@ -269,7 +269,8 @@ def test_an_engine_that_restarted_while_the_bridge_was_down_is_found_without_a_l
     second = engines.bridge(endpoint, state_file=state_file)
     _pump(second, lambda: second.sink.seqs() == [0, 1])
     assert second.sink.others() == [("PublisherRestarted", {"previous_epoch": epoch})]
-    assert {e for e, _ in second.sink.batches} == {second.state[endpoint].epoch} and second.state[endpoint].epoch > epoch
+    assert ({e for e, _ in second.sink.batches} == {second.state[endpoint].epoch}
+            and second.state[endpoint].epoch > epoch)
     assert second.metrics.restarts.labels("engine-a", "0")._value.get() == 1
 
 

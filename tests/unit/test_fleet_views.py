@@ -104,8 +104,8 @@ def test_arrival_lag_is_measured_by_the_workers_clock_not_the_engines():
     """Replayed data: the trace's engine clock is months behind, which made lag_s 28.9 million seconds."""
     engine_ts = 1767225600.0  # the simulator's 2026-01-01
     now = engine_ts + 28_900_000
-    statuses = {"0/sim-0/0/-1": _status("sim-0", engine_ts + 10, 5), "3/sim-0/0/-1": _status("sim-0", engine_ts + 12, 7),
-                "1/sim-1/0/-1": _status("sim-1", None, 0)}
+    statuses = {"0/sim-0/0/-1": _status("sim-0", engine_ts + 10, 5),
+                "3/sim-0/0/-1": _status("sim-0", engine_ts + 12, 7), "1/sim-1/0/-1": _status("sim-1", None, 0)}
     store = SimpleNamespace(written_at={"0/sim-0/0/-1": now - 9.5, "3/sim-0/0/-1": now - 2.25})
     tables = SimpleNamespace(sources=SimpleNamespace(items=statuses.items, data=store))
     sim0, sim1 = source_rows(tables, now=now)

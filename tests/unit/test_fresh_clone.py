@@ -38,6 +38,23 @@ def test_make_test_shows_why_tests_were_skipped():
     assert pytest_calls and all("-rs" in call for call in pytest_calls), commands
 
 
+def test_make_test_runs_the_linter_before_the_tests():
+    """Ruff was configured but nothing ran it: ``make test`` runs ``make lint`` first, and the test extra that the
+    CI installs pins ruff at the version installed here."""
+    import tomllib
+    from importlib.metadata import version
+
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    commands = subprocess.run(["make", "-n", "test"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.splitlines()
+    lint = [i for i, line in enumerate(commands) if "ruff check" in line]
+    tests = [i for i, line in enumerate(commands) if " -m pytest" in line]
+    assert lint and tests and lint[0] < tests[0], commands
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+    assert f"ruff=={version('ruff')}" in extra
+
+
 def test_the_analytics_extra_pins_numpy_at_the_version_installed():
     """export and report import numpy themselves; pyarrow installs without it."""
     import tomllib

@@ -693,14 +693,20 @@ def test_scored_lookups_agree_with_python_and_the_definition(scenario):
     calls = {"py": [], "c": []}
     if kind == "none":
         allowed = {"py": None, "c": None}
-        counts = lambda h: True
+
+        def counts(h):
+            return True
     elif kind == "mask":
         allowed = {"py": mask, "c": bytearray(mask)}
-        counts = lambda h: h < len(mask) and mask[h] != 0
+
+        def counts(h):
+            return h < len(mask) and mask[h] != 0
     else:
         allowed = {name: (lambda h, log=log: log.append(h) or (h * 7 + len(mask)) % 3 != 0)
                    for name, log in calls.items()}
-        counts = lambda h: (h * 7 + len(mask)) % 3 != 0
+
+        def counts(h):
+            return (h * 7 + len(mask)) % 3 != 0
     chain = [ask * 100 + d for d in range(len(contents))] + extra
     path = contents + extra
     for walk, runs, keys in ((py.holders_at, "chain_runs", chain), (py.content_walk, "content_runs", path)):

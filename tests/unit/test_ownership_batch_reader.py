@@ -73,7 +73,8 @@ def test_the_one_pass_reader_gives_what_item_by_item_decoding_gives(seed):
               _event()[:-1], b"\xc3\x01" + bytes(8) + b"\x02a", b"\x00\x00\x00\x00\x07", b""]
     items = [(rng.choice(["primary/", "kvcr/", "clear/e1/"]) + bytes(rng.randrange(0, 70)).hex(),
               rng.choice(marks), rng.choice(events)) for _ in range(rng.randrange(0, 60))]
-    message = encode_ownership_batch(BATCH.header, [encode_keyed_event(k, encode_clear_mark(m), e) for k, m, e in items])
+    message = encode_ownership_batch(BATCH.header,
+                                     [encode_keyed_event(k, encode_clear_mark(m), e) for k, m, e in items])
     _same(_one_pass(message), _item_by_item(message))
     # records of the codec's own version come decoded; older versions and invalid records are left to the caller
     for key, mark, buffer, start, end, record in OwnershipBatchReader(EVENTS).read(message):
@@ -156,11 +157,14 @@ def _records(rng: random.Random, count: int) -> list[dict]:
     for n in range(count):
         instance = rng.choice(["e1", "engine-é7", "x" * 300])
         publisher = Publisher(instance, rng.choice([0, 3, 2**31 - 1]), worker_rank=rng.choice([None, 0, 5]),
-                              world_size=rng.choice([None, 1, 4]), aggregation=rng.choice([None, "REPLICATED", "SHARDED"]),
+                              world_size=rng.choice([None, 1, 4]),
+                              aggregation=rng.choice([None, "REPLICATED", "SHARDED"]),
                               report_mode=rng.choice([None, "full"]))
         kind = rng.choice(["BlockStored", "BlockRemoved"])
-        event = {"type": kind, "block_hashes": [rng.choice([n, 2**64 - 1 - n, bytes(rng.randrange(32) for _ in range(32))])],
-                 "medium": rng.choice([None, "GPU", "cpu", "DISK", "weird-é"]), "group_idx": rng.choice([None, 0, 7, 2**31 - 1]),
+        event = {"type": kind,
+                 "block_hashes": [rng.choice([n, 2**64 - 1 - n, bytes(rng.randrange(32) for _ in range(32))])],
+                 "medium": rng.choice([None, "GPU", "cpu", "DISK", "weird-é"]),
+                 "group_idx": rng.choice([None, 0, 7, 2**31 - 1]),
                  "locality": rng.choice([None, "node-1", ""]), "ownership": rng.choice([None, "kvcr", "ö"])}
         if kind == "BlockStored":
             event.update(parent_block_hash=rng.choice([None, n + 1, bytes(rng.randrange(256) for _ in range(32))]),
@@ -350,10 +354,10 @@ def test_the_compiled_walk_reads_any_message_exactly_as_the_python_walk(data):
 #: an item's event (the compiled walk's end position wrapped around: a read before the buffer, a crash) and key
 #: (MemoryError), and an array block count of -2**63 (accepted where the Python walk refuses it).
 REVIEWED = {
-    "event length near 2**63": b"\xc3\x01\xd7e\x8dM\x18\xf7\x9a\xdb\x00\x00\x02\x02k\x00\xfa\xff\xff\xff\xff\xff\xff\xff"
-                               b"\xff\x01xyz\x00\x00",
-    "key length near 2**63": b"\xc3\x01\xd7e\x8dM\x18\xf7\x9a\xdb\x00\x00\x02\xfa\xff\xff\xff\xff\xff\xff\xff\xff\x01abc"
-                             b"\x00",
+    "event length near 2**63": b"\xc3\x01\xd7e\x8dM\x18\xf7\x9a\xdb\x00\x00\x02\x02k\x00\xfa\xff\xff\xff\xff\xff\xff"
+                               b"\xff\xff\x01xyz\x00\x00",
+    "key length near 2**63": b"\xc3\x01\xd7e\x8dM\x18\xf7\x9a\xdb\x00\x00\x02\xfa\xff\xff\xff\xff\xff\xff\xff\xff\x01"
+                             b"abc\x00",
     "block count -2**63": b"\xc3\x01\xd7e\x8dM\x18\xf7\x9a\xdb\x00\x00\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01\x00\x02"
                           b"\x02k\x00\n\x00\x00\x00\x00\x07\x00\x00",
 }

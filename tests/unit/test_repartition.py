@@ -22,7 +22,8 @@ def test_a_replayed_event_gets_the_clear_mark_it_got_the_first_time():
     assert not history.add(20, (1, 5, 0))  # the clear read again after a crash: already known
     assert [history.mark_before(o) for o in (10, 20, 21, 40, 41)] == [NO_CLEAR, NO_CLEAR, (1, 5, 0), (1, 5, 0),
                                                                       (1, 9, 2)]
-    assert [history.encoded_mark_before(o) for o in (10, 30, 41)] == [encode_clear_mark(NO_CLEAR), encode_clear_mark((1, 5, 0)),
+    assert [history.encoded_mark_before(o) for o in (10, 30, 41)] == [encode_clear_mark(NO_CLEAR),
+                                                                      encode_clear_mark((1, 5, 0)),
                                                                       encode_clear_mark((1, 9, 2))]
     assert ClearHistory.from_record(history.to_record()) == history
     AvroCodec("source_clears").encode(history.to_record())  # the record fits its schema
@@ -36,7 +37,8 @@ def test_hand_written_ownership_batch_decodes_to_what_fastavro_writes(seed):
     for _ in range(rng.randrange(0, 50)):
         key = rng.choice(["primary/", "kvcr/", "AllBlocksCleared/ém/"]) + bytes(rng.randrange(8, 33)).hex()
         items.append((key, rng.choice(marks), rng.randbytes(rng.choice([0, 5, 200, 20000]))))
-    written = encode_ownership_batch(BATCH._header, [encode_keyed_event(k, encode_clear_mark(m), e) for k, m, e in items])
+    written = encode_ownership_batch(BATCH._header,
+                                     [encode_keyed_event(k, encode_clear_mark(m), e) for k, m, e in items])
     expected = {"sources": [], "strings": [],
                 "events": [{"key": k, "clear_mark": None if m == NO_CLEAR else
                             {"publisher_epoch": m[0], "seq": m[1], "batch_index": m[2]}, "event": e, "block": None}

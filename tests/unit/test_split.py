@@ -146,7 +146,8 @@ def test_block_encoder_writes_the_bytes_of_split_event_and_fastavro():
     events = [*_simulated_events(),
               *((p, seq, 1767225600.25, i, e) for p in publishers for seq in (0, 5000, 1 << 40)
                 for i, e in enumerate([*events, unsigned, {**unsigned, "parent_block_hash": 7}])),
-              *((SGLANG, seq, 1767225600.25, 0, e) for seq in (0, 1 << 40) for e in (odd, {**odd, "parent_block_hash": 7}))]
+              *((SGLANG, seq, 1767225600.25, 0, e) for seq in (0, 1 << 40)
+                for e in (odd, {**odd, "parent_block_hash": 7}))]
     encoder = BlockEncoder(KvEventWriter(AvroCodec("kv_event")), ParentTracker())
     fast = [pair for args in events for pair in encoder.encode_event(*args)]
     assert fast == _reference(events)
@@ -169,7 +170,8 @@ def test_kv_event_writer_encodes_every_event_type_like_fastavro():
         KvEventWriter(AvroCodec("kv_event", version=4))
 
 
-@pytest.mark.parametrize("engine, kind", [(engine, kind) for engine, kinds in REQUIRED_FIELDS.items() for kind in kinds])
+@pytest.mark.parametrize("engine, kind",
+                         [(engine, kind) for engine, kinds in REQUIRED_FIELDS.items() for kind in kinds])
 def test_every_required_field_of_each_engine_is_refused_when_absent_naming_it(engine, kind):
     publisher = Publisher("e", 0, engine=engine)
     complete = {"type": kind, "block_hashes": [1], "parent_block_hash": None, "token_ids": [1, 2], "block_size": 2,
