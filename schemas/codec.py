@@ -36,7 +36,8 @@ from schemas.fast_reader import ReadError, compile_reader
 SCHEMA_DIR = Path(__file__).resolve().parent
 SINGLE_OBJECT_MAGIC = b"\xc3\x01"
 CONFLUENT_MAGIC = b"\x00"
-_HEADER_LEN = 10
+#: Bytes of a single-object header: the magic and the 8-byte fingerprint.
+SINGLE_OBJECT_HEADER_LEN = 10
 _SCHEMA_FILE = re.compile(r"^(?P<family>[a-z_]+)_v(?P<version>\d+)\.avsc$")
 
 
@@ -273,10 +274,11 @@ class AvroCodec:
         if data is None or len(data) < 5:
             raise DecodeError(f"record of {0 if data is None else len(data)} bytes is too short for an Avro header")
         if data[:2] == SINGLE_OBJECT_MAGIC:
-            if len(data) < _HEADER_LEN:
+            if len(data) < SINGLE_OBJECT_HEADER_LEN:
                 raise DecodeError("single-object record shorter than its 10-byte header")
-            writer = self._by_fingerprint.get(data[2:_HEADER_LEN]) or self._writer_for_fingerprint(data[2:_HEADER_LEN])
-            start = _HEADER_LEN
+            fingerprint = data[2:SINGLE_OBJECT_HEADER_LEN]
+            writer = self._by_fingerprint.get(fingerprint) or self._writer_for_fingerprint(fingerprint)
+            start = SINGLE_OBJECT_HEADER_LEN
         elif data[:1] == CONFLUENT_MAGIC:
             schema_id = struct.unpack(">I", data[1:5])[0]
             writer = self._writer_for_registry_id(schema_id)
@@ -302,6 +304,13 @@ class AvroCodec:
             raise DecodeError(f"{len(data) - end} trailing bytes after the {self.family} record")
         return record
 
+    def own_version_headers(self) -> frozenset[bytes]:
+        """The single-object headers (``C3 01`` + fingerprint, :data:`SINGLE_OBJECT_HEADER_LEN` bytes) of records of
+        this codec's own version: its fingerprint, and the legacy one where the version had another
+        (:data:`LEGACY_FINGERPRINTS`). What a reader that reads this version in line recognizes it by."""
+        own = self.schema.parsed
+        return frozenset(SINGLE_OBJECT_MAGIC + fp for fp, parsed in self._by_fingerprint.items() if parsed is own)
+
     def own_version_reader(self) -> Callable[[bytes, int, int], "dict | None"]:
         """A reader of records of this codec's own version found inside a larger buffer.
 
@@ -318,7 +327,7 @@ class AvroCodec:
         if read is None:
             raise NotImplementedError(f"no generated reader for {self.family}")
         own = self.schema.parsed
-        headers = frozenset(SINGLE_OBJECT_MAGIC + fp for fp, parsed in self._by_fingerprint.items() if parsed is own)
+        headers = self.own_version_headers()
         registry_ids = self._registry_ids
         read_errors = (ReadError, IndexError, struct.error, UnicodeDecodeError)
 
@@ -327,8 +336,8 @@ class AvroCodec:
             # against the end of what it is given, and a corrupt count in the buffer would make it read on
             # through the records after this one before failing.
             data = data[start:end]
-            if data[:_HEADER_LEN] in headers:
-                body = _HEADER_LEN
+            if data[:SINGLE_OBJECT_HEADER_LEN] in headers:
+                body = SINGLE_OBJECT_HEADER_LEN
             elif data[:1] == CONFLUENT_MAGIC and registry_ids.get(int.from_bytes(data[1:5], "big")) is own:
                 body = 5
             else:

@@ -35,7 +35,7 @@ class ReadError(ValueError):
     """The bytes are not a record of the schema; the message says what was wrong and where."""
 
 
-def _long_tail(data: bytes, pos: int, first: int) -> tuple[int, int]:
+def long_tail(data: bytes, pos: int, first: int) -> tuple[int, int]:
     """The rest of a zig-zag varint whose first byte ``first`` (continuation bit set) is already read."""
     result, shift = first & 0x7F, 7
     while True:
@@ -283,7 +283,7 @@ def compile_reader(schema: dict, override_names: bool = False,
         named.update({name: value for name, value in schema.get("__named_schemas", {}).items()})
     _emit(w, 1, schema, "value", named)
     w.emit(1, "return value, pos")
-    namespace = {"_long_tail": _long_tail, "_fail": _fail, "_DOUBLE": _DOUBLE, "_FLOAT": _FLOAT, **w.constants}
+    namespace = {"_long_tail": long_tail, "_fail": _fail, "_DOUBLE": _DOUBLE, "_FLOAT": _FLOAT, **w.constants}
     title = schema.get("name", "schema") if isinstance(schema, dict) else schema
     exec(compile("\n".join(w.lines), f"<avro reader of {title}>", "exec"), namespace)
     read_python = namespace["read"]

@@ -23,9 +23,9 @@ import struct
 
 from schemas.block_event import BLOCK_FIELDS, BLOCK_LAYOUT, KINDS, PARENT_KNOWN, BlockEvent, Source
 from schemas.clear_position import NO_CLEAR, ClearPosition
-from schemas.codec import _HEADER_LEN, SINGLE_OBJECT_MAGIC, AvroCodec
+from schemas.codec import SINGLE_OBJECT_HEADER_LEN, AvroCodec
 from schemas.compiled import choose
-from schemas.fast_reader import _long_tail, compile_reader
+from schemas.fast_reader import compile_reader, long_tail
 from schemas.tiers import TIERS
 
 #: One item of a batch message: ``(key, clear mark, buffer, start, end, event)``. The event's framed bytes are
@@ -43,7 +43,7 @@ def _long(data: bytes, pos: int) -> tuple[int, int]:
     if b & 0x80:
         c = data[pos + 1]
         if c & 0x80:
-            return _long_tail(data, pos + 1, b)
+            return long_tail(data, pos + 1, b)
         b = (b & 0x7F) | (c << 7)  # two bytes, in line: an event's length and its block fields' (64 to 8191)
         return (b >> 1) ^ -(b & 1), pos + 2
     return (b >> 1) ^ -(b & 1), pos + 1
@@ -74,8 +74,7 @@ class OwnershipBatchReader:
         self._walk_items = None if hotpath is None else hotpath.walk_items
         self._batch_codec = AvroCodec("ownership_batch")
         own = self._batch_codec.schema.parsed
-        self._headers = frozenset(SINGLE_OBJECT_MAGIC + fp for fp, parsed in self._batch_codec._by_fingerprint.items()
-                                  if parsed is own)
+        self._headers = self._batch_codec.own_version_headers()
         self._read_event = event_codec.own_version_reader()
         # the message's tables are read by generated readers (once per message; the items, per event, in line)
         fields = {field["name"]: field["type"] for field in own["fields"]}
@@ -88,7 +87,7 @@ class OwnershipBatchReader:
         Raises:
             DecodeError: the message is not an ``ownership_batch`` record (the codec's reason).
         """
-        if data is None or data[:_HEADER_LEN] not in self._headers:
+        if data is None or data[:SINGLE_OBJECT_HEADER_LEN] not in self._headers:
             return self._read_decoded(data)
         try:
             return self._walk(data)
@@ -108,7 +107,7 @@ class OwnershipBatchReader:
         # included) or struct.error, and read() hands the message to the codec, which reads what is valid and names
         # what is not.
         read_event, items, size = self._read_event, [], len(data)
-        sources, pos = self._read_sources(data, _HEADER_LEN)
+        sources, pos = self._read_sources(data, SINGLE_OBJECT_HEADER_LEN)
         sources = [_tuple_new(Source, (s["instance_id"], s["data_parallel_rank"], s["worker_rank"], s["world_size"],
                                        s["aggregation"])) for s in sources]
         strings, pos = self._read_strings(data, pos)

@@ -461,7 +461,7 @@ class Repartitioner:
 
     def _produce(self, outgoing: dict[int, _Outgoing], changed: dict[tuple[int, str, int], ClearHistory]) -> None:
         produce = self._producer.produce
-        header = self._batch_codec._header
+        header = self._batch_codec.header
         for partition, batch in outgoing.items():
             for tables, items in batch.messages():
                 self._send(produce, self.output_topic, None, encode_ownership_batch(header, items, tables), partition)

@@ -23,9 +23,9 @@ from __future__ import annotations
 import re
 import struct
 
-from schemas.codec import _HEADER_LEN, SINGLE_OBJECT_MAGIC, AvroCodec, find_named_type
+from schemas.codec import SINGLE_OBJECT_HEADER_LEN, AvroCodec, find_named_type
 from schemas.compiled import choose
-from schemas.fast_reader import _long_tail
+from schemas.fast_reader import long_tail as _long_tail
 
 #: One resident row as the index keeps it: ``(instance_id, data_parallel_rank, tier)``, tier a ``schemas.TIERS``
 #: symbol.
@@ -317,8 +317,8 @@ class IndexEntryReader:
         own = codec.schema.parsed
         #: Headers of records the lean readers walk: the codec's own version's fingerprints (a version's legacy
         #: one too), and none when that version is not the layout they were written for.
-        self._headers = frozenset(SINGLE_OBJECT_MAGIC + fp for fp, parsed in codec._by_fingerprint.items()
-                                  if parsed is own) if codec.schema.fingerprint == LAYOUT_FINGERPRINT else frozenset()
+        self._headers = (codec.own_version_headers() if codec.schema.fingerprint == LAYOUT_FINGERPRINT
+                         else frozenset())
         #: The Tier enum's symbols in index order, and how many AggregationMode symbols there are (from the
         #: schema, not restated here, so an index means what the codec reads it as).
         self._tiers = tuple(find_named_type(own, "kvstream.v1.Tier")["symbols"])
@@ -329,10 +329,11 @@ class IndexEntryReader:
     def read_lean(self, value: bytes) -> IndexEntry | None:
         """The lean read alone: :data:`IndexEntry` for a record of the codec's own version in single-object
         framing that the lean reader reads, else None (for the tests; :meth:`read_index_entry` then decodes)."""
-        if type(value) is not bytes or value[:_HEADER_LEN] not in self._headers:  # the compiled reader takes bytes
+        # type(): the compiled reader takes bytes, not a subclass
+        if type(value) is not bytes or value[:SINGLE_OBJECT_HEADER_LEN] not in self._headers:
             return None
         try:
-            return self._read_lean(value, _HEADER_LEN, self._tiers, self._aggregations)
+            return self._read_lean(value, SINGLE_OBJECT_HEADER_LEN, self._tiers, self._aggregations)
         except _REFUSALS:
             return None
 
@@ -345,9 +346,9 @@ class IndexEntryReader:
             DecodeError: the codec's, for a value it cannot decode (unknown framing or fingerprint, a corrupt or
                 truncated body, trailing bytes).
         """
-        if type(value) is bytes and value[:_HEADER_LEN] in self._headers:
+        if type(value) is bytes and value[:SINGLE_OBJECT_HEADER_LEN] in self._headers:
             try:
-                return self._read_lean(value, _HEADER_LEN, self._tiers, self._aggregations)
+                return self._read_lean(value, SINGLE_OBJECT_HEADER_LEN, self._tiers, self._aggregations)
             except _REFUSALS:
                 pass  # the codec decodes it below and raises the DecodeError that names the fault
         return index_entry_of(self._decode(value))

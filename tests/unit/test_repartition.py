@@ -37,7 +37,7 @@ def test_hand_written_ownership_batch_decodes_to_what_fastavro_writes(seed):
     for _ in range(rng.randrange(0, 50)):
         key = rng.choice(["primary/", "kvcr/", "AllBlocksCleared/ém/"]) + bytes(rng.randrange(8, 33)).hex()
         items.append((key, rng.choice(marks), rng.randbytes(rng.choice([0, 5, 200, 20000]))))
-    written = encode_ownership_batch(BATCH._header,
+    written = encode_ownership_batch(BATCH.header,
                                      [encode_keyed_event(k, encode_clear_mark(m), e) for k, m, e in items])
     expected = {"sources": [], "strings": [],
                 "events": [{"key": k, "clear_mark": None if m == NO_CLEAR else
