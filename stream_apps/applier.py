@@ -22,7 +22,7 @@ from schemas import (
     SOURCE_WIDE_EVENTS,
     STORE_KINDS,
 )
-from schemas.block_event import block_event_of
+from schemas.block_event import BlockEvent, block_event_of
 from schemas.clear_position import ClearPosition
 from stream_apps.checkpoint import Checkpoint
 from stream_apps.outputs import OutputTopics
@@ -55,6 +55,10 @@ class NeedsRecord(Exception):
 #: ``residency_change.cause`` of a block event kind that is not an Avro branch: a full report mode store is a
 #: BlockStored to the changes' readers.
 _CAUSES = {BLOCK_STORED_OR_REUSED: "BlockStored"}
+#: Positions of the :class:`~schemas.block_event.BlockEvent` fields read here: block events arrive as plain tuples
+#: (a NamedTuple's attribute costs more per event than the rules' use of it), so they are indexed by these.
+_KIND, _SOURCE, _EPOCH, _SEQ, _TS, _CONTENT = (BlockEvent._fields.index(name) for name in (
+    "kind", "source", "publisher_epoch", "seq", "ts", "content"))
 
 def occupancy_key(partition: int, ownership: str | None, tier: str, instance_id: str) -> str:
     """Key of a ``tier-occupancy`` row: ``<partition>/<ownership or primary>/<tier>/<instance>``."""
@@ -119,12 +123,13 @@ class Materializer:
         """Fold a batch's per-publisher activity (``{publisher key: [newest BlockEvent, events applied]}``) into
         ``sources``."""
         for key, (event, count) in seen.items():
-            instance, dp_rank, worker_rank, _, _ = event[1]
+            instance, dp_rank, worker_rank, _, _ = event[_SOURCE]
+            epoch, ts = event[_EPOCH], event[_TS]
             status = self.source_status(partition, key, {
                 "instance_id": instance, "data_parallel_rank": dp_rank, "worker_rank": worker_rank,
-                "publisher_epoch": event[2], "ts": event[6]})
-            status.update(publisher_epoch=max(status["publisher_epoch"], event[2]), last_seq=event[3],
-                          last_event_ts=event[6], events_applied=status["events_applied"] + count)
+                "publisher_epoch": epoch, "ts": ts})
+            status.update(publisher_epoch=max(status["publisher_epoch"], epoch), last_seq=event[_SEQ],
+                          last_event_ts=ts, events_applied=status["events_applied"] + count)
             self.write_small_table(self.tables.sources, partition, key, status)
 
     def rewrite_partition(self, partition: int, instance: str, occupancy: dict[tuple, int], rewrite, ts: float,
@@ -287,9 +292,9 @@ class BatchApplier:
         kind, body = record["event"]
         source = (record["instance_id"], record["data_parallel_rank"], record["worker_rank"], record["world_size"],
                   record["aggregation"])
-        state = self._sources.get(source) or self._source_state(source)
+        _, _, watermark, retired, _, _, needs_digest = self._sources.get(source) or self._source_state(source)
         if kind not in SOURCE_WIDE_EVENTS:
-            if state[3] is not None and record["publisher_epoch"] < state[3]:
+            if retired is not None and record["publisher_epoch"] < retired:
                 self.m.stats.retired_late += 1  # as before any other check, whatever the record holds
                 return
             block_hash = record["block_hash"]
@@ -300,13 +305,12 @@ class BatchApplier:
                 raise InvalidRecord(f"routed as {key!r}, but the record's ownership is {body['ownership']!r} and "
                                     f"its block hash {block_hash.hex()}")
             event = block_event_of(record)
-            if state[6] and kind == BLOCK_STORED:
+            if needs_digest and kind == BLOCK_STORED:
                 event = event._replace(content=content_digest(body))
             self.apply(key, mark, event)
             return
         m = self.m
         partition = self.partition
-        watermark = state[2]
         self.write_back()  # source-wide events scan the stored entries
         self._sources.clear()
         if kind == ALL_BLOCKS_CLEARED:
@@ -329,13 +333,13 @@ class BatchApplier:
         m = self.m
         partition = self.partition
         # a batch message holds many events of few publishers: what they need is looked up once
-        source = event[1]
+        source = event[_SOURCE]
         _, publisher, watermark, retired, clear_tiers, aggregation, replicated = (self._sources.get(source)
                                                                                     or self._source_state(source))
-        if replicated and event[14] is None and event[0] in STORE_KINDS:
+        if replicated and event[_CONTENT] is None and event[_KIND] in STORE_KINDS:
             # written by a repartition process that did not know this worker's --aggregation for the source
             raise NeedsRecord(f"{key}: a store of a replicated source without its content digest")
-        if retired is not None and event[2] < retired:
+        if retired is not None and event[_EPOCH] < retired:
             m.stats.retired_late += 1
             return
         touched = self.touched
