@@ -1,6 +1,6 @@
 """A block event as the residency rules read it: one tuple of the fields they use, and its compact form.
 
-The residency rules (``stream_apps/residency.py``) read 17 of a ``kv_event`` record's 32 fields. Decoding the
+The residency rules (``stream_apps/residency/rules.py``) read 17 of a ``kv_event`` record's 32 fields. Decoding the
 whole record into two dicts in the materializing stage cost more than the rules themselves, so the
 repartition stage, which runs in a process of its own, decodes each block event instead and writes those
 fields in the fixed layout :data:`BLOCK_FIELDS` (``ownership_batch`` version 2, ``KeyedEvent.block``). The

@@ -1,4 +1,4 @@
-"""Residency semantics as plain functions: what one event does to a block's residency.
+"""The residency rules: what one event does to a block's residency.
 
 No Kafka and no Faust here, so tests can call these directly; the materializing
 agent (:mod:`stream_apps.materialize`, :mod:`stream_apps.applier`) decodes events,
@@ -41,21 +41,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from hashlib import blake2b
 
-from murmurhash2 import murmurhash2
-
 from schemas import BLOCK_STORED_OR_REUSED, STORE_KINDS
 from schemas.block_event import block_event_of
 from schemas.clear_position import ClearPosition, clear_mark_record
 from schemas.content_hash import stored_content_hash
-
-#: Table-key prefix for ownership null: the serving framework's own tiers.
-PRIMARY = "primary"
-
-#: Tiers an AllBlocksCleared removes by default: vLLM emits it on a GPU prefix-cache reset, and offloaded
-#: copies survive it (docs/residency.md, "Clears").
-DEFAULT_CLEAR_TIERS = frozenset({"GPU"})
-#: Tiers removed with clear scope ``all``.
-ALL_TIERS = frozenset({"GPU", "CPU", "STORAGE", "EXTERNAL", "UNKNOWN"})
 
 #: BlockStored fields on which the workers of a REPLICATED source must agree for a block to count as
 #: resident: every field of the event body but ``parent_known``, which our producer derives from its own
@@ -85,72 +74,6 @@ def content_digest(body: dict) -> int:
     if given is not None and given != stored_content_hash(body):
         values += (given,)
     return int.from_bytes(blake2b(repr(values).encode(), digest_size=8).digest(), "big", signed=True)
-
-@dataclass(frozen=True)
-class SourceSettings:
-    """Per-source configuration of the stream app (``kvstream worker --clear-scope / --aggregation``).
-
-    ``clear_scopes``: instance -> tiers an AllBlocksCleared of that instance removes (others:
-    ``default_clear_tiers``). ``aggregation``: instance -> (world_size, mode), used when the events do
-    not declare them in the envelope.
-    """
-
-    default_clear_tiers: frozenset = DEFAULT_CLEAR_TIERS
-    clear_scopes: dict = field(default_factory=dict)
-    aggregation: dict = field(default_factory=dict)
-
-    def clear_tiers(self, instance_id: str) -> frozenset:
-        """Tiers an AllBlocksCleared of ``instance_id`` removes."""
-        return self.clear_scopes.get(instance_id, self.default_clear_tiers)
-
-    @classmethod
-    def parse(cls, clear_scope: str = "gpu", aggregation: str = "") -> "SourceSettings":
-        """Parse ``gpu|all[,INSTANCE=gpu|all...]`` and ``INSTANCE=WORLD_SIZE[:REPLICATED|SHARDED][,...]``.
-
-        Raises:
-            ValueError: a malformed entry, with the entry in the message.
-        """
-        scopes = {"gpu": DEFAULT_CLEAR_TIERS, "all": ALL_TIERS}
-        default, overrides = DEFAULT_CLEAR_TIERS, {}
-        for item in filter(None, (p.strip() for p in clear_scope.split(","))):
-            instance, _, scope = item.rpartition("=")
-            if scope.lower() not in scopes:
-                raise ValueError(f"clear scope {item!r}: expected gpu or all, optionally after INSTANCE=")
-            if instance:
-                overrides[instance] = scopes[scope.lower()]
-            else:
-                default = scopes[scope.lower()]
-        declared = {}
-        for item in filter(None, (p.strip() for p in aggregation.split(","))):
-            instance, _, spec = item.rpartition("=")
-            size, _, mode = spec.partition(":")
-            mode = (mode or "REPLICATED").upper()
-            if not instance or not size.isdigit() or int(size) < 1 or mode not in ("REPLICATED", "SHARDED"):
-                raise ValueError(f"aggregation {item!r}: expected INSTANCE=WORLD_SIZE[:REPLICATED|SHARDED]")
-            declared[instance] = (int(size), mode)
-        return cls(default, overrides, declared)
-
-
-
-
-def residency_key(ownership: str | None, block_hash: bytes) -> str:
-    """Table and repartition key: ``<ownership or 'primary'>/<block hash hex>``."""
-    return f"{ownership or PRIMARY}/{block_hash.hex()}"
-
-
-#: Seed of Kafka's murmur2 partitioner (``org.apache.kafka.common.utils.Utils.murmur2``).
-KAFKA_MURMUR2_SEED = 0x9747B28C
-
-
-def key_partition(key: str, partitions: int) -> int:
-    """Partition of a residency key: Kafka's murmur2 of its UTF-8 bytes, as Faust's router and Java clients compute.
-
-    ``positive(murmur2(key)) % partitions``, the rule of Kafka's default partitioner and of aiokafka's
-    ``murmur2`` (which Faust's router uses). The hash comes from the ``murmurhash2`` package (compiled, many
-    times faster than aiokafka's pure-Python one); ``tests/unit/test_residency.py`` checks it against Kafka's own
-    test vectors and against aiokafka's on random keys.
-    """
-    return (murmurhash2(key.encode(), KAFKA_MURMUR2_SEED) & 0x7FFFFFFF) % partitions
 
 
 @dataclass
@@ -261,6 +184,11 @@ def apply_block(entry: dict | None, event: tuple, clear_mark: ClearPosition, cle
     A store of kind ``BLOCK_STORED_OR_REUSED`` (a source in vLLM's full report mode, kv_event v5
     ``BlockStored.report_mode``) on a row whose worker already counts the block is an announcement of a reused
     block: its position is applied, its count is not raised (``stats.reuse_reports``). Otherwise it is a store.
+
+    Longer than the house's 80 lines on purpose: it runs once per block event, where each Python call costs a
+    noticeable part of the rules' few microseconds (a call with its arguments is about what one row lookup
+    costs), so the new-row path (most events of a trace) and the general one stay in line, the new-row one first
+    and self-contained. Split it only with the ``peers`` and ``stream`` figures of ``make bench`` before and after.
 
     Returns:
         ``(new entry or None when no row is left, change in resident rows: -1, 0 or +1, the row's copies
@@ -484,25 +412,3 @@ def apply_unregister(entry: dict, instance_id: str, data_parallel_rank: int | No
     """
     return _remove_rows(entry, lambda row: row["instance_id"] == instance_id and (
         data_parallel_rank is None or row["data_parallel_rank"] == data_parallel_rank), stats)
-
-
-#: Default tier weights of the prefix-match score (llm-d's defaults for GPU and CPU); tiers not named weigh
-#: ``stream_apps.index.scoring.OTHER_TIER_WEIGHT`` (0.25).
-DEFAULT_TIER_WEIGHTS = {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5}
-
-
-def parse_tier_weights(text: str) -> dict[str, float]:
-    """Parse ``GPU=1.0,CPU=0.8,...`` (the ``KVSTREAM_TIER_WEIGHTS`` setting) over the defaults.
-
-    Raises:
-        ValueError: an entry that is not ``TIER=number`` or names no known tier.
-    """
-    from schemas import TIERS
-
-    weights = dict(DEFAULT_TIER_WEIGHTS)
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        tier, _, number = item.partition("=")
-        if tier.upper() not in TIERS:
-            raise ValueError(f"unknown tier {tier!r} in tier weights (tiers: {', '.join(TIERS)})")
-        weights[tier.upper()] = float(number)
-    return weights
