@@ -88,7 +88,8 @@ def _read_python(data: bytes, pos: int, tiers: tuple, aggregations: int) -> Inde
     branches, enum indices, varints, no trailing bytes), keeping only what the index needs.
 
     Written out field by field, the one-byte varint (most of them) in line, as schemas.fast_reader generates its
-    readers: a helper call per field would cost more than the dicts it saves.
+    readers: a helper call per field would cost more than the dicts it saves. That is also why it is one function
+    of some 200 lines, over the house's 80: it is a generated reader's shape, unrolled by hand.
 
     Raises:
         IndexError, ValueError (UnicodeDecodeError included), struct.error: bytes that are not such a record.
