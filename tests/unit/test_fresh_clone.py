@@ -153,3 +153,16 @@ def test_the_readmes_by_hand_section_waits_for_the_workers_before_the_occupancy(
     readme = (ROOT / "README.md").read_text()
     by_hand = readme[readme.index("Running the pieces by hand"):readme.index("Against a live vLLM engine")]
     assert "kvstream query occupancy --wait-caught-up" in by_hand and "caught_up" in by_hand
+
+
+def test_every_package_of_the_product_is_in_the_wheel():
+    """pyproject.toml lists the packages by name: one left out installs from a checkout (editable) but is missing
+    from a wheel, and so from the image (Dockerfile: pip install of the wheel)."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(init.parent.relative_to(root).parts)
+             for top in ("kvstream", "kafka_io", "schemas", "producers", "stream_apps")
+             for init in (root / top).rglob("__init__.py")}
+    assert found - listed == set()

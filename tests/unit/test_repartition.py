@@ -177,10 +177,10 @@ def test_each_rekeyed_message_stays_under_the_size_limit_with_the_tables_its_ite
     from schemas.avro_writers import encode_clear_mark, encode_ownership_batch
     from schemas.block_event import block_event_of
     from schemas.ownership_batch import OwnershipBatchReader
-    from stream_apps.repartition import MAX_BATCH_BYTES, _Outgoing
+    from stream_apps.repartition import MAX_BATCH_BYTES, PartitionBatch
 
     events = AvroCodec("kv_event")
-    records, outgoing = [], _Outgoing()
+    records, outgoing = [], PartitionBatch()
     for n in range(2000):
         event = {"type": "BlockStored", "block_hashes": [n], "parent_block_hash": None, "token_ids": [],
                  "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None,

@@ -1,80 +1,29 @@
-"""The repartition process of the stream app: re-key ``kv-events`` by ownership and block hash, off Faust's
-per-message path.
-
-Every block event is one Kafka message (docs/contract.md, "One Kafka message per
-block-level event"), and Faust spends more on each message it consumes than the
-whole re-keying costs, so this stage is a confluent-kafka consumer loop in a
-child process of the worker (:class:`RepartitionProcess`, started by the
-worker), in its own consumer group ``<app id>-repartition``. It reads batches
-of up to ``batch_size`` messages (whole batches while the input is backlogged; otherwise what arrived
-within ``linger_s``, longer while the agent is still applying the previous batch: :meth:`Repartitioner._read`)
-and, per batch:
-
-1. decodes each event and computes its residency key
-   ``<ownership or primary>/<block hash hex>`` and the key's partition (Kafka's
-   murmur2, as Faust's router computes it, so the tables stay co-partitioned
-   with the re-keyed topic and HTTP lookups route by key), and writes the
-   fields the residency rules read as the item's block fields
-   (:mod:`schemas.block_event`), so that the materializing stage, the
-   worker's bottleneck, does not decode the record again. A store written
-   without a content hash (by a producer of before ``kv_event`` v4, or from
-   an old capture) but with token ids gets the one its tokens give there
-   (:meth:`schemas.block_event.BlockFieldsWriter.block`), so every store with
-   tokens reaches the agent with its content keys; only such records pay for it;
-2. stamps it with its source's latest ``AllBlocksCleared`` before it on its
-   kv-events partition (the *clear mark*: after re-keying, a clear's copy and
-   a block's events can reach a partition in either order);
-3. writes one ``ownership_batch`` message per destination partition (split at
-   :data:`MAX_BATCH_BYTES`); source-wide events (clears, the bridge's
-   ``PublisherRestarted`` and ``SourceStale``) keep their partition number;
-4. flushes the producer and only then commits the batch's offsets (asynchronously: the next batch does not
-   wait for the commit): at least once. A redelivered event reaches the materializing agent again and is ignored there
-   (idempotent rows, :mod:`stream_apps.residency`).
-
-Clear marks survive restarts and rebalances: each source's last clears on a
-partition, with their offsets, are written to the compacted topic
-``<app id>-repartition-source-clears`` and read back when the partition is
-assigned. An event's mark is the latest clear *before its offset*, so a
-replayed event gets the mark it got the first time.
-
-Undecodable or contract-breaking records go to ``kv-events-dead-letter`` with
-the reason in the ``kvstream-error`` header and the original bytes.
-"""
+"""The repartition stage's consumer loop (:class:`Repartitioner`): read a batch of ``kv-events``, re-key it, produce
+it, flush, commit (the package docstring says how)."""
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import logging
-import multiprocessing
 import os
-import signal
-import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
 
-import mode
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from kafka_io.config import client_config, producer_config
-from kafka_io.logs import configure_logging
 from kafka_io.produce import produce_waiting
 from kafka_io.schema_registry import reader_codec
 from schemas import ALL_BLOCKS_CLEARED, BLOCK_STORED, SOURCE_WIDE_EVENTS, AvroCodec, DecodeError
-from schemas.avro_writers import encode_clear_mark, encode_keyed_event, encode_ownership_batch
-from schemas.block_event import BlockFieldsWriter
-from schemas.clear_position import NO_CLEAR, ClearPosition
+from schemas.avro_writers import encode_clear_mark, encode_ownership_batch
+from schemas.clear_position import NO_CLEAR
 from schemas.topics import ERROR_HEADER, SOURCE_HEADER, TopicNames
+from stream_apps.repartition.batches import PartitionBatch
+from stream_apps.repartition.clear_history import ClearHistory
 from stream_apps.residency import content_digest, key_partition, needs_content, residency_key, source_aggregation
 
 log = logging.getLogger(__name__)
 
-#: Clears kept per source and partition; a replay reaches back a batch or two (each batch's offsets are committed,
-#: asynchronously, right after its flush), so this only has to exceed the clears one source can emit within them.
-CLEAR_HISTORY = 8
-#: Upper bound of one ownership_batch message's payload; the re-keyed topic allows 8 MiB messages.
-MAX_BATCH_BYTES = 1 << 20
 #: In :class:`stream_apps.agent_progress.AgentProgress`, a partition whose progress does not hold the next batch
 #: back: this worker's agent does not read it (another worker does, or it is not assigned yet).
 NOT_READ_HERE = 1 << 62
@@ -86,96 +35,6 @@ def repartition_group(app_id: str) -> str:
     """Consumer group of the repartition stage (kv-events): ``<app id>-repartition``."""
     return f"{app_id}-repartition"
 
-
-@dataclass
-class ClearHistory:
-    """The latest ``AllBlocksCleared`` copies of one source on one kv-events partition.
-
-    ``clears`` holds ``(offset, (publisher_epoch, seq, batch_index))``, oldest first.
-    """
-
-    instance_id: str
-    data_parallel_rank: int
-    partition: int
-    clears: list[tuple[int, ClearPosition]] = field(default_factory=list)
-    _newest_encoded: bytes | None = field(default=None, repr=False, compare=False)
-
-    def mark_before(self, offset: int) -> ClearPosition:
-        """Position of the latest clear read before ``offset`` (:data:`NO_CLEAR` if none is kept)."""
-        for clear_offset, mark in reversed(self.clears):
-            if clear_offset < offset:
-                return mark
-        return NO_CLEAR
-
-    def encoded_mark_before(self, offset: int) -> bytes:
-        """:func:`schemas.avro_writers.encode_clear_mark` of :meth:`mark_before` (the common case, the newest clear,
-        is encoded once)."""
-        if self.clears and self.clears[-1][0] < offset:
-            if self._newest_encoded is None:
-                self._newest_encoded = encode_clear_mark(self.clears[-1][1])
-            return self._newest_encoded
-        return encode_clear_mark(self.mark_before(offset))
-
-    def add(self, offset: int, mark: ClearPosition) -> bool:
-        """Record the clear read at ``offset``; False if it is already known (a redelivery)."""
-        if any(clear_offset == offset for clear_offset, _ in self.clears):
-            return False
-        self.clears.append((offset, mark))
-        self.clears.sort()
-        del self.clears[:-CLEAR_HISTORY]
-        self._newest_encoded = None
-        return True
-
-    def to_record(self) -> dict:
-        """The Avro ``SourceClears`` value (schemas/source_clears_v1.avsc)."""
-        return {"instance_id": self.instance_id, "data_parallel_rank": self.data_parallel_rank,
-                "partition": self.partition,
-                "clears": [{"offset": o, "publisher_epoch": m[0], "seq": m[1], "batch_index": m[2]}
-                           for o, m in self.clears]}
-
-    @classmethod
-    def from_record(cls, record: dict) -> "ClearHistory":
-        """Inverse of :meth:`to_record`."""
-        return cls(record["instance_id"], record["data_parallel_rank"], record["partition"],
-                   [(c["offset"], (c["publisher_epoch"], c["seq"], c["batch_index"])) for c in record["clears"]])
-
-
-#: Bytes an item adds besides its key, mark and event, and its table entries besides their text, at most:
-#: length varints, the block fields (66 bytes before the parent and block hashes, which the event holds too), a
-#: source's ints and unions, the message's framing.
-_ITEM_OVERHEAD = 256
-
-
-class _Outgoing:
-    """The ``ownership_batch`` messages of one destination partition in one batch: each at most
-    :data:`MAX_BATCH_BYTES` with its tables (a message's block fields index its own tables only, so a message
-    starts new ones)."""
-
-    def __init__(self) -> None:
-        self._done: list[tuple[bytes, list[bytes]]] = []
-        self._start()
-
-    def _start(self) -> None:
-        self._writer = BlockFieldsWriter()
-        self._items: list[bytes] = []
-        self._size = 0
-
-    def add(self, key: str, mark: bytes, value: bytes, record: dict | None = None,
-            content: int | None = None) -> None:
-        """One item: ``record`` (a decoded block event) gives its block fields; None, an item without them."""
-        # What the item can add, at most: itself (key, mark, event, block fields with the block hash, framing),
-        # and table entries for strings and a source that all appear in the event's bytes too
-        if self._items and (self._size + self._writer.table_bytes + 2 * len(value) + len(key) + len(mark)
-                            + _ITEM_OVERHEAD > MAX_BATCH_BYTES):
-            self._done.append((self._writer.tables(), self._items))
-            self._start()
-        item = encode_keyed_event(key, mark, value, None if record is None else self._writer.block(record, content))
-        self._items.append(item)
-        self._size += len(item)
-
-    def messages(self) -> list[tuple[bytes, list[bytes]]]:
-        """``(tables, encoded items)`` of each message, in order."""
-        return [*self._done, (self._writer.tables(), self._items)] if self._items else self._done
 
 
 class Repartitioner:
@@ -392,7 +251,7 @@ class Repartitioner:
             RuntimeError: the broker did not acknowledge every output (the offsets are not committed, so the
                 batch is read again after the worker restarts).
         """
-        outgoing: dict[int, _Outgoing] = defaultdict(_Outgoing)
+        outgoing: dict[int, PartitionBatch] = defaultdict(PartitionBatch)
         changed_histories: dict[tuple[int, str, int], ClearHistory] = {}
         next_offsets: dict[int, int] = {}
         read_own, decode = self._read_own_version, self._event_codec.decode
@@ -443,7 +302,7 @@ class Repartitioner:
         return next_offsets
 
     def _source_wide(self, message, record: dict, kind: str, source: tuple[int, str, int],
-                     history: ClearHistory | None, outgoing: dict[int, _Outgoing],
+                     history: ClearHistory | None, outgoing: dict[int, PartitionBatch],
                      changed: dict[tuple[int, str, int], ClearHistory]) -> None:
         """A clear (recorded in the source's history), PublisherRestarted or SourceStale: same partition number."""
         partition, offset = source[0], message.offset()
@@ -459,7 +318,7 @@ class Repartitioner:
         outgoing[partition].add(f"{name}/{record['instance_id']}/{record['data_parallel_rank']}",
                                 encode_clear_mark(mark), message.value())
 
-    def _produce(self, outgoing: dict[int, _Outgoing], changed: dict[tuple[int, str, int], ClearHistory]) -> None:
+    def _produce(self, outgoing: dict[int, PartitionBatch], changed: dict[tuple[int, str, int], ClearHistory]) -> None:
         produce = self._producer.produce
         header = self._batch_codec.header
         for partition, batch in outgoing.items():
@@ -486,171 +345,3 @@ class Repartitioner:
                    (SOURCE_HEADER, f"{message.topic()}/{message.partition()}/{message.offset()}".encode())]
         produce_waiting(self._producer, self.topics.dead_letter, message.value(), message.key(), headers=headers,
                         on_delivery=self._on_delivery)
-
-
-# --------------------------------------------------------------------------- the loop in a process of its own
-
-class _SharedCounters:
-    """The ``counters`` mapping of a :class:`Repartitioner` in a child process: each name is a shared
-    ``multiprocessing.Value`` (int64) that the worker reads for ``/stats/``."""
-
-    def __init__(self, values: dict) -> None:
-        self._values = values
-
-    def __getitem__(self, name: str) -> int:
-        return self._values[name].value
-
-    def __setitem__(self, name: str, value: int) -> None:
-        self._values[name].value = value
-
-
-def new_agent_progress(partitions: int):
-    """A shared int64 array (one element per re-keyed partition, all :data:`NOT_READ_HERE`) that the worker
-    writes and its repartition process reads, as :class:`Repartitioner`'s ``agent_progress``."""
-    return multiprocessing.get_context("spawn").Array("q", [NOT_READ_HERE] * partitions, lock=False)
-
-
-class RepartitionProcess:
-    """Runs a :class:`Repartitioner` in a spawned child process for the worker's lifetime.
-
-    The re-keying is Python work on every event. In a thread it shares the worker's GIL with the
-    materializing agent (Faust's event loop), so each waits for the other; in a process of its own it runs
-    on the other core. The child stops after the batch in hand when :meth:`stop` is called, when it gets SIGTERM, or
-    when its parent (the worker) is gone; it ignores SIGINT (a terminal's Ctrl-C reaches the whole process
-    group; the worker stops it in order). A loop that dies exits with code 1 after logging why; the worker
-    watches :attr:`exitcode` and crashes too, so that a supervisor restarts both and the batch that was not
-    acknowledged is read again.
-
-    Args:
-        bootstrap_servers, topics, partitions, batch_size, within_s, linger_s, agent_progress, aggregation: as
-            :class:`Repartitioner` (``agent_progress`` made by :func:`new_agent_progress`; None: a new one). The child
-            inherits the environment (security settings, ``BROKER_SESSION_TIMEOUT``).
-    """
-
-    def __init__(self, bootstrap_servers: str, topics: TopicNames, partitions: int, *, batch_size: int = 10_000,
-                 within_s: float = 0.1, linger_s: float = 0.02, log_format: str = "text",
-                 schema_registry_url: str = "", agent_progress=None, aggregation: dict | None = None) -> None:
-        context = multiprocessing.get_context("spawn")  # the worker has threads; fork would copy their locks
-        self._stop = context.Event()
-        #: Re-keyed partition -> offset of the last message this worker's agent finished
-        #: (:class:`stream_apps.agent_progress.AgentProgress`).
-        self.agent_progress = agent_progress if agent_progress is not None else new_agent_progress(partitions)
-        #: Events re-keyed and records dead-lettered by the child, read by the worker's ``/stats/``.
-        self._values = {"repartitioned": context.Value("q", 0, lock=False),
-                        "dead_lettered": context.Value("q", 0, lock=False)}
-        self._process = context.Process(
-            target=_run_child, name="kvstream-repartition", daemon=True,
-            args=(bootstrap_servers, topics, partitions, batch_size, within_s, linger_s, self.agent_progress,
-                  self._stop, self._values,
-                  os.getpid(), logging.getLevelName(logging.getLogger().getEffectiveLevel()), log_format,
-                  schema_registry_url, dict(aggregation or {})))
-
-    def start(self) -> None:
-        """Spawn the child (it imports the project, then joins its consumer group)."""
-        self._process.start()
-        log.info("repartition stage started in process %d", self._process.pid)
-
-    @property
-    def exitcode(self) -> int | None:
-        """None while the child runs; its exit code once it has ended (0: stopped as asked)."""
-        return self._process.exitcode
-
-    def counters(self) -> dict[str, int]:
-        """``{"repartitioned": events re-keyed, "dead_lettered": records sent to the dead-letter topic}``."""
-        return {name: value.value for name, value in self._values.items()}
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Ask the child to stop after the batch in hand (flushed and committed) and wait; kill it after
-        ``timeout_s`` (its batch is then read again by the next repartition process: at least once)."""
-        self._stop.set()
-        if self._process.pid is None:
-            return
-        self._process.join(timeout_s)
-        if self._process.is_alive():
-            log.warning("repartition stage did not stop within %.0f s; terminating it", timeout_s)
-            self._process.kill()
-            self._process.join(5)
-
-
-def _run_child(bootstrap_servers: str, topics: TopicNames, partitions: int, batch_size: int, within_s: float,
-               linger_s: float, agent_progress, stop, values: dict, parent_pid: int, log_level: str, log_format: str,
-               schema_registry_url: str, aggregation: dict) -> None:
-    """The child process of :class:`RepartitionProcess`: run the loop until asked to stop."""
-    configure_logging(log_level, log_format)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-
-    def watch_parent() -> None:
-        while not stop.wait(1.0):
-            if os.getppid() != parent_pid:
-                log.warning("the worker (pid %d) is gone; stopping the repartition stage", parent_pid)
-                stop.set()
-
-    threading.Thread(target=watch_parent, name="kvstream-parent-watch", daemon=True).start()
-    repartitioner = Repartitioner(bootstrap_servers, topics, partitions, _SharedCounters(values),
-                                  batch_size=batch_size, within_s=within_s, linger_s=linger_s, stop_event=stop,
-                                  schema_registry_url=schema_registry_url, agent_progress=agent_progress,
-                                  aggregation=aggregation)
-    try:
-        repartitioner.run()
-    except BaseException:  # noqa: BLE001 - the worker learns it from the exit code
-        log.exception("the repartition stage stopped")
-        raise SystemExit(1)
-
-
-class RepartitionService(mode.Service):
-    """Runs the repartition process (:class:`RepartitionProcess`) for the worker's lifetime.
-
-    If the process dies (e.g. the broker refuses its outputs), the worker crashes, so that a supervisor
-    restarts it and the unacknowledged batch is read again.
-
-    Args:
-        app: the Faust app (its ``crash`` is called when the process exits).
-        bootstrap_servers, topics, partitions, batch_size, within_s, linger_s, aggregation: as :class:`Repartitioner`.
-    """
-
-    def __init__(self, app, bootstrap_servers: str, topics: TopicNames, partitions: int, *, batch_size: int,
-                 within_s: float, linger_s: float = 0.02, log_format: str = "text", schema_registry_url: str = "",
-                 aggregation: dict | None = None, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.app = app
-        self._arguments = (bootstrap_servers, topics, partitions, batch_size, within_s, linger_s, log_format,
-                           schema_registry_url, aggregation)
-        #: What the worker's agent has finished, for the process (:class:`stream_apps.agent_progress.AgentProgress`).
-        self.agent_progress = new_agent_progress(partitions)
-        self.process: RepartitionProcess | None = None
-        self._spawned = False
-
-    async def on_start(self) -> None:
-        # built here, not in __init__: the process takes the log level Faust has configured by now
-        (bootstrap_servers, topics, partitions, batch_size, within_s, linger_s, log_format, registry_url,
-         aggregation) = self._arguments
-        self.process = RepartitionProcess(bootstrap_servers, topics, partitions, batch_size=batch_size,
-                                          within_s=within_s, linger_s=linger_s, log_format=log_format,
-                                          agent_progress=self.agent_progress,
-                                          schema_registry_url=registry_url, aggregation=aggregation)
-        self.process.start()
-        self._spawned = True
-
-    @mode.Service.task
-    async def _watch(self) -> None:
-        while not self.should_stop:
-            await self.sleep(1.0)
-            code = self.process.exitcode if self._spawned else None
-            if code is not None and not self.should_stop:
-                await self.app.crash(RuntimeError(f"the repartition process exited with code {code} "
-                                                  "(its log is above)"))
-                return
-
-    @property
-    def alive(self) -> bool:
-        """True while the process runs."""
-        return self._spawned and self.process.exitcode is None
-
-    def counters(self) -> dict[str, int]:
-        """The process's counters (``repartitioned``, ``dead_lettered``); zeros before it started."""
-        return self.process.counters() if self._spawned else {"repartitioned": 0, "dead_lettered": 0}
-
-    async def on_stop(self) -> None:
-        if self._spawned:
-            await asyncio.get_running_loop().run_in_executor(None, self.process.stop)
