@@ -128,8 +128,18 @@ def create_app(settings: WorkerSettings) -> StreamApp:
     """Build the Faust app of one worker: tables, agent, output producer, checkpoint, views, repartition
     process. Nothing is started; ``StreamApp.app.main()`` runs it."""
     consumer_fixes.install()
+    app = _faust_app(settings)
+    stream_app, agent_progress = _write_path(app, settings)
+    _read_path(stream_app)
+    _checkpoint_hooks(stream_app, agent_progress)
+    tune_gc()
+    warn_on_long_gc_pauses()
+    return stream_app
+
+
+def _faust_app(settings: WorkerSettings) -> faust.App:
     topics = settings.topics
-    app = faust.App(
+    return faust.App(
         topics.scoped_app_id,  # the consumer group, and the prefix of Faust's changelog topics
         broker=[f"kafka://{server}" for server in settings.bootstrap_servers.split(",")],
         store=STORE_SCHEMES[settings.store],
@@ -146,6 +156,12 @@ def create_app(settings: WorkerSettings) -> StreamApp:
         table_standby_replicas=settings.standby_replicas,
         consumer_max_fetch_size=AGENT_FETCH_BYTES,
     )
+
+
+def _write_path(app: faust.App, settings: WorkerSettings) -> tuple[StreamApp, AgentProgress]:
+    """The tables, the output producer, the checkpoint, the agent and the repartition process: the worker's write
+    path."""
+    topics = settings.topics
     tables = define_tables(app, settings)
     outputs = OutputTopics(settings.bootstrap_servers, topics, settings.schema_registry_url,
                            residency_changes=settings.residency_changes)
@@ -170,7 +186,15 @@ def create_app(settings: WorkerSettings) -> StreamApp:
     app.sensors.add(agent_progress)
     readiness = Readiness(app, lambda: repartition.alive)
     metrics = WorkerMetrics(settings, materializer, checkpoint, repartition, readiness, lambda: app.in_recovery)
-    stream_app = StreamApp(settings, app, tables, outputs, checkpoint, materializer, repartition, readiness, metrics)
+    return StreamApp(settings, app, tables, outputs, checkpoint, materializer, repartition, readiness,
+                     metrics), agent_progress
+
+
+def _read_path(stream_app: StreamApp) -> None:
+    """The fleet index, the sources' leases and their expiry, the registrations, and the views: the worker's read
+    path."""
+    settings, app, tables, outputs = stream_app.settings, stream_app.app, stream_app.tables, stream_app.outputs
+    topics = settings.topics
     # The fleet index: every worker reads the whole residency changelog into its own compact index, which the
     # prefix matches and the router APIs answer from (stream_apps/index/).
     index = FleetIndex(settings.weights)
@@ -179,7 +203,7 @@ def create_app(settings: WorkerSettings) -> StreamApp:
     # Sources' leases from the global sources table: a worker writes a source's row whenever it applies one of
     # its events or heartbeats, and the store keeps when (stream_apps/index/liveness.py).
     sources_store = tables.sources.data
-    index.leases = metrics.leases = leases = SourceLeases(settings.source_lease_s, refresh=lambda leases: (
+    index.leases = stream_app.metrics.leases = leases = SourceLeases(settings.source_lease_s, refresh=lambda leases: (
         leases_from_sources_table(leases, tables.sources.items(), getattr(sources_store, "written_at", {}))))
     kv_event_codec = AvroCodec("kv_event")
 
@@ -194,8 +218,9 @@ def create_app(settings: WorkerSettings) -> StreamApp:
     registrations = RegistrationsFeed(settings.bootstrap_servers, topics.instances, index.apply_registration,
                                       reader_codec("instance_registration", settings.bootstrap_servers,
                                                    settings.schema_registry_url, topics.schemas))
-    register_views(app, tables, materializer, index, index_feed.not_ready, stream_app.counters, readiness, metrics,
-                   unregister, RegistrationWriter(settings.bootstrap_servers, topics.instances))
+    register_views(app, tables, stream_app.materializer, index, index_feed.not_ready, stream_app.counters,
+                   stream_app.readiness, stream_app.metrics, unregister,
+                   RegistrationWriter(settings.bootstrap_servers, topics.instances))
     expired: set[tuple[str, int]] = set()
 
     @app.timer(LEASE_CHECK_EVERY_S)
@@ -222,13 +247,18 @@ def create_app(settings: WorkerSettings) -> StreamApp:
         except KafkaException as exc:
             log.warning("reading %s: %s; retrying", topics.instances, exc)
 
-    store = tables.residency_store
+
+def _checkpoint_hooks(stream_app: StreamApp, agent_progress: AgentProgress) -> None:
+    """The checkpoint's timers (delivery reports, changelogs) and the rebalance hooks."""
+    app, checkpoint, outputs = stream_app.app, stream_app.checkpoint, stream_app.outputs
+    store = stream_app.tables.residency_store
+    by_ownership = stream_app.settings.topics.by_ownership
 
     @app.timer(DELIVERY_REPORTS_EVERY_S)
     async def _serve_delivery_reports() -> None:
         outputs.serve_delivery_reports()
 
-    @app.timer(settings.changelog_interval_s)
+    @app.timer(stream_app.settings.changelog_interval_s)
     async def _produce_changelogs() -> None:
         try:
             checkpoint.produce_changelogs()
@@ -244,10 +274,6 @@ def create_app(settings: WorkerSettings) -> StreamApp:
     @app.on_partitions_assigned.connect
     async def _on_assigned(app, assigned, **kwargs) -> None:
         store.forget_cache()
-        agent_progress.assigned({tp.partition for tp in assigned if tp.topic == topics.by_ownership})
-        readiness.assigned = True
-        metrics.rebalances += 1
-
-    tune_gc()
-    warn_on_long_gc_pauses()
-    return stream_app
+        agent_progress.assigned({tp.partition for tp in assigned if tp.topic == by_ownership})
+        stream_app.readiness.assigned = True
+        stream_app.metrics.rebalances += 1
