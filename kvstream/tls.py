@@ -128,68 +128,85 @@ def generate_tls_material(directory: Path, *, hosts: tuple[str, ...] = ("localho
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    from cryptography.x509.oid import ExtendedKeyUsageOID
 
     material = _paths(directory)
     material.ca_certificate.parent.mkdir(parents=True, exist_ok=True)
     not_before = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(hours=1)
-    not_after = not_before + datetime.timedelta(days=valid_days, hours=1)
-
-    def name(common_name: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "kvstream (throwaway)"),
-                          x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-
-    def build(subject: x509.Name, key, issuer: x509.Name, issuer_key, *, ca: bool):
-        builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer)
-                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                   .not_valid_before(not_before).not_valid_after(not_after)
-                   .add_extension(x509.BasicConstraints(ca=ca, path_length=0 if ca else None), critical=True)
-                   .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False,
-                                                key_encipherment=False, data_encipherment=False,
-                                                key_agreement=False, key_cert_sign=ca, crl_sign=ca,
-                                                encipher_only=False, decipher_only=False), critical=True)
-                   .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-                   .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()),
-                                  critical=False))
-        return builder
+    validity = (not_before, not_before + datetime.timedelta(days=valid_days, hours=1))
 
     ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_cert = build(name("kvstream throwaway CA"), ca_key, name("kvstream throwaway CA"), ca_key,
-                    ca=True).sign(ca_key, hashes.SHA256())
-
-    san: list[x509.GeneralName] = []
-    for host in hosts:
-        try:
-            san.append(x509.IPAddress(ipaddress.ip_address(host)))
-        except ValueError:
-            san.append(x509.DNSName(host))
+    ca_name = _subject("kvstream throwaway CA")
+    ca_cert = _certificate(ca_name, ca_key, ca_name, ca_key, validity, ca=True).sign(ca_key, hashes.SHA256())
     broker_key = ec.generate_private_key(ec.SECP256R1())
-    broker_cert = (build(name(hosts[0]), broker_key, ca_cert.subject, ca_key, ca=False)
-                   .add_extension(x509.SubjectAlternativeName(san), critical=False)
+    broker_cert = (_certificate(_subject(hosts[0]), broker_key, ca_cert.subject, ca_key, validity, ca=False)
+                   .add_extension(x509.SubjectAlternativeName(_alternative_names(hosts)), critical=False)
                    .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
                                                          ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
                    .sign(ca_key, hashes.SHA256()))
-
     client_key = ec.generate_private_key(ec.SECP256R1())
-    client_cert = (build(name("kvstream-client"), client_key, ca_cert.subject, ca_key, ca=False)
+    client_cert = (_certificate(_subject("kvstream-client"), client_key, ca_cert.subject, ca_key, validity, ca=False)
                    .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
                    .sign(ca_key, hashes.SHA256()))
     password = secrets.token_urlsafe(24)
 
-    def private(path: Path, data: bytes) -> None:
-        path.unlink(missing_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-
     pkcs8 = serialization.PrivateFormat.PKCS8
     pem = serialization.Encoding.PEM
-    private(material.ca_key, ca_key.private_bytes(pem, pkcs8, serialization.NoEncryption()))
-    private(material.broker_key, broker_key.private_bytes(pem, pkcs8, serialization.NoEncryption()))
-    private(material.client_key, client_key.private_bytes(
+    _write_private(material.ca_key, ca_key.private_bytes(pem, pkcs8, serialization.NoEncryption()))
+    _write_private(material.broker_key, broker_key.private_bytes(pem, pkcs8, serialization.NoEncryption()))
+    _write_private(material.client_key, client_key.private_bytes(
         pem, pkcs8, serialization.BestAvailableEncryption(password.encode())))
-    private(material.client_key_password_file, (password + "\n").encode())
+    _write_private(material.client_key_password_file, (password + "\n").encode())
     material.ca_certificate.write_bytes(ca_cert.public_bytes(pem))
     material.broker_certificate.write_bytes(broker_cert.public_bytes(pem))
     material.client_certificate.write_bytes(client_cert.public_bytes(pem))
     return material
+
+
+def _subject(common_name: str):
+    """The X.509 name of a throwaway certificate: the kvstream organization and ``common_name``."""
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "kvstream (throwaway)"),
+                      x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def _certificate(subject, key, issuer, issuer_key, validity: tuple, *, ca: bool):
+    """A certificate builder of ``subject`` (public key of ``key``) signed by ``issuer``: basic constraints, key
+    usage (signing; certificate and CRL signing for a CA) and key identifiers; ``validity`` is (from, to)."""
+    from cryptography import x509
+
+    not_before, not_after = validity
+    return (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(not_before).not_valid_after(not_after)
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=0 if ca else None), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False,
+                                         key_encipherment=False, data_encipherment=False,
+                                         key_agreement=False, key_cert_sign=ca, crl_sign=ca,
+                                         encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()),
+                           critical=False))
+
+
+def _alternative_names(hosts: tuple[str, ...]) -> list:
+    """The broker certificate's SAN entries: an IP entry for an address, a DNS entry for a name."""
+    from cryptography import x509
+
+    names: list = []
+    for host in hosts:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            names.append(x509.DNSName(host))
+    return names
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Write a key or password readable by its owner only (created 0600, never first world-readable)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
