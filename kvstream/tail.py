@@ -226,22 +226,7 @@ def tail(bootstrap_servers: str, topic: str, *, from_beginning: bool, max_messag
     binary = getattr(out, "buffer", None)
     printed = 0
     try:
-        try:
-            metadata = consumer.list_topics(topic, timeout=CONNECT_TIMEOUT_S)
-        except KafkaException as exc:
-            raise unreachable(consumer, bootstrap_servers, exc, CONNECT_TIMEOUT_S) from None
-        if topic not in metadata.topics or metadata.topics[topic].error:
-            raise RuntimeError(f"topic {topic} does not exist on {bootstrap_servers}")
-        partitions = sorted(metadata.topics[topic].partitions)
-        ends: dict[int, int] = {}
-        if to_end:
-            for p in partitions:
-                low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
-                if high > low:
-                    ends[p] = high
-            partitions = sorted(ends)
-        start = OFFSET_BEGINNING if from_beginning else OFFSET_END
-        consumer.assign([TopicPartition(topic, p, start) for p in partitions])
+        _, ends = _assign(consumer, bootstrap_servers, topic, from_beginning, to_end)
         last_message = time.monotonic()
         message_of = decoder.message
         while (max_messages is None or printed < max_messages) and (ends or not to_end):
@@ -279,6 +264,33 @@ def tail(bootstrap_servers: str, topic: str, *, from_beginning: bool, max_messag
         return printed
     finally:
         consumer.close()
+
+
+def _assign(consumer: Consumer, bootstrap_servers: str, topic: str, from_beginning: bool,
+            to_end: bool) -> tuple[list[int], dict[int, int]]:
+    """Assign ``topic``'s partitions to ``consumer`` from their start or end; returns the partitions and, with
+    ``to_end``, each non-empty partition's end offset as it is now (the partitions to read up to it).
+
+    Raises:
+        RuntimeError: the topic does not exist or the broker did not answer.
+    """
+    try:
+        metadata = consumer.list_topics(topic, timeout=CONNECT_TIMEOUT_S)
+    except KafkaException as exc:
+        raise unreachable(consumer, bootstrap_servers, exc, CONNECT_TIMEOUT_S) from None
+    if topic not in metadata.topics or metadata.topics[topic].error:
+        raise RuntimeError(f"topic {topic} does not exist on {bootstrap_servers}")
+    partitions = sorted(metadata.topics[topic].partitions)
+    ends: dict[int, int] = {}
+    if to_end:
+        for p in partitions:
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+            if high > low:
+                ends[p] = high
+        partitions = sorted(ends)
+    start = OFFSET_BEGINNING if from_beginning else OFFSET_END
+    consumer.assign([TopicPartition(topic, p, start) for p in partitions])
+    return partitions, ends
 
 
 def reader_codecs(bootstrap_servers: str, schema_registry_url: str, schemas_topic: str) -> dict[str, AvroCodec]:
