@@ -138,6 +138,11 @@ class CommitSensor(faust.Sensor):
     only after the agent has finished it, and so has produced all its outputs. One checkpoint per commit
     (every ``broker_commit_interval``), not per message: each flush waits a broker round trip.
 
+    This sensor is the only hook Faust gives before it picks the offsets to commit, and its API promises no order:
+    the order is Faust's ``Consumer.force_commit`` as of the pinned version (the sensor first, then the pending
+    acknowledgements). tests/unit/test_commit_sensor.py runs that method of the installed Faust and fails if an
+    upgrade reads the acknowledgements before it calls the sensor.
+
     Args:
         checkpoint: the worker's checkpoint.
         crash: called with the error when a checkpoint fails (the worker must stop; a restart reads the
