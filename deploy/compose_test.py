@@ -2,9 +2,11 @@
 
 Steps: build the project's image with ``docker compose build``; ``docker compose up`` the broker, the registry
 and 3 workers while the simulator (``docker compose run simulate``) replays a slice of the Mooncake trace and
-writes its ground truth; wait for every worker's ``/ready`` (printing each one's time to ready); check every
-worker's ``/occupancy/`` and a sample of ``/residency/{hash}/`` lookups against the ground truth; scale to 2
-workers; wait until both survivors have rebalanced and are ready; check again; ``docker compose down -v``.
+writes its ground truth; wait for every worker's ``/ready`` (printing each one's time to ready); check that every
+worker runs the compiled hot path (``kvstream_hotpath_info{implementation="compiled"}`` on ``/metrics``: the image
+must not have fallen back to pure Python); check every worker's ``/occupancy/`` and a sample of
+``/residency/{hash}/`` lookups against the ground truth; scale to 2 workers; wait until both survivors have
+rebalanced and are ready; check again; ``docker compose down -v``.
 
 It installs nothing. Without Docker, a running engine, or Compose v2, it says what is missing, prints a
 SKIPPED line and exits 0. Exit code 1 if any check fails. Standard library only, so it runs on any Python 3.8+.
@@ -135,6 +137,35 @@ def rebalances(url: str) -> float | None:
         return None
     match = re.search(r"^kvstream_rebalances_total\s+([0-9.e+]+)$", text, re.MULTILINE)
     return float(match.group(1)) if match else None
+
+
+def hotpath_implementation(url: str) -> str | None:
+    """The ``implementation`` label of the worker's ``kvstream_hotpath_info`` on ``/metrics`` ("compiled",
+    "python" or "partial"); "" if the metric is missing; None if the worker does not answer."""
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    match = re.search(r'^kvstream_hotpath_info\{[^}]*implementation="([^"]*)"[^}]*\}\s+1(\.0)?$', text, re.MULTILINE)
+    return match.group(1) if match else ""
+
+
+def check_hotpath(checks: Checks, urls: dict[int, str]) -> None:
+    """Check that every worker runs the compiled hot path, as the image is built to (Dockerfile)."""
+    for index, url in sorted(urls.items()):
+        implementation = hotpath_implementation(url)
+        if implementation == "compiled":
+            detail = 'kvstream_hotpath_info{implementation="compiled"}'
+        elif implementation is None:
+            detail = "/metrics did not answer"
+        elif not implementation:
+            detail = "no kvstream_hotpath_info on /metrics (an image built from older sources?)"
+        else:
+            detail = (f'kvstream_hotpath_info{{implementation="{implementation}"}}: the image runs pure Python '
+                      "for some or all of the hot path; its log says which (\"hot path: ...\"); build.log shows "
+                      "whether the compiled modules were built")
+        checks.record(f"worker {index} runs the compiled hot path", implementation == "compiled", detail)
 
 
 def wait_ready(compose: Compose, replicas: int, since: float, timeout_s: float,
@@ -307,6 +338,7 @@ def run(args: argparse.Namespace) -> int:
         urls = wait_ready(compose, args.workers, up_at, args.timeout)
         say("workers: " + ", ".join(compose.worker_names()))
         volumes |= compose.worker_volumes()
+        check_hotpath(checks, urls)
         try:
             code = simulate.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:

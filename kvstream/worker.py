@@ -7,6 +7,7 @@ while the consumer group forms is left out of the first assignment.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -18,18 +19,22 @@ from confluent_kafka.admin import AdminClient
 
 from kafka_io.admin import GroupProgress, ensure_topics
 from kafka_io.config import client_config
-from kafka_io.logs import logging_config
+from kafka_io.logs import configure_logging, logging_config
 from kvstream.broker import port_in_use
 from kvstream.options import settings_to_argv
 from schemas.topics import TopicNames
 from stream_apps.fleet import input_progress
+from stream_apps.hotpath import log_hotpath
 from stream_apps.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
 
 
 def run_worker(settings: WorkerSettings) -> int:
     """Run one worker in this process until it is stopped (SIGTERM/SIGINT); returns the exit code.
 
-    Creates every topic the app uses first (:meth:`stream_apps.app.StreamApp.declared_topics`).
+    Creates every topic the app uses first (:meth:`stream_apps.app.StreamApp.declared_topics`), and logs which
+    implementation of the hot path runs (:func:`stream_apps.hotpath.log_hotpath`).
     """
     from stream_apps.app import create_app
 
@@ -37,6 +42,10 @@ def run_worker(settings: WorkerSettings) -> int:
         raise RuntimeError(f"port {settings.web_port} on {settings.web_bind} is in use by another program "
                            "(another worker?); choose --web-port")
     settings.data_dir.mkdir(parents=True, exist_ok=True)
+    # Faust's worker configures logging only once it runs, which is after the topics are created and the app is
+    # built; the same configuration now puts the hot path first in the log, formatted as the rest.
+    configure_logging(settings.log_level, settings.log_format)
+    log_hotpath(log)
     stream_app = create_app(settings)
     topics = stream_app.declared_topics()
     ensure_topics(settings.bootstrap_servers, {name: p for name, (p, _) in topics.items()},

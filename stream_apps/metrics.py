@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
 from kafka_io.admin import partition_progress
@@ -24,6 +24,7 @@ from stream_apps.applier import Materializer
 from stream_apps.checkpoint import Checkpoint
 from stream_apps.fleet import InputLagReader, occupancy_rows
 from stream_apps.health import Readiness
+from stream_apps.hotpath import Hotpath, hotpath
 from stream_apps.repartition import RepartitionService, repartition_group
 from stream_apps.settings import WorkerSettings
 
@@ -62,6 +63,8 @@ class WorkerMetrics(Collector):
         self.http_requests: Counter[tuple[str, int]] = Counter()
         #: Rebalances this worker took part in (partition assignments received).
         self.rebalances = 0
+        #: The hot path's implementation, fixed at import (:mod:`stream_apps.hotpath`).
+        self.hotpath = hotpath()
         self._lag: dict[tuple[str, str, int], int] = {}
         self._lag_at = 0.0
         #: The workers' lag behind their input, fresher than the metric's (1 s), for the fleet views' ``caught_up``.
@@ -161,6 +164,15 @@ class WorkerMetrics(Collector):
         for (view, status), count in sorted(self.http_requests.items()):
             http.add_metric([view, str(status)], count)
         yield http
+        yield hotpath_family(self.hotpath)
+
+
+def hotpath_family(current: Hotpath) -> InfoMetricFamily:
+    """``kvstream_hotpath_info{implementation="compiled"|"python"|"partial"} 1``: whether the compiled modules
+    run, so a scrape shows an image or an install that fell back to pure Python."""
+    return InfoMetricFamily("kvstream_hotpath", "The hot path's implementation: compiled (schemas._hotpath and "
+                            "stream_apps.index._table), python, or partial (only some compiled)",
+                            value={"implementation": current.implementation})
 
 
 def directory_bytes(path: Path) -> int:

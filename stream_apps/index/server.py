@@ -24,6 +24,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from kafka_io.schema_registry import reader_codec
 from schemas.topics import TopicNames
+from stream_apps.hotpath import log_hotpath
 from stream_apps.index.api import IndexAPI, Reply
 from stream_apps.index.feed import ChangelogFeed
 from stream_apps.index.fleet_index import DEFAULT_BLOCK_SIZE, FleetIndex
@@ -199,6 +200,7 @@ def run_index(settings) -> int:
 
     app.on_startup.append(start_feed)
     app.on_cleanup.append(stop_feed)
+    log_hotpath(log)
     log.info("index: serving the router APIs on http://%s:%d (reading %s)", settings.web_bind, settings.web_port,
              feed.topic)
     web.run_app(app, host=settings.web_bind, port=settings.web_port, print=None, access_log=None)
