@@ -159,14 +159,20 @@ def open_registrations_feed(index: FleetIndex, bootstrap_servers: str, topics: T
 
 
 async def _follow(*feeds) -> None:
-    """Poll the small feeds (leases, registrations) in the event loop, each read taking no wait."""
-    while True:
+    """Poll the small feeds (leases, registrations) in a thread, one after the other: a read takes no wait, but
+    looking for a topic that is not there yet may wait seconds for the broker, which must not hold up the
+    router APIs in the event loop."""
+    def poll_all() -> int:
         read = 0
         for feed in feeds:
             try:
                 read += feed.poll()
             except KafkaException as exc:
                 log.warning("index: %s; retrying", exc)
+        return read
+
+    while True:
+        read = await asyncio.to_thread(poll_all)
         await asyncio.sleep(0 if read else 0.1)
 
 
