@@ -23,14 +23,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from typing import NamedTuple
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka import Producer
 
-from kafka_io.config import client_config, producer_config
-from schemas import SOURCE_UNREGISTERED, AvroCodec, DecodeError
+from kafka_io.config import producer_config
+from schemas import SOURCE_UNREGISTERED, AvroCodec
+from stream_apps.index.compacted_feed import CompactedFeed
 
 log = logging.getLogger(__name__)
 
@@ -119,64 +119,22 @@ def leases_from_sources_table(leases: SourceLeases, sources_items, written_at: d
                         for key, status in sources_items if key in written_at})
 
 
-class SourcesFeed:
+class SourcesFeed(CompactedFeed):
     """Reads ``<app id>-sources-changelog`` into ``leases``, for an index replica (which holds no tables): every
     record's Kafka timestamp is when a worker wrote the row (the workers produce their changelogs every
     ``--changelog-interval-s``, so at most that much later)."""
 
     def __init__(self, leases: SourceLeases, bootstrap_servers: str, topic: str, codec: AvroCodec) -> None:
+        super().__init__(bootstrap_servers, topic, codec, "kvstream-index-sources")
         self.leases = leases
-        self.topic = topic
-        self._codec = codec
-        self._bootstrap_servers = bootstrap_servers
-        self._consumer: Consumer | None = None
-        self._next_look = 0.0
 
-    def _open(self) -> bool:
-        if time.monotonic() < self._next_look:
-            return False
-        self._next_look = time.monotonic() + 1.0
-        consumer = Consumer(client_config(self._bootstrap_servers, **{
-            "group.id": f"kvstream-index-sources-{uuid.uuid4().hex}", "enable.auto.commit": False,
-            "auto.offset.reset": "earliest"}))
-        try:
-            topic = consumer.list_topics(self.topic, timeout=10).topics.get(self.topic)
-        except KafkaException:
-            topic = None
-        if topic is None or topic.error is not None or not topic.partitions:
-            consumer.close()
-            return False
-        consumer.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in topic.partitions])
-        self._consumer = consumer
-        return True
+    def on_record(self, key: str, record: dict, message) -> None:
+        _, stamp = message.timestamp()
+        written = stamp / 1000 if stamp and stamp > 0 else time.time()
+        self.leases.note(key, record["instance_id"], record["data_parallel_rank"], written)
 
-    def poll(self) -> int:
-        """Read what has arrived; returns the records read."""
-        if self._consumer is None and not self._open():
-            return 0
-        messages = self._consumer.consume(500, 0)
-        for message in messages:
-            if message.error() is not None or message.key() is None:
-                continue
-            key = message.key().decode()
-            if not message.value():
-                self.leases.forget(key)
-                continue
-            try:
-                status = self._codec.decode(message.value())
-            except DecodeError as exc:
-                log.error("index: skipped sources record %s: %s", key, exc)
-                continue
-            kind, stamp = message.timestamp()
-            written = stamp / 1000 if stamp and stamp > 0 else time.time()
-            self.leases.note(key, status["instance_id"], status["data_parallel_rank"], written)
-        return len(messages)
-
-    def close(self) -> None:
-        """Close the consumer."""
-        if self._consumer is not None:
-            self._consumer.close()
-            self._consumer = None
+    def on_tombstone(self, key: str) -> None:
+        self.leases.forget(key)
 
 
 def unregister_record(instance_id: str, data_parallel_rank: int | None = None, reason: str | None = None) -> dict:

@@ -14,15 +14,15 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
 from collections.abc import Callable
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka import Producer
 
 from kafka_io.admin import ensure_topics
-from kafka_io.config import client_config, producer_config
+from kafka_io.config import producer_config
 from kafka_io.reader import messages_to_end
 from schemas import AvroCodec, DecodeError
+from stream_apps.index.compacted_feed import CompactedFeed
 from stream_apps.index.fleet_index import DEFAULT_TENANT, SourceInfo
 
 log = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ class RegistrationWriter:
             self._producer = None
 
 
-class RegistrationsFeed:
+class RegistrationsFeed(CompactedFeed):
     """Reads ``kv-instances`` from the beginning (no group, no commits) and hands each registration or
     unregistration to ``apply``.
 
@@ -178,59 +178,12 @@ class RegistrationsFeed:
 
     def __init__(self, bootstrap_servers: str, topic: str, apply: Callable[[str, SourceInfo | None], None],
                  codec: AvroCodec | None = None) -> None:
-        self.topic = topic
-        self.records = 0
+        super().__init__(bootstrap_servers, topic, codec or AvroCodec("instance_registration"),
+                         "kvstream-registrations")
         self._apply = apply
-        self._codec = codec or AvroCodec("instance_registration")
-        self._bootstrap_servers = bootstrap_servers
-        self._consumer: Consumer | None = None
-        self._next_look = 0.0
 
-    def _open(self) -> bool:
-        """Assigns the topic's partitions from the beginning; False while the topic does not exist (nobody has
-        registered yet), looked for again at most once a second."""
-        if time.monotonic() < self._next_look:
-            return False
-        self._next_look = time.monotonic() + 1.0
-        consumer = Consumer(client_config(self._bootstrap_servers, **{
-            "group.id": f"kvstream-registrations-{uuid.uuid4().hex}", "enable.auto.commit": False,
-            "auto.offset.reset": "earliest"}))
-        try:
-            topic = consumer.list_topics(self.topic, timeout=10).topics.get(self.topic)
-        except KafkaException:
-            topic = None
-        if topic is None or topic.error is not None or not topic.partitions:
-            consumer.close()
-            return False
-        consumer.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in topic.partitions])
-        self._consumer = consumer
-        return True
+    def on_record(self, key: str, record: dict, message) -> None:
+        self._apply(key, registration_of(record))
 
-    def poll(self, timeout_s: float = 0.0) -> int:
-        """Read and apply what has arrived (waiting up to ``timeout_s``); returns the records read. A record that
-        does not decode is skipped with an error in the log (it cannot be retried; the next registration of
-        the instance replaces it)."""
-        if self._consumer is None and not self._open():
-            return 0
-        messages = self._consumer.consume(500, timeout_s)
-        for message in messages:
-            if message.error() is not None or message.key() is None:
-                continue
-            instance = message.key().decode()
-            self.records += 1
-            if not message.value():
-                self._apply(instance, None)
-                continue
-            try:
-                info = registration_of(self._codec.decode(message.value()))
-            except (DecodeError, ValueError) as exc:
-                log.error("skipped the registration of %r in %s: %s", instance, self.topic, exc)
-                continue
-            self._apply(instance, info)
-        return len(messages)
-
-    def close(self) -> None:
-        """Close the consumer."""
-        if self._consumer is not None:
-            self._consumer.close()
-            self._consumer = None
+    def on_tombstone(self, key: str) -> None:
+        self._apply(key, None)
