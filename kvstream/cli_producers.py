@@ -124,12 +124,9 @@ def _bridge_endpoints(settings):
         raise ValueError("give one --replay-endpoint per --endpoint, in the same order (or none)")
     if len(instances) != len(endpoints):
         raise ValueError("give one --instance-id per --endpoint, in the same order")
-    modes = list(getattr(settings, "report_mode", None) or ["default"])  # capture has none: it records events
-    if len(modes) == 1:
-        modes *= len(endpoints)
-    if len(modes) != len(endpoints):
-        raise ValueError("give one --report-mode for every --endpoint, or one per --endpoint in the same order")
-    modes = [None if mode == "default" else mode for mode in modes]  # kv_event v5: null is the engine's default
+    # capture has no report mode: it records events; kv_event v5's null is the engine's default
+    modes = [None if mode == "default" else mode
+             for mode in _per_endpoint(getattr(settings, "report_mode", []), endpoints, "--report-mode")]
     if settings.data_parallel_size > 1:
         if len(endpoints) != 1:
             raise ValueError("--data-parallel-size follows the ranks of one engine: give a single --endpoint")
