@@ -50,7 +50,7 @@ import threading
 import time
 from collections import OrderedDict, defaultdict
 from itertools import islice
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import faust.stores.memory
 import faust.stores.rocksdb
@@ -59,6 +59,7 @@ from faust.types import TP
 from schemas import AvroCodec
 from schemas.avro_writers import ResidencyWriter
 from stream_apps import changelog_recovery
+from stream_apps.delivery_reports import DeliveryReports
 from stream_apps.residency import key_partition
 from stream_apps.store_settings import ResidencyRocksDBOptions
 
@@ -110,8 +111,9 @@ class _BoundStore:
         """The changelog record's value bytes of a buffered value (these stores buffer the bytes)."""
         return value
 
-    #: Delivery callback of this store's changelog records (None: the output producer's own).
-    _changelog_delivery: Callable | None = None
+    #: Partition -> delivery callback of this store's changelog records to it (None: the output producer's own
+    #: for every partition).
+    _changelog_delivery: Mapping[int, Callable] | None = None
 
     def produce_changelog(self) -> int:
         """Produce one changelog record per key written since the last call, with its latest value, to the
@@ -132,7 +134,8 @@ class _BoundStore:
         produced = 0
         try:
             for (partition, key), value in unproduced.items():
-                produce(changelog, key.encode(), value_bytes(value), partition, delivery)
+                produce(changelog, key.encode(), value_bytes(value), partition,
+                        None if delivery is None else delivery[partition])
                 produced += 1
         except BaseException:
             left = dict(islice(unproduced.items(), produced, None))
@@ -330,8 +333,9 @@ class RocksDBTableStore(_EntryCache, _BoundStore, faust.stores.rocksdb.Store):
         super().__init__(*args, **kwargs)
         # Faust's options class ignores the memtable filter of the table's options (store_settings)
         self.rocksdb_options = ResidencyRocksDBOptions(**self.options, use_rocksdict=self.use_rocksdict)
-        #: Highest changelog offset acknowledged per partition since the last :meth:`persist`.
-        self._acked: dict[int, int] = {}
+        #: Partition -> this partition's changelog delivery reports since the last :meth:`persist`
+        #: (:class:`DeliveryReports`).
+        self._reports = DeliveryReports()
         #: Key -> decoded entry (None: known absent), least recently used first. An OrderedDict: evicting
         #: a plain dict's oldest key scans the slots its earlier deletions left at the front, while
         #: ``popitem(last=False)`` is O(1).
@@ -339,7 +343,7 @@ class RocksDBTableStore(_EntryCache, _BoundStore, faust.stores.rocksdb.Store):
         #: Partition -> key -> (entry or None, Avro bytes or None): written, not yet acknowledged nor on disk.
         self._pending: dict[int, dict[str, tuple[dict | None, bytes | None]]] = defaultdict(dict)
         # each acknowledged changelog record moves its partition's persisted offset
-        self._changelog_delivery = self._on_delivery
+        self._changelog_delivery = self._reports
         #: Changelog records copied into the databases at rebalances, and the seconds it took (for the metrics).
         self.recovered_records = 0
         self.recovered_seconds = 0.0
@@ -382,13 +386,6 @@ class RocksDBTableStore(_EntryCache, _BoundStore, faust.stores.rocksdb.Store):
         self._remember(key, entry)
         self._unproduced[(partition, key)] = value
 
-    def _on_delivery(self, error, message) -> None:
-        if error is None:
-            partition = message.partition()
-            self._acked[partition] = max(self._acked.get(partition, -1), message.offset())
-        else:
-            self.outputs.on_delivery(error, message)
-
     def persist(self) -> None:
         """Write the pending entries and the changelog offset they reach, atomically per partition.
 
@@ -396,13 +393,20 @@ class RocksDBTableStore(_EntryCache, _BoundStore, faust.stores.rocksdb.Store):
         (:class:`stream_apps.checkpoint.Checkpoint`).
 
         Raises:
-            RuntimeError: changelog records are still buffered (the disk would run ahead of the changelog).
+            RuntimeError: changelog records are still buffered (the disk would run ahead of the changelog), or
+                the broker refused one (then nothing is written, and every later persist refuses too: the
+                worker must stop).
         """
         from rocksdict import WriteBatch
 
         if self._unproduced:
             raise RuntimeError(f"{self.changelog}: persist() with {len(self._unproduced)} changelog records not "
                                "produced")
+        refused = self._reports.refused()
+        if refused:
+            raise RuntimeError(f"{self.changelog}: {len(refused)} changelog records refused by the broker, first: "
+                               f"{refused[0]}")
+        acked = self._reports.take_offsets()
 
         for partition, entries in self._pending.items():
             if not entries:
@@ -413,11 +417,10 @@ class RocksDBTableStore(_EntryCache, _BoundStore, faust.stores.rocksdb.Store):
                     batch.delete(key.encode())
                 else:
                     batch.put(key.encode(), value)
-            if partition in self._acked:
-                batch.put(self.offset_key, str(self._acked[partition]).encode())
+            if partition in acked:
+                batch.put(self.offset_key, str(acked.pop(partition)).encode())
             self._db_for_partition(partition).write(batch)
             entries.clear()
-        self._acked.clear()
 
     def partition_keys(self, partition: int) -> list[str]:
         """Keys of ``partition``: on disk and pending (a scan, for rare source-wide events)."""

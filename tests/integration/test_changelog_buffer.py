@@ -159,3 +159,43 @@ def test_after_the_broker_refused_a_record_every_later_checkpoint_fails(kafka_bo
     # the refused record is no longer queued, so a second flush would pass: the checkpoint must not
     with pytest.raises(CheckpointError, match="earlier checkpoint failed"):
         stream_app.checkpoint.commit()
+
+
+def test_a_residency_changelog_record_the_broker_refused_fails_the_checkpoint_and_nothing_is_persisted(
+        kafka_bootstrap, tmp_path):
+    # the RocksDB store gathers its changelog's delivery reports itself (stream_apps/delivery_reports.py), not
+    # through the output producer's callback: a refusal must still stop every checkpoint
+    app_id = f"changelog-buffer-{next(_app_ids)}"
+    changelog = f"{app_id}-residency-changelog"
+    ensure_topics(kafka_bootstrap, {changelog: 4},
+                  configs={changelog: {"cleanup.policy": "compact", "max.message.bytes": "300"}})
+    stream_app = _app(kafka_bootstrap, tmp_path, "rocksdb://", app_id)
+    residency = stream_app.tables.residency_store
+    small, big = _entry(5, "GPU"), _entry(6, "GPU")
+    big["rows"][0]["instance_id"] = secrets.token_hex(2000)  # over the topic's limit even lz4-compressed
+    residency.write(2, "primary/05", small)
+    residency.write(2, "primary/06", big)
+
+    with pytest.raises(CheckpointError, match="refused by the broker"):
+        stream_app.checkpoint.commit()
+    db = residency._db_for_partition(2)
+    assert db.get(b"primary/05") is None and db.get(residency.offset_key) is None
+    with pytest.raises(CheckpointError, match="earlier checkpoint failed"):
+        stream_app.checkpoint.commit()
+
+
+def test_the_offset_persisted_is_the_last_acknowledged_record_of_each_partition(kafka_bootstrap, tmp_path):
+    stream_app = _app(kafka_bootstrap, tmp_path, "rocksdb://")
+    residency = stream_app.tables.residency_store
+    for partition, blocks in ((0, (7, 8, 9)), (3, (10,))):
+        for block in blocks:
+            residency.write(partition, f"primary/{block:02x}", _entry(block, "GPU"))
+    stream_app.checkpoint.commit()
+    residency.write(0, "primary/0b", _entry(11, "GPU"))  # a second checkpoint moves partition 0 only
+    stream_app.checkpoint.commit()
+
+    last = {}
+    for partition, offset, _, _ in _records(kafka_bootstrap, residency.changelog):
+        last[partition] = max(last.get(partition, -1), offset)
+    assert last == {0: 3, 3: 0}
+    assert {p: int(residency._db_for_partition(p).get(residency.offset_key)) for p in (0, 3)} == last
