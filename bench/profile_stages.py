@@ -212,6 +212,12 @@ def _bind(ns, cls, *names):
     return ns
 
 
+def _changelog_buffer(ns):
+    """Give a store stand-in the changelog buffer that ``_BoundStore.bind`` sets up in the worker."""
+    ns._unproduced, ns.changelog_records, ns._changelog_delivery = {}, 0, None
+    return ns
+
+
 def make_materializer(store_kind: str, producer, tmp: Path, timers: dict[str, Timer], instrument: bool = True):
     """A Materializer over the worker's store methods on plain objects, outputs into ``producer``."""
     from rocksdict import Rdict
@@ -221,6 +227,7 @@ def make_materializer(store_kind: str, producer, tmp: Path, timers: dict[str, Ti
     from schemas.topics import TopicNames
     from stream_apps.applier import Materializer
     from stream_apps.checkpoint import Checkpoint
+    from stream_apps.delivery_reports import DeliveryReports
     from stream_apps.outputs import OutputTopics
     from stream_apps.residency import SourceSettings
     from stream_apps.store_settings import ResidencyRocksDBOptions, residency_rocksdb_options
@@ -233,9 +240,10 @@ def make_materializer(store_kind: str, producer, tmp: Path, timers: dict[str, Ti
         outputs.change = timers["residency change: encode + produce"].wrap(outputs.change)
 
     def small(family: str, changelog: str):
-        ns = types.SimpleNamespace(data={}, _key_partition={}, outputs=outputs, changelog=changelog,
+        ns = types.SimpleNamespace(data={}, _key_partition={}, written_at={}, outputs=outputs, changelog=changelog,
                                    encode=store_module.value_encoder(AvroCodec(family)))
-        return _bind(ns, store_module.MemoryTableStore, "entry", "lookup", "write", "persist", "partition_keys")
+        return _bind(_changelog_buffer(ns), store_module.MemoryTableStore, "entry", "lookup", "write", "persist",
+                     "partition_keys", "produce_changelog", "_changelog_value")
 
     codec = AvroCodec("residency")
     encode = store_module.value_encoder(codec)
@@ -245,8 +253,8 @@ def make_materializer(store_kind: str, producer, tmp: Path, timers: dict[str, Ti
         residency = types.SimpleNamespace(data={}, _cache=OrderedDict(), cache_entries=10_000, outputs=outputs,
                                           changelog="profile-residency-changelog", encode=encode, codec=codec,
                                           table=types.SimpleNamespace(partitions=PARTITIONS))
-        _bind(residency, store_module.CompactMemoryTableStore, "entry", "lookup", "_remember", "write", "persist",
-              "partition_keys", "_partition_of")
+        _bind(_changelog_buffer(residency), store_module.CompactMemoryTableStore, "entry", "lookup", "_remember",
+              "write", "persist", "partition_keys", "_partition_of", "produce_changelog", "_changelog_value")
     else:
         options = ResidencyRocksDBOptions(**residency_rocksdb_options()).as_options()
         dbs = {}
@@ -257,11 +265,12 @@ def make_materializer(store_kind: str, producer, tmp: Path, timers: dict[str, Ti
             return dbs[partition]
 
         residency = types.SimpleNamespace(_pending=defaultdict(dict), _cache=OrderedDict(), cache_entries=100_000,
-                                          codec=codec, encode=encode, outputs=outputs, _acked={},
+                                          codec=codec, encode=encode, outputs=outputs, _reports=DeliveryReports(),
                                           changelog="profile-residency-changelog", offset_key=b"__faust\0offset__",
                                           _db_for_partition=db_for_partition, _dbs=dbs)
-        _bind(residency, store_module.RocksDBTableStore, "entry", "lookup", "_remember", "write", "_on_delivery",
-              "persist", "partition_keys")
+        _bind(_changelog_buffer(residency), store_module.RocksDBTableStore, "entry", "lookup", "_remember", "write",
+              "persist", "partition_keys", "produce_changelog", "_changelog_value")
+        residency._changelog_delivery = residency._reports
         residency.close_all = lambda: [db.close() for db in dbs.values()]
     residency.window_keys = set()
     residency.merged_writes = 0
