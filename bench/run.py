@@ -79,6 +79,12 @@ DEFINITIONS: dict[str, dict] = {
         "baseline": "stream_events_per_s_1w",
         "definition": "As stream_events_per_s_1w with two workers of one app id (separate web ports and data "
                       "dirs), from the first materialized event on either worker to everything committed."},
+    "stream_2w_vs_1w": {
+        "unit": "ratio", "target": None, "better": "higher", "baseline": None,
+        "definition": "stream_events_per_s_2w / stream_events_per_s_1w, reported with the CPU µs per event of "
+                      "each process of both runs (details.cpu_us_per_event_by_process_1w, _2w): on a 2-core "
+                      "machine two workers and their repartition children share the cores with the broker, so "
+                      "the ratio says how much of the machine one worker left idle, not how the app scales."},
     "latency_p50_ms": {
         "unit": "ms", "target": None, "better": "lower", "baseline": None,
         "definition": "Event-to-table delay while kv-events receives a steady 10,000 block events/s (fresh "
@@ -88,8 +94,8 @@ DEFINITIONS: dict[str, dict] = {
                       "the producer's linger and the worker's batching. details: p99 per 5 s, and the two "
                       "halves' [p50, p99] split at the repartition topic."},
     "latency_p99_ms": {
-        "unit": "ms", "target": 100, "better": "lower", "baseline": None,
-        "definition": "99th percentile of the delays of latency_p50_ms."},
+        "unit": "ms", "target": 50, "better": "lower", "baseline": None,
+        "definition": "99th percentile of the delays of latency_p50_ms. Issue 27's target; its moonshot is 20."},
     "bytes_per_row_memory": {
         "unit": "bytes/row", "target": 300, "better": "lower", "baseline": None,
         "definition": "tracemalloc's traced memory of what the memory:// store holds, divided by rows: a dict "
@@ -131,12 +137,21 @@ DEFINITIONS: dict[str, dict] = {
                       "stream steps): events divided by the time from its first event processed to its group "
                       "having committed the end of the topic. Median of --peer-rounds runs."},
     "stream_vs_kafka_streams_rocksdb": {
-        "unit": "ratio", "target": 0.6, "better": "higher", "baseline": None,
+        "unit": "ratio", "target": 1.0, "better": "higher", "baseline": None,
         "definition": "Step peers: one kvstream worker with rocksdb:// over the same topic, same definition of the "
-                      "rate, divided by kafka_streams_events_per_s (medians of the same rounds, interleaved)."},
+                      "rate, divided by kafka_streams_events_per_s (medians of the same rounds, interleaved). "
+                      "Issue 27's target; its moonshot is 1.3."},
     "stream_vs_kafka_streams_memory": {
-        "unit": "ratio", "target": None, "better": "higher", "baseline": None,
-        "definition": "As stream_vs_kafka_streams_rocksdb with memory://."},
+        "unit": "ratio", "target": 1.2, "better": "higher", "baseline": None,
+        "definition": "As stream_vs_kafka_streams_rocksdb with memory://. Issue 27's target; its moonshot is 1.5."},
+    "cpu_vs_kafka_streams_rocksdb": {
+        "unit": "ratio", "target": 1.0, "better": "lower", "baseline": None,
+        "definition": "Step peers: cpu_us_per_event_stream_rocksdb / cpu_us_per_event_kafka_streams, every process "
+                      "of the worker (its repartition child included) against every thread of the peer's JVM; "
+                      "details.by_process has each process's share."},
+    "cpu_vs_kafka_streams_memory": {
+        "unit": "ratio", "target": 1.0, "better": "lower", "baseline": None,
+        "definition": "As cpu_vs_kafka_streams_rocksdb with memory://."},
     "cpu_us_per_event_stream_rocksdb": {
         "unit": "µs/event", "target": None, "better": "lower", "baseline": "cpu_us_per_event_kafka_streams",
         "definition": "Step peers: user + system CPU of the worker's process tree (the worker and its repartition "
@@ -813,6 +828,8 @@ class Bench:
              f"{records / seconds:,.0f} events/s")
 
     def _stream(self, workers: int, key: str, keep: bool = False, store: str = "memory://") -> _Workers | None:
+        from bench.peers import process_cpu
+
         self._stream_input()
         app_id = f"bench-{workers}w" + ("" if store == "memory://" else "-" + store.split(":")[0])
         group = self._workers(app_id, self.work, store=store, partitions=self.o.partitions,
@@ -821,9 +838,12 @@ class Bench:
         group.start(workers)
         try:
             t_first = group.wait_first_event(self.o.timeout_s)
+            labels = {pid: f"worker{n}" for n, pid in enumerate(group.pids())}
             cpu_first = _cpu_seconds(group.pids()), _cpu_seconds([self.broker_pid])
+            by_process_first = process_cpu(group.pids(), labels)
             t_done = group.wait_consumed(self._kv_events_messages, self.o.timeout_s, f"{workers} worker(s)")
             cpu_done = _cpu_seconds(group.pids()), _cpu_seconds([self.broker_pid])
+            by_process_done = process_cpu(group.pids(), labels)
         except BaseException:
             group.stop()
             raise
@@ -835,7 +855,16 @@ class Bench:
                   including_startup_events_per_s=round(events / (t_done - t_start)),
                   worker_cores=round((cpu_done[0] - cpu_first[0]) / seconds, 2),
                   broker_cores=round((cpu_done[1] - cpu_first[1]) / seconds, 2), machine_cores=os.cpu_count(),
-                  store=store)
+                  cpu_us_per_event_by_process={
+                      label: round((cpu - by_process_first.get(label, 0.0)) / events * 1e6, 2)
+                      for label, cpu in by_process_done.items() if not label.endswith("resource_tracker")},
+                  broker_cpu_us_per_event=round((cpu_done[1] - cpu_first[1]) / events * 1e6, 2), store=store)
+        one, two = (self.results["figures"][k]["value"] for k in ("stream_events_per_s_1w", "stream_events_per_s_2w"))
+        if one and two:
+            details = self.results["details"]
+            self._set("stream_2w_vs_1w", two / one, **{
+                f"cpu_us_per_event_by_process_{n}w": details.get(f"stream_events_per_s_{n}w", {}).get(
+                    "cpu_us_per_event_by_process") for n in (1, 2)})
         _say(f"      {events:,} events in {seconds:.1f}s from the first event ({t_done - t_start:.1f}s from start): "
              f"{events / seconds:,.0f} events/s")
         if keep:
@@ -1255,6 +1284,11 @@ class Bench:
         k = medians["kafka-streams"]
         self._set("cpu_us_per_event_kafka_streams", k.get("cpu_us_per_event"),
                   by_process=k.get("cpu_us_per_event_by_process"))
+        for store in ("rocksdb", "memory"):
+            m = medians[f"stream-{store}"]
+            ours, theirs = m.get("cpu_us_per_event"), k.get("cpu_us_per_event")
+            self._set(f"cpu_vs_kafka_streams_{store}", ours / theirs if ours and theirs else None,
+                      by_process=m.get("cpu_us_per_event_by_process"), kafka_streams_cpu_us_per_event=theirs)
         self._set("messages_per_event_kafka_streams", k.get("messages_per_event"))
         if errors:
             raise RuntimeError("; ".join(errors))
@@ -1448,18 +1482,27 @@ def _fmt(value) -> str:
     return f"{value:,.0f}" if abs(value) >= 100 else f"{value:,.2f}"
 
 
+def _met(value, target, better: str) -> str:
+    """``yes``/``NO`` for a figure with a numeric target, ``-`` without one or without a value."""
+    if not isinstance(target, (int, float)) or value is None:
+        return "-"
+    return "yes" if (value >= target if better == "higher" else value <= target) else "NO"
+
+
 def print_table(results: dict) -> None:
     """Print every figure with its unit, target and baseline."""
-    print(f"\n{'figure':<30} {'value':>14} {'target':>24} {'baseline':>32}  unit")
+    print(f"\n{'figure':<30} {'value':>14} {'target':>24} {'met':>4} {'baseline':>32}  unit")
     figures = results["figures"]
     for key, f in figures.items():
         base = f.get("baseline")
         base_text = f"{base}={_fmt(figures[base]['value'])}" if isinstance(base, str) else "-"
-        target = f["target"]
+        target = bound = f["target"]
         if target == "1.6 x stream_events_per_s_1w":
             one = figures["stream_events_per_s_1w"]["value"]
-            target = f"1.6x1w={_fmt(1.6 * one)}" if one else "1.6 x 1w"
-        print(f"{key:<30} {_fmt(f['value']):>14} {_fmt(target):>24} {base_text:>32}  {f['unit']}")
+            bound = 1.6 * one if one else None
+            target = f"1.6x1w={_fmt(bound)}" if one else "1.6 x 1w"
+        print(f"{key:<30} {_fmt(f['value']):>14} {_fmt(target):>24} {_met(f['value'], bound, f['better']):>4} "
+              f"{base_text:>32}  {f['unit']}")
     from bench.peers import print_peers
 
     print_peers(results.get("peers"))
