@@ -1,13 +1,31 @@
-"""The corrections of stream_apps.consumer_fixes, on mode's real flow-control objects (the driver's two are
-exercised by the rebalance runs of tests/chaos and make chaos, against a broker)."""
+"""The corrections of stream_apps.consumer_fixes, each on the real objects it corrects.
+
+The flow-control correction runs on mode's own ``FlowControlEvent`` and ``FlowControlQueue``. The driver's run on
+a started Faust ``AIOKafkaConsumerThread`` of a worker app (its own aiokafka consumer, in its own thread and
+loop) reading the session's broker: partitions are assigned, not subscribed, so no rebalance decides what the
+consumer reads, and every wait is for a state of aiokafka's fetcher, not for time (those tests are marked
+``integration``). tests/chaos and ``make chaos`` run the rebalances that found the lost rows.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import uuid
 
+import faust
+import pytest
+from aiokafka import TopicPartition
+from confluent_kafka import Producer
+from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread
 from mode.utils.queues import FlowControlEvent, FlowControlQueue
 
+from kafka_io.admin import ensure_topics
+from kafka_io.config import client_config
 from stream_apps import consumer_fixes
+
+#: Seconds any one wait for the broker or aiokafka's fetcher may take before the test fails.
+WAIT_S = 30.0
 
 
 def test_resuming_an_active_flow_keeps_the_messages_an_agent_has_not_taken_yet():
@@ -24,3 +42,134 @@ def test_resuming_an_active_flow_keeps_the_messages_an_agent_has_not_taken_yet()
         return kept, queue.qsize()
 
     assert asyncio.run(scenario()) == (1, 0)
+
+
+# -- the driver's corrections, on the session's broker ---------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def _worker_thread(bootstrap: str, partitions: int = 2):
+    """A started consumer thread of a new worker app with one table, assigned every partition of a new topic
+    (``partitions`` of them) and of the table's changelog topic (one), all read from their beginning.
+
+    Yields ``(thread, stream, changelog)``: the ``AIOKafkaConsumerThread``, the topic's partitions in order, and
+    the changelog's partition. The thread is stopped on exit.
+    """
+    consumer_fixes.install()
+    app = faust.App(f"kvstream-test-fixes-{uuid.uuid4().hex}", broker=f"kafka://{bootstrap}")
+    app.Table("residency", default=int)
+    (changelog_topic,) = app.tables.changelog_topics
+    topic = f"kvstream-test-fixes-{uuid.uuid4().hex}"
+    ensure_topics(bootstrap, {topic: partitions, changelog_topic: 1})
+    stream = [TopicPartition(topic, p) for p in range(partitions)]
+    changelog = TopicPartition(changelog_topic, 0)
+    thread = app.consumer._thread
+    await thread.start()
+    try:
+        consumer = thread._ensure_consumer()
+        # in the thread's loop: aiokafka starts its commit-refresh task in the loop that assigns
+        await thread.call_thread(consumer.assign, [*stream, changelog])
+        await thread.seek_to_beginning(*stream, changelog)
+        yield thread, stream, changelog
+    finally:
+        await thread.stop()
+
+
+def _produce(bootstrap: str, *partitions: TopicPartition) -> None:
+    """One message on each of ``partitions``, acknowledged by the broker."""
+    producer = Producer(client_config(bootstrap))
+    for tp in partitions:
+        producer.produce(tp.topic, b"a row", partition=tp.partition)
+    assert producer.flush(WAIT_S) == 0
+
+
+async def _until(condition, what: str) -> None:
+    """Wait (up to :data:`WAIT_S`) until ``condition()`` is true; fails the test with ``what`` otherwise."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WAIT_S
+    while not condition():
+        if loop.time() > deadline:
+            pytest.fail(f"{what} not within {WAIT_S} s")
+        await asyncio.sleep(0.01)
+
+
+def _buffered(thread: AIOKafkaConsumerThread, tp: TopicPartition):
+    """A condition: aiokafka's fetcher holds records of ``tp`` that no fetch has taken yet."""
+    return lambda: tp in thread._ensure_consumer()._fetcher._records
+
+
+async def _read(thread: AIOKafkaConsumerThread, tps: set[TopicPartition], count: int) -> int:
+    """Fetch (through Faust's ``getmany``) until ``count`` messages of ``tps`` came; returns how many came."""
+    loop = asyncio.get_running_loop()
+    deadline, read = loop.time() + WAIT_S, 0
+    while read < count and loop.time() < deadline:
+        batch = await thread.getmany(set(tps), timeout=1.0)
+        read += sum(len(records) for records in batch.values())
+    return read
+
+
+@pytest.mark.integration
+def test_a_fetch_while_no_partition_is_active_takes_no_message(kafka_bootstrap):
+    async def scenario():
+        async with _worker_thread(kafka_bootstrap) as (thread, (_, other), _):
+            _produce(kafka_bootstrap, other)
+            await _until(_buffered(thread, other), "aiokafka fetching the message")
+            # Faust's set of active partitions, empty a moment at the end of a recovery
+            fetched = await thread.getmany(set(), timeout=0)
+            position = await thread.position(other)
+            return fetched, position, await _read(thread, {other}, 1)
+
+    fetched, position, read_later = asyncio.run(scenario())
+    assert fetched == {}  # aiokafka reads an empty set as every partition
+    assert position == 0  # aiokafka's position did not move past the message
+    assert read_later == 1
+
+
+@pytest.mark.integration
+def test_pausing_every_active_partition_while_a_fetch_waits_does_not_open_it_to_the_others(kafka_bootstrap):
+    async def scenario():
+        async with _worker_thread(kafka_bootstrap) as (thread, (active, other), _):
+            fetcher = thread._ensure_consumer()._fetcher
+            live = {active}  # Faust hands its own set to the fetch, and changes it as it pauses and resumes
+            fetch = asyncio.create_task(thread.getmany(live, timeout=WAIT_S))
+            await _until(lambda: fetcher._fetch_waiters, "the fetch waiting for records")
+            live.clear()  # Faust's recovery pausing its partitions while the fetch waits
+            _produce(kafka_bootstrap, other)
+            await _until(lambda: _buffered(thread, other)() or fetch.done(), "aiokafka fetching the message")
+            if not fetch.done():
+                _produce(kafka_bootstrap, active)  # ends a fetch that kept its partitions, before its timeout
+            fetched = await asyncio.wait_for(fetch, WAIT_S)
+            return sorted(tp.partition for tp in fetched), await thread.position(other), await _read(thread, {other}, 1)
+
+    fetched_partitions, position, read_later = asyncio.run(scenario())
+    assert fetched_partitions == [0]  # the active one only: the fetch kept the partitions it was given
+    assert position == 0
+    assert read_later == 1
+
+
+@pytest.mark.integration
+def test_a_stream_partition_without_committed_offset_is_read_from_its_beginning_after_recovery(kafka_bootstrap):
+    async def scenario():
+        async with _worker_thread(kafka_bootstrap) as (thread, (never_committed, committed), changelog):
+            _produce(kafka_bootstrap, never_committed, committed, committed, changelog)
+            assert await _read(thread, {never_committed, committed, changelog}, 4) == 4
+            await thread.call_thread(thread._ensure_consumer().commit, {committed: 1})
+            offsets = await thread.seek_to_committed()  # what Faust does at the end of a recovery
+            return ([offsets[tp] for tp in (never_committed, committed, changelog)],
+                    [await thread.position(tp) for tp in (never_committed, committed, changelog)])
+
+    offsets, (never_committed, committed, changelog) = asyncio.run(scenario())
+    assert offsets == [None, 1, None]
+    assert never_committed == 0  # read again from its beginning; Faust drops what it has already seen
+    assert committed == 1
+    assert changelog == 1  # a changelog's position is the table recovery's to set, not this seek's
+
+
+@pytest.mark.integration
+def test_the_worker_consumer_asks_the_broker_to_wait_at_most_fetch_max_wait_ms(kafka_bootstrap):
+    async def scenario():
+        async with _worker_thread(kafka_bootstrap) as (thread, _, _):
+            # the fetcher aiokafka's start built: it puts its wait in every fetch request it sends
+            return thread._ensure_consumer()._fetcher._fetch_max_wait_ms
+
+    assert asyncio.run(scenario()) == consumer_fixes.FETCH_MAX_WAIT_MS
