@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
@@ -44,6 +45,10 @@ class ChangelogFeed:
         topic: ``<app id>-residency-changelog``.
         codec: reads the changelog's values (``kafka_io.schema_registry.reader_codec("residency", ...)``, so
             that either framing and every residency version is read).
+        consumer_factory: builds the feed's consumer from its librdkafka settings (a dict); confluent-kafka's
+            ``Consumer`` unless told otherwise. What it returns is used as that ``Consumer`` is: ``list_topics``,
+            ``get_watermark_offsets``, ``assign``, ``consume`` and ``close`` (tests give one that serves a fixed
+            list of messages, without a broker).
 
     Values are read with an :class:`~stream_apps.index.entry_reader.IndexEntryReader` over ``codec`` (only the
     rows' holders and the entry's parent and content hash, what :meth:`FleetIndex.apply_rows` takes) and applied
@@ -51,12 +56,14 @@ class ChangelogFeed:
     the codec's decoded entries.
     """
 
-    def __init__(self, index: FleetIndex, bootstrap_servers: str, topic: str, codec: AvroCodec) -> None:
+    def __init__(self, index: FleetIndex, bootstrap_servers: str, topic: str, codec: AvroCodec, *,
+                 consumer_factory: Callable[[dict], Consumer] = Consumer) -> None:
         self.index = index
         self.topic = topic
         self._codec = codec
         self._read_entry = IndexEntryReader(codec).read_index_entry
         self._bootstrap_servers = bootstrap_servers
+        self._consumer_factory = consumer_factory
         self._consumer: Consumer | None = None
         #: partition -> the offset to read up to before the index counts as caught up (end offsets at start).
         self._targets: dict[int, int] = {}
@@ -113,7 +120,7 @@ class ChangelogFeed:
         if now < self._next_topic_look:
             return False
         self._next_topic_look = now + TOPIC_RETRY_S
-        consumer = Consumer(client_config(self._bootstrap_servers, **{
+        consumer = self._consumer_factory(client_config(self._bootstrap_servers, **{
             "group.id": f"kvstream-index-{uuid.uuid4().hex}", "enable.auto.commit": False,
             "enable.auto.offset.store": False, "auto.offset.reset": "earliest",
             "fetch.wait.max.ms": 20, "queued.max.messages.kbytes": 65536}))

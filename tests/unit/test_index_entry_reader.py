@@ -8,6 +8,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from confluent_kafka import TopicPartition
+from confluent_kafka.admin import ClusterMetadata, PartitionMetadata, TopicMetadata
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -332,14 +334,31 @@ class _Message:
 
 
 class _Consumer:
-    """What ChangelogFeed.poll takes from confluent-kafka's consumer: ``consume``."""
+    """A one-partition changelog for ChangelogFeed, as confluent-kafka's consumer shows it: ``messages`` (offsets
+    0 to n-1) are all there is, served in order by ``consume``."""
 
-    def __init__(self, messages: list[_Message]) -> None:
-        self.messages = messages
+    def __init__(self, topic: str, messages: list[_Message]) -> None:
+        self.topic, self.messages, self.end = topic, messages, len(messages)
+
+    def list_topics(self, topic: str, timeout: float) -> ClusterMetadata:
+        metadata, topic_metadata = ClusterMetadata(), TopicMetadata()
+        topic_metadata.topic, topic_metadata.partitions = self.topic, {0: PartitionMetadata()}
+        metadata.topics = {self.topic: topic_metadata}
+        return metadata
+
+    def get_watermark_offsets(self, partition: TopicPartition, timeout: float | None = None,
+                              cached: bool = False) -> tuple[int, int]:
+        return 0, self.end
+
+    def assign(self, partitions: list[TopicPartition]) -> None:
+        assert [(tp.topic, tp.partition) for tp in partitions] == [(self.topic, 0)]
 
     def consume(self, count: int, timeout_s: float) -> list[_Message]:
         taken, self.messages = self.messages[:count], self.messages[count:]
         return taken
+
+    def close(self) -> None:
+        pass
 
 
 class _EntryOnly:
@@ -357,8 +376,8 @@ class _EntryOnly:
 
 
 def _feed(index, messages: list[_Message]) -> ChangelogFeed:
-    feed = ChangelogFeed(index, "unused:9092", "kvstream-residency-changelog", CODEC)
-    feed._consumer, feed._targets, feed._positions = _Consumer(messages), {0: len(messages)}, {0: 0}
+    topic = "kvstream-residency-changelog"
+    feed = ChangelogFeed(index, "unused:9092", topic, CODEC, consumer_factory=lambda config: _Consumer(topic, messages))
     while feed.poll(0):
         pass
     return feed
