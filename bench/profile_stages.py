@@ -214,8 +214,12 @@ def _bind(ns, cls, *names):
 
 def _changelog_buffer(ns):
     """Give a store stand-in the changelog buffer that ``_BoundStore.bind`` sets up in the worker."""
-    ns._unproduced, ns.changelog_records, ns._changelog_delivery = {}, 0, None
-    return ns
+    from stream_apps.delivery_reports import DeliveryReports
+    from stream_apps.store import MemoryTableStore
+
+    ns._unproduced, ns.changelog_records = {}, 0
+    ns._reports = ns._changelog_delivery = DeliveryReports()
+    return _bind(ns, MemoryTableStore, "acknowledged_offsets")
 
 
 def make_materializer(store_kind: str, producer, tmp: Path, timers: dict[str, Timer], instrument: bool = True):
@@ -227,7 +231,6 @@ def make_materializer(store_kind: str, producer, tmp: Path, timers: dict[str, Ti
     from schemas.topics import TopicNames
     from stream_apps.applier import Materializer
     from stream_apps.checkpoint import Checkpoint
-    from stream_apps.delivery_reports import DeliveryReports
     from stream_apps.outputs import OutputTopics
     from stream_apps.residency import SourceSettings
     from stream_apps.store_settings import ResidencyRocksDBOptions, residency_rocksdb_options
@@ -265,12 +268,11 @@ def make_materializer(store_kind: str, producer, tmp: Path, timers: dict[str, Ti
             return dbs[partition]
 
         residency = types.SimpleNamespace(_pending=defaultdict(dict), _cache=OrderedDict(), cache_entries=100_000,
-                                          codec=codec, encode=encode, outputs=outputs, _reports=DeliveryReports(),
+                                          codec=codec, encode=encode, outputs=outputs,
                                           changelog="profile-residency-changelog", offset_key=b"__faust\0offset__",
                                           _db_for_partition=db_for_partition, _dbs=dbs)
         _bind(_changelog_buffer(residency), store_module.RocksDBTableStore, "entry", "lookup", "_remember", "write",
               "persist", "partition_keys", "produce_changelog", "_changelog_value")
-        residency._changelog_delivery = residency._reports
         residency.close_all = lambda: [db.close() for db in dbs.values()]
     residency.window_keys = set()
     residency.merged_writes = 0

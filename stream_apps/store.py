@@ -106,13 +106,29 @@ class _BoundStore:
         self._unproduced: dict[tuple[int, str], Any] = {}
         #: Changelog records produced, in all (``kvstream_changelog_records_total``).
         self.changelog_records = 0
+        #: The delivery reports of this store's changelog records, per partition (:meth:`acknowledged_offsets`).
+        self._reports = self._changelog_delivery = DeliveryReports()
+
+    def acknowledged_offsets(self) -> dict[int, int]:
+        """Partition -> offset of the last changelog record acknowledged since the previous call (what a
+        checkpoint persists).
+
+        Raises:
+            RuntimeError: the broker refused a changelog record since; every later call raises too (the worker
+                must stop, and a restart reads the messages again).
+        """
+        refused = self._reports.refused()
+        if refused:
+            raise RuntimeError(f"{self.changelog}: {len(refused)} changelog records refused by the broker, first: "
+                               f"{refused[0]}")
+        return self._reports.take_offsets()
 
     def _changelog_value(self, value: Any) -> bytes | None:
         """The changelog record's value bytes of a buffered value (these stores buffer the bytes)."""
         return value
 
     #: Partition -> delivery callback of this store's changelog records to it (None: the output producer's own
-    #: for every partition).
+    #: for every partition). :meth:`bind` gives every store its own (:class:`DeliveryReports`).
     _changelog_delivery: Mapping[int, Callable] | None = None
 
     def produce_changelog(self) -> int:
@@ -234,7 +250,9 @@ class MemoryTableStore(_BoundStore, faust.stores.memory.Store):
         return None if value is None else self.encode(value)
 
     def persist(self) -> None:
-        """Nothing to persist: the changelog is this store's only durable copy."""
+        """Nothing to persist, the changelog is this store's only durable copy: only checks that the broker
+        refused none of its records (:meth:`acknowledged_offsets` raises then)."""
+        self.acknowledged_offsets()
 
     def partition_keys(self, partition: int) -> list[str]:
         """Keys of ``partition`` held here (a scan, for rare source-wide events)."""
@@ -333,17 +351,12 @@ class RocksDBTableStore(_EntryCache, _BoundStore, faust.stores.rocksdb.Store):
         super().__init__(*args, **kwargs)
         # Faust's options class ignores the memtable filter of the table's options (store_settings)
         self.rocksdb_options = ResidencyRocksDBOptions(**self.options, use_rocksdict=self.use_rocksdict)
-        #: Partition -> this partition's changelog delivery reports since the last :meth:`persist`
-        #: (:class:`DeliveryReports`).
-        self._reports = DeliveryReports()
         #: Key -> decoded entry (None: known absent), least recently used first. An OrderedDict: evicting
         #: a plain dict's oldest key scans the slots its earlier deletions left at the front, while
         #: ``popitem(last=False)`` is O(1).
         self._cache: OrderedDict[str, dict | None] = OrderedDict()
         #: Partition -> key -> (entry or None, Avro bytes or None): written, not yet acknowledged nor on disk.
         self._pending: dict[int, dict[str, tuple[dict | None, bytes | None]]] = defaultdict(dict)
-        # each acknowledged changelog record moves its partition's persisted offset
-        self._changelog_delivery = self._reports
         #: Changelog records copied into the databases at rebalances, and the seconds it took (for the metrics).
         self.recovered_records = 0
         self.recovered_seconds = 0.0
@@ -402,11 +415,7 @@ class RocksDBTableStore(_EntryCache, _BoundStore, faust.stores.rocksdb.Store):
         if self._unproduced:
             raise RuntimeError(f"{self.changelog}: persist() with {len(self._unproduced)} changelog records not "
                                "produced")
-        refused = self._reports.refused()
-        if refused:
-            raise RuntimeError(f"{self.changelog}: {len(refused)} changelog records refused by the broker, first: "
-                               f"{refused[0]}")
-        acked = self._reports.take_offsets()
+        acked = self.acknowledged_offsets()
 
         for partition, entries in self._pending.items():
             if not entries:
