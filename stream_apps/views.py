@@ -95,7 +95,9 @@ class WorkerViews:
         # internal: the worker holding a key answers it (Faust's router forwards the others' lookups)
         app.page("/residency-key/{key:.+/[0-9a-f]+}/")(
             app.table_route(table=residency, match_info="key")(self._handler(None, self.residency_key)))
-        for path in ("/residency/{block_hash_hex}", "/residency/{block_hash_hex}/"):  # routers write both
+        # every path answers with and without its trailing slash: routers and users write both (issue 28), and
+        # without it aiohttp's 404 is plain text that names nothing
+        for path in _with_and_without_slash("/residency/{block_hash_hex}/"):
             app.page(path)(self._handler("residency", self.residency))
         for path, name, handler in (("/prefix-match/", "prefix-match", self.api.prefix_match),
                                     ("/query", "query", self.api.query),
@@ -107,7 +109,8 @@ class WorkerViews:
                                  ("/occupancy/", "occupancy", self.occupancy), ("/sources/", "sources", self.sources),
                                  ("/stats/", "stats", self.stats), ("/health", "health", self.health),
                                  ("/ready", "ready", self.ready), ("/metrics", "metrics", self.metrics_text)):
-            app.page(path)(self._handler(name, view))
+            for variant in _with_and_without_slash(path):
+                app.page(variant)(self._handler(name, view))
 
     def _handler(self, name: str | None, view):
         """A Faust page handler (a function: Faust makes it a View's ``get``) calling the method ``view``, its
@@ -135,9 +138,9 @@ class WorkerViews:
                 return _reply(self, answer)
         IndexView.__name__ = IndexView.__qualname__ = f"{name.title().replace('-', '').replace('_', '')}View"
         IndexView.__doc__ = handler.__doc__
-        self.app.page(path)(IndexView)
-        self.app.page(path.rstrip("/") + ("" if path.endswith("/") else "/"))(
-            type(IndexView.__name__ + "Slash", (IndexView,), {}))
+        documented, other = _with_and_without_slash(path)
+        self.app.page(documented)(IndexView)
+        self.app.page(other)(type(IndexView.__name__ + "Slash", (IndexView,), {}))
 
     # -- /residency/: the tables, not the index --------------------------------------------------------------
 
@@ -259,6 +262,12 @@ class WorkerViews:
         """Prometheus metrics in the text format (docs/operations.md, "Metrics")."""
         await self.metrics.refresh_lag()
         return web.bytes(self.metrics.render(), content_type="text/plain")  # the text exposition format
+
+
+def _with_and_without_slash(path: str) -> tuple[str, str]:
+    """``(path, its twin)``: the documented path first, then the same with its trailing slash added or removed
+    (``"/occupancy/"`` -> ``("/occupancy/", "/occupancy")``; ``"/workers"`` -> ``("/workers", "/workers/")``)."""
+    return path, path.rstrip("/") if path.endswith("/") else path + "/"
 
 
 def _reply(web, answer: Reply):

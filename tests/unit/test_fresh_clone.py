@@ -166,3 +166,33 @@ def test_every_package_of_the_product_is_in_the_wheel():
              for top in ("kvstream", "kafka_io", "schemas", "producers", "stream_apps")
              for init in (root / top).rglob("__init__.py")}
     assert found - listed == set()
+
+
+def test_every_worker_view_answers_with_and_without_its_trailing_slash():
+    """Issue 28: ``GET /residency/<hash>`` without its slash was a bare plain-text 404; so were ``/occupancy``,
+    ``/sources`` and ``/stats``. The route table is read from a stub app: no worker needed."""
+    from types import SimpleNamespace
+
+    from stream_apps.views import WorkerViews
+
+    paths = []
+
+    class App:
+        def page(self, path):
+            paths.append(path)
+            return lambda view: view
+
+        def table_route(self, table, match_info):
+            return lambda view: view
+
+    views = WorkerViews.__new__(WorkerViews)
+    views.app, views.tables = App(), SimpleNamespace(residency=None)
+    views.metrics = SimpleNamespace(http_requests={})
+    views.api = SimpleNamespace(prefix_match=None, query=None, query_by_hash=None, register=None, unregister=None)
+    views.register()
+    public = [p for p in paths if not p.startswith("/residency-key/")]
+    for documented in ("/residency/{block_hash_hex}/", "/occupancy/", "/sources/", "/stats/", "/prefix-match/",
+                       "/workers", "/query", "/health", "/ready", "/metrics"):
+        assert documented in public
+    assert {p.rstrip("/") for p in public} == {p.rstrip("/") for p in public if not p.endswith("/")}
+    assert len(public) == 2 * len({p.rstrip("/") for p in public})  # each once with, once without
