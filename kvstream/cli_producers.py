@@ -304,9 +304,41 @@ def add_produce(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_produce)
 
 
+def _counting_sink(producer, metrics):
+    """A :class:`producers.bridge.KafkaBatchSink` that also counts, by kind, the messages of the events the bridge
+    writes itself (``kinds``: event type -> ``[events, messages]``). Those (a ``SourceStale`` for seqs lost before
+    the file's first line, a ``PublisherRestarted``, the final heartbeats) go to every partition: counted with the
+    block events, a capture none of whose events was accepted reported "produced 8 messages" (issue 28)."""
+    from producers.bridge import KafkaBatchSink
+
+    class CountingSink(KafkaBatchSink):
+        def __init__(self, producer, metrics) -> None:
+            super().__init__(producer, metrics)
+            self.kinds: dict[str, list[int]] = {}
+
+        def source_event(self, publisher, kind, body, seq):
+            before = self.producer.stats.sent
+            super().source_event(publisher, kind, body, seq)
+            counts = self.kinds.setdefault(kind, [0, 0])
+            counts[0] += 1
+            counts[1] += self.producer.stats.sent - before
+
+    return CountingSink(producer, metrics)
+
+
+def _reports_text(kinds: dict[str, list[int]]) -> str:
+    """``" and 1 report of lost seqs (SourceStale, 8 messages)"``: the bridge's own reports, heartbeats left out."""
+    from schemas import PUBLISHER_RESTARTED, SOURCE_STALE
+
+    names = {SOURCE_STALE: "of lost seqs", PUBLISHER_RESTARTED: "of a publisher restart"}
+    parts = [f"{events:,} report{'s' * (events != 1)} {names[kind]} ({kind.rsplit('.', 1)[-1]}, {messages:,} "
+             f"messages)" for kind, (events, messages) in sorted(kinds.items()) if kind in names]
+    return "".join(f", {part}" for part in parts)
+
+
 def _cmd_produce(args: argparse.Namespace) -> int:
     from kvstream.options import settings_from_args
-    from producers.bridge import BridgeMetrics, KafkaBatchSink
+    from producers.bridge import BridgeMetrics
     from producers.capture import CaptureError, check_capture, produce_capture
     from producers.kafka_sink import KvEventProducer
     from producers.settings import ProduceSettings
@@ -320,18 +352,23 @@ def _cmd_produce(args: argparse.Namespace) -> int:
         return 2
     producer = KvEventProducer.from_settings(settings)
     metrics = BridgeMetrics()
-    bridge = produce_capture(settings.jsonl, KafkaBatchSink(producer, metrics), metrics, settings.engine)
+    sink = _counting_sink(producer, metrics)
+    bridge = produce_capture(settings.jsonl, sink, metrics, settings.engine)
+
+    def block_messages() -> int:  # what the file's block events became, without the bridge's own reports
+        return producer.stats.sent - producer.stats.dead_lettered - sum(m for _, m in sink.kinds.values())
+
     # one heartbeat per source at the end: the workers' leases (their clock of arrival) start now, whatever the
     # capture's timestamps; the sources then lapse one lease later, as nothing more will come from them. A file
-    # none of whose inputs became a record has no source to keep alive, and gets none.
-    before = producer.stats.sent
-    sources = bridge.send_heartbeats() if producer.stats.sent > producer.stats.dead_lettered else 0
-    heartbeat_messages = producer.stats.sent - before
-    stats = producer.flush()
-    accepted = stats.acked - stats.dead_lettered - heartbeat_messages
+    # none of whose events became a block record has no blocks to keep alive, and gets none.
+    sources = bridge.send_heartbeats() if block_messages() > 0 else 0
+    stats = producer.flush()  # raises ProduceError unless every message was acknowledged
+    accepted = block_messages()
     dead_letter = settings.dead_letter_topic
-    print(f"produced {accepted:,} messages to {settings.events_topic} from {settings.jsonl} and a heartbeat of each "
-          f"of its {sources:,} sources; {stats.dead_lettered:,} inputs to the dead-letter topic {dead_letter}")
+    heartbeats = f"a heartbeat of each of its {sources:,} sources" if sources else "no heartbeat"
+    print(f"produced {accepted:,} messages to {settings.events_topic} from {settings.jsonl} (block events)"
+          f"{_reports_text(sink.kinds)}, {heartbeats}; {stats.dead_lettered:,} inputs to the dead-letter topic "
+          f"{dead_letter}")
     if accepted:
         return 0
     if stats.dead_lettered:
