@@ -62,9 +62,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the subcommand ``args`` names (of its own subcommand, e.g. ``broker start``, if it has one)."""
+    while True:
+        actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not actions or getattr(args, actions[0].dest, None) not in actions[0].choices:
+            return parser
+        parser = actions[0].choices[getattr(args, actions[0].dest)]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvstream`` command."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # argparse's own error would show `kvstream`'s usage, not that of the command the flag was given to
+        _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     return run_command(f"kvstream {args.command}", args.func, args)
 
 

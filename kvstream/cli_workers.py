@@ -81,12 +81,16 @@ def add_unregister(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_unregister(args: argparse.Namespace) -> int:
+    from kafka_io.admin import topic_partitions
     from kafka_io.config import check_bootstrap_servers
     from schemas.topics import TopicNames
     from stream_apps.index.liveness import write_unregister
 
     bootstrap = check_bootstrap_servers(args.bootstrap_servers)
     topic = TopicNames(prefix=args.topic_prefix).kv_events
+    # asked first, within the connect timeout: write_unregister's own metadata request waits 10 s for a broker that
+    # is not there and raises librdkafka's exception, which printed a traceback (issue 28)
+    topic_partitions(bootstrap, topic)
     partitions = write_unregister(bootstrap, topic, args.instance_id, args.dp_rank, args.reason)
     which = "every rank" if args.dp_rank is None else f"rank {args.dp_rank}"
     print(f"unregistered {args.instance_id} ({which}): a SourceUnregistered is on all {partitions} partitions of "

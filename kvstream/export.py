@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator
 
 from confluent_kafka import KafkaException
 
+from kafka_io.config import security_config
 from kafka_io.reader import ReadRange, messages_to_end
 from kvstream.settings import app_topic
 from schemas import AvroCodec, DecodeError
@@ -147,8 +148,16 @@ def _messages(bootstrap_servers: str, topic: str, *, until_offset, until_time: f
                                    stop_time_ms=None if until_time is None else int(until_time * 1000),
                                    missing_ok=False, on_range=on_range)
     except KafkaException as exc:
-        raise RuntimeError(f"Kafka at {bootstrap_servers} did not answer while reading {topic}: {exc} (is a broker "
-                           "listening there? 'kvstream broker start' runs one on 127.0.0.1:9092)") from None
+        # worded as every other command's (kafka_io.config.unreachable, whose client, the reader's, is closed by
+        # now): the error's text, not its repr, and the TLS hint rather than "is a broker listening" when it applies
+        error = exc.args[0] if exc.args else None
+        reason = error.str() if hasattr(error, "str") else str(exc)
+        if security_config().get("security.protocol", "PLAINTEXT") == "PLAINTEXT":
+            hint = "is a broker listening there? ('kvstream broker start' runs one on 127.0.0.1:9092)"
+        else:
+            hint = "check KVSTREAM_SECURITY_PROTOCOL and the KVSTREAM_SASL_*, KVSTREAM_SSL_* settings"
+        raise RuntimeError(f"Kafka at {bootstrap_servers} did not answer while reading {topic}: {reason} ({hint})") \
+            from None
 
 
 def change_batches(bootstrap_servers: str, topic: str, *, until_offset=None, until_time: float | None = None,

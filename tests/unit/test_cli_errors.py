@@ -63,9 +63,10 @@ def test_produce_checks_its_capture_file_before_asking_kafka(tmp_path, capsys, c
     assert time.monotonic() - started < 2
 
 
-@pytest.mark.parametrize("command", [["simulate", "--requests", "1"], ["tail", "kv-events"]])
+@pytest.mark.parametrize("command", [["simulate", "--requests", "1"], ["tail", "kv-events"], ["unregister", "sim-0"]])
 def test_a_wrong_broker_address_fails_in_seconds_naming_it(capsys, monkeypatch, command):
-    """Issue 28: it took 30 s (ensure_topics retried list_topics until its topic-creation timeout)."""
+    """Issue 28: it took 30 s (ensure_topics retried list_topics until its topic-creation timeout); unregister
+    printed librdkafka's exception as a traceback after 10 s."""
     import logging
     import time
 
@@ -81,6 +82,33 @@ def test_a_wrong_broker_address_fails_in_seconds_naming_it(capsys, monkeypatch, 
     err = capsys.readouterr().err
     assert f"error: Kafka at {address} did not answer within {CONNECT_TIMEOUT_S:g} s" in err
     assert "KafkaError{" not in err  # the reason's text, not the error object's repr
+    assert "Traceback" not in err
+
+
+def test_export_from_a_wrong_broker_address_names_the_reason_not_the_error_object(capsys, monkeypatch, tmp_path):
+    import logging
+
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    address = f"127.0.0.1:{free_port()}"
+    assert main(["export", "kv-residency-changes", "--format", "jsonl", "--output", str(tmp_path / "c.jsonl"),
+                 "--bootstrap-servers", address]) == 1
+    err = capsys.readouterr().err
+    assert f"kvstream export: error: Kafka at {address} did not answer while reading kvstream-kv-residency-changes: " \
+        in err and "is a broker listening there?" in err
+    assert "KafkaError{" not in err
+
+
+@pytest.mark.parametrize("argv, prog, unknown", [
+    (["query", "occupancy", "--bootstrap-servers", "x"], "kvstream query", "--bootstrap-servers x"),
+    (["broker", "status", "--no-such-flag"], "kvstream broker status", "--no-such-flag"),
+])
+def test_an_unknown_flag_shows_the_usage_of_the_command_it_was_given_to(capsys, argv, prog, unknown):
+    """It showed ``usage: kvstream [-h] [--version] COMMAND ...``, which says nothing of the command's flags."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: {prog} ") and f"{prog}: error: unrecognized arguments: {unknown}\n" in err
 
 
 @pytest.mark.parametrize("flags, message", [
