@@ -52,8 +52,8 @@ class ChangelogFeed:
 
     Values are read with an :class:`~stream_apps.index.entry_reader.IndexEntryReader` over ``codec`` (only the
     rows' holders and the entry's parent and content hash, what :meth:`FleetIndex.apply_rows` takes) and applied
-    with ``index.apply_rows``; an index without that method (a wrapper offering only ``apply_entry``) is given
-    the codec's decoded entries.
+    a batch at a time with ``index.apply_changelog``; an index without that method (a wrapper offering only
+    ``apply_entry``) is given the codec's decoded entries.
     """
 
     def __init__(self, index: FleetIndex, bootstrap_servers: str, topic: str, codec: AvroCodec, *,
@@ -162,32 +162,37 @@ class ChangelogFeed:
         if not messages:
             return 0
         index = self.index
-        # the lean path (no dict per entry, row and worker: most of a catch-up's time went to building them), or,
-        # for an index that only has apply_entry, the codec's decoded entries
-        apply_rows = getattr(index, "apply_rows", None)
-        read, decode, apply_entry = self._read_entry, self._codec.decode, getattr(index, "apply_entry", None)
-        with index.lock:
-            for message in messages:
-                error = message.error()
-                if error is not None:
-                    if error.code() != KafkaError._PARTITION_EOF:
-                        log.warning("index: reading %s: %s", self.topic, error)
-                    continue
-                key, value = message.key(), message.value()
-                self._positions[message.partition()] = message.offset() + 1
-                if key is None:
-                    continue
-                try:
-                    if apply_rows is None:
-                        apply_entry(key.decode(), decode(value) if value else None)
-                    elif value:
-                        apply_rows(key.decode(), *read(value))
-                    else:
-                        apply_rows(key.decode(), None)
-                except (DecodeError, ValueError, KeyError, TypeError) as exc:
-                    self.undecodable += 1
-                    log.error("index: skipped record %s of %s[%d]@%d: %s", key[:80], self.topic,
-                              message.partition(), message.offset(), exc)
+        positions = self._positions
+        applied = []  # the records' messages, in order
+        for message in messages:
+            error = message.error()
+            if error is not None:
+                if error.code() != KafkaError._PARTITION_EOF:
+                    log.warning("index: reading %s: %s", self.topic, error)
+                continue
+            positions[message.partition()] = message.offset() + 1
+            if message.key() is not None:
+                applied.append(message)
+        apply_changelog = getattr(index, "apply_changelog", None)
+        if apply_changelog is not None:
+            # the lean path: the index reads only what it keeps (no dict per entry, row and worker: most of a
+            # catch-up's time went to building them), in one call for the batch
+            failures = apply_changelog([(m.key(), m.value()) for m in applied], self._read_entry)
+        else:  # an index that only has apply_entry: the codec's decoded entries
+            failures = []
+            decode = self._codec.decode
+            with index.lock:
+                for position, message in enumerate(applied):
+                    value = message.value()
+                    try:
+                        index.apply_entry(message.key().decode(), decode(value) if value else None)
+                    except (DecodeError, ValueError, KeyError, TypeError) as exc:
+                        failures.append((position, exc))
+        for position, exc in failures:
+            message = applied[position]
+            self.undecodable += 1
+            log.error("index: skipped record %s of %s[%d]@%d: %s", message.key()[:80], self.topic,
+                      message.partition(), message.offset(), exc)
         self.records += len(messages)
         if self._caught_up_at is None:
             self._check_caught_up()

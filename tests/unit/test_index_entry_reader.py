@@ -313,6 +313,56 @@ def test_apply_rows_of_the_lean_tuple_builds_the_index_apply_entry_builds(data):
     assert _state(by_rows) == _state(by_entry)
 
 
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_apply_changelog_of_a_batch_builds_the_index_apply_rows_builds_and_names_each_record_it_refused(data):
+    blocks = [bytes([b]) * 8 for b in range(1, 6)] + [bytes([7]) * 32]  # a sha256-sized hash too
+    rows = st.lists(st.fixed_dictionaries({"instance_id": st.sampled_from(["e1", "e2", "e3"]),
+                                           "data_parallel_rank": st.integers(0, 1),
+                                           "tier": st.sampled_from(["GPU", "CPU"]),
+                                           "copies": st.integers(-1, 2)}), max_size=4)
+    entries = st.fixed_dictionaries({"block_hash": st.sampled_from(blocks),
+                                     "ownership": st.sampled_from([None, "kvcr"]), "rows": rows,
+                                     "parent_block_hash": st.one_of(st.none(), st.sampled_from(blocks)),
+                                     "content_hash": st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1))})
+    # a record: an entry, a tombstone of one, a key that is no residency key, or a value the reader refuses
+    records = data.draw(st.lists(st.one_of(
+        entries.map(lambda e: ("entry", e)), entries.map(lambda e: ("tombstone", e)),
+        st.sampled_from([b"primary/zz", b"kvcr/01g2", b"\xff/00"]).map(lambda k: ("bad key", k)),
+        entries.map(lambda e: ("bad value", e))), max_size=30))
+    values = {}
+
+    def read(value: bytes) -> tuple:
+        if value == b"refused":
+            raise DecodeError("a value the reader refuses")
+        return index_entry_of(values[value])
+
+    batch, expected_failures, one_by_one = [], [], FleetIndex(table=PyBlockTable())
+    for position, (kind, item) in enumerate(records):
+        if kind == "bad key":
+            batch.append((item, b"x"))
+            expected_failures.append(position)
+            continue
+        key = _key(item).encode()
+        if kind == "bad value":
+            batch.append((key, b"refused"))
+            expected_failures.append(position)
+        elif kind == "tombstone":
+            batch.append((key, None if position % 2 else b""))
+            one_by_one.apply_rows(key.decode(), None)
+        else:
+            values[str(position).encode()] = item
+            batch.append((key, str(position).encode()))
+            one_by_one.apply_rows(key.decode(), *index_entry_of(item))
+    batched = FleetIndex(table=PyBlockTable())
+
+    failures = batched.apply_changelog(batch, read)
+
+    assert [position for position, _ in failures] == expected_failures
+    assert all(isinstance(error, ValueError) for _, error in failures)
+    assert _state(batched) == _state(one_by_one)
+
+
 class _Message:
     def __init__(self, key: bytes | None, value: bytes | None, offset: int) -> None:
         self._key, self._value, self._offset = key, value, offset
