@@ -82,7 +82,29 @@ def _query_tokens(args: argparse.Namespace, settings) -> int:
         print(f"error: no index or worker answered at {settings.worker_url}: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(answer, indent=2))
+    if warning := _empty_because_down(settings, answer):
+        print(warning, file=sys.stderr)
     return 0
+
+
+def _empty_because_down(settings, answer: dict) -> str | None:
+    """The warning for an empty lookup (no ``rows``, ``matches`` or ``instances``) while sources are down, else
+    None. A source not heard of for ``--source-lease-s`` (30 s) is left out of every lookup: 30 s after
+    ``kvstream simulate`` ends, every lookup of the README's by-hand steps answered empty without a word (issue
+    28). One ``GET /workers`` (a worker's or an index's), only when the answer is empty; no warning when it fails."""
+    if any(answer.get(field) for field in ("rows", "matches", "instances")):
+        return None
+    try:
+        with urllib.request.urlopen(settings.worker_url + "/workers", timeout=settings.request_timeout_s) as response:
+            sources = json.loads(response.read())["workers"]
+        down = sum(1 for source in sources if source.get("live") is False)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if not down:
+        return None
+    return (f"warning: the answer is empty, and {down:,} of {len(sources):,} sources are down (no event or heartbeat "
+            "within the workers' --source-lease-s): their blocks are left out of every lookup until they are heard "
+            "from again (kvstream query workers lists them; docs/residency.md#liveness)")
 
 
 def _lag_text(answer: dict) -> str:
@@ -169,6 +191,8 @@ def _cmd_query(args: argparse.Namespace) -> int:
         with urllib.request.urlopen(request, timeout=settings.request_timeout_s) as response:
             answer = json.loads(response.read())
         print(json.dumps(answer, indent=2))
+        if args.what in ("residency", "prefix-match") and (warning := _empty_because_down(settings, answer)):
+            print(warning, file=sys.stderr)
         if isinstance(answer, dict) and answer.get("caught_up") is False:
             print(f"warning: the workers have not caught up with their input, {_lag_text(answer)}: these figures "
                   "are partial (--wait-caught-up waits for them)", file=sys.stderr)

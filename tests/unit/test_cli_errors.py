@@ -120,3 +120,41 @@ def test_the_bridges_registration_flags_are_checked_before_kafka(capsys, flags, 
                  "--instance-id", "b"]
     assert main(["bridge", *endpoints, *flags, "--bootstrap-servers", "127.0.0.1:9"]) == 1
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("live, warned", [(False, True), (True, False)])
+def test_an_empty_lookup_says_when_the_sources_are_down(capsys, live, warned):
+    """Issue 28: 30 s after ``simulate`` ended the simulated sources' leases lapsed, and ``query residency`` of
+    the README's by-hand steps answered ``"rows": []`` without a word. A stub worker answers here."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    answers = {"/residency/e220a8397b1dcdaf/": {"block_hash": "e220a8397b1dcdaf", "rows": [], "sources": []},
+               "/workers": {"workers": [{"instance_id": f"sim-{i}", "data_parallel_rank": 0, "live": live}
+                                        for i in range(4)]}}
+
+    class Worker(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps(answers[self.path]).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Worker)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert main(["query", "residency", "e220a8397b1dcdaf", "--worker-url", url]) == 0
+    finally:
+        server.shutdown()
+        server.server_close()
+    out, err = capsys.readouterr()
+    assert json.loads(out)["rows"] == []
+    assert ("the answer is empty, and 4 of 4 sources are down" in err) is warned
+    assert err.count("\n") == (1 if warned else 0)
