@@ -12,10 +12,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("path", ["truth.jsonl", "changes.parquet", "report/summary.md", "report/overview.png"])
+@pytest.mark.parametrize("path", ["truth.jsonl", "prompt.json", "changes.parquet", "report/summary.md",
+                                  "report/overview.png"])
 def test_the_by_hand_outputs_are_ignored_by_git(path):
-    """The README's by-hand section writes these in the working directory (``simulate --ground-truth``, ``export
-    --output``, ``report``'s default ``--output-dir``)."""
+    """The README's by-hand section writes these in the working directory (``simulate --ground-truth``, the
+    prompt's tokens, ``export --output``, ``report``'s default ``--output-dir``)."""
     if shutil.which("git") is None or not (ROOT / ".git").exists():
         pytest.skip("not a git checkout")
     result = subprocess.run(["git", "check-ignore", "--no-index", "-q", path], cwd=ROOT, check=False)
@@ -153,6 +154,23 @@ def test_the_readmes_by_hand_section_waits_for_the_workers_before_the_occupancy(
     readme = (ROOT / "README.md").read_text()
     by_hand = readme[readme.index("Running the pieces by hand"):readme.index("Against a live vLLM engine")]
     assert "kvstream query occupancy --wait-caught-up" in by_hand and "caught_up" in by_hand
+
+
+def test_the_readmes_by_hand_section_keeps_the_replayed_sources_and_the_terminal_quiet():
+    """Issue 28: the workers' output flooded the terminal the steps are typed in; and with the default 30 s lease
+    the simulated sources, silent once simulate ends, left every lookup half a minute later (and were cleared ten
+    minutes after that), so the steps after simulate answered empty."""
+    readme = (ROOT / "README.md").read_text()
+    by_hand = readme[readme.index("Running the pieces by hand"):readme.index("Against a live vLLM engine")]
+    steps = by_hand[by_hand.index("```sh"):by_hand.index("```", by_hand.index("```sh") + 5)].splitlines()
+    lease = next(i for i, line in enumerate(steps) if line.startswith("export KVSTREAM_SOURCE_LEASE_S="))
+    assert int(steps[lease].split("=")[1].split()[0]) >= 86400
+    background = [(i, line) for i, line in enumerate(steps) if line.split("#")[0].rstrip().endswith("&")]
+    assert len(background) == 3  # the two workers and the index: `kill %1 %2 %3` stops them
+    for i, line in background:
+        assert i > lease and "> .kvstream/" in line and "2>&1" in line, line
+    assert "lag_s" in by_hand and "arrival_lag_s" in by_hand  # what lag_s means on replayed data
+    assert "prompt.json" in next(line for line in steps if line.startswith("python -c"))
 
 
 def test_every_package_of_the_product_is_in_the_wheel():
