@@ -203,6 +203,11 @@ class ChangelogFeed:
         longer than one batch."""
         while not self._stop.is_set():
             try:
+                # opened in a thread: it asks the broker for the topic's metadata and every partition's offsets,
+                # which may wait seconds for a broker that is slow or not there yet
+                if self._consumer is None and not await asyncio.to_thread(self._open):
+                    await asyncio.sleep(TOPIC_RETRY_S)
+                    continue
                 read = self.poll(0)
             except KafkaException as exc:
                 log.warning("index: %s; retrying", exc)
