@@ -261,14 +261,16 @@ def _checkpoint_hooks(stream_app: StreamApp, agent_progress: AgentProgress) -> N
     @app.timer(stream_app.settings.changelog_interval_s)
     async def _produce_changelogs() -> None:
         try:
-            checkpoint.produce_changelogs()
+            checkpoint.produce()  # the checkpoint's step 1 alone: the changelogs follow the tables
         except CheckpointError as exc:
             log.error("stopping the worker: %s", exc)
             await app.crash(exc)
 
     @app.on_partitions_revoked.connect
     async def _checkpoint_on_revoke(app, revoked, **kwargs) -> None:
-        checkpoint.commit()  # pending RocksDB entries of revoked partitions reach the disk before their DBs close
+        # pending RocksDB entries of revoked partitions reach the disk before their DBs close; a coroutine, so the
+        # wait for the acknowledgements leaves the event loop free (Checkpoint.commit_async)
+        await checkpoint.commit_async()
         store.forget_cache()
 
     @app.on_partitions_assigned.connect

@@ -1,8 +1,10 @@
-"""The commit protocol of a worker: what must be durable, in which order, before Faust commits an offset.
+"""The checkpoint protocol of both stages of a worker: what must be durable, in which order, before an offset
+is committed.
 
-At least once, with tables that never run ahead of their changelogs, needs one fixed order. It lives here
-and only here; every caller (Faust's offset commits, rebalances, source-wide events) runs
-:meth:`Checkpoint.commit`.
+At least once, with tables that never run ahead of their changelogs, needs one fixed order. It is written
+once, in :class:`Checkpoint`'s docstring; both stages run it, each plugging in what its steps are: the
+repartition process (:class:`stream_apps.repartition.Repartitioner`) after every batch, and the materializing
+agent at Faust's offset commits (:class:`CommitSensor`), at rebalances and at source-wide events.
 """
 
 from __future__ import annotations
@@ -11,13 +13,19 @@ import asyncio
 import gc
 import logging
 import time
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping, Protocol
 
 import faust
 
-from stream_apps.outputs import OutputTopics
-
 log = logging.getLogger(__name__)
+
+#: How long step 2 of a checkpoint waits for the broker's acknowledgements by default (seconds). The agent's
+#: checkpoint waits inside Faust's event loop (see :class:`CommitSensor`): this must stay well below the consumer
+#: session timeout.
+FLUSH_TIMEOUT_S = 60.0
+#: The awaiting flush (:meth:`Checkpoint.prepare`) polls the producer for at most this long at a time, then
+#: yields to the event loop (seconds).
+PREPARE_POLL_S = 0.001
 
 
 class CheckpointError(RuntimeError):
@@ -25,44 +33,95 @@ class CheckpointError(RuntimeError):
     the messages again)."""
 
 
+class Acknowledging(Protocol):
+    """What a checkpoint needs of a stage's producer (:class:`stream_apps.outputs.OutputTopics`, the
+    repartition stage's :class:`~stream_apps.repartition.Repartitioner`)."""
+
+    def acknowledge(self, timeout_s: float) -> int:
+        """Send what is queued at once and serve delivery reports until every record produced so far is
+        acknowledged or refused, for at most ``timeout_s`` (0: only the reports already in); returns how many
+        records are still unacknowledged."""
+
+    def take_delivery_errors(self) -> list[str]:
+        """The records the broker refused since the last call (``"topic[partition]: error"``), forgotten here."""
+
+
 class Checkpoint:
-    """Makes every output of the messages applied so far durable.
+    """The checkpoint protocol: makes every output of the messages handled so far durable, then their offsets.
 
-    :meth:`commit` runs these steps, in this order:
+    :meth:`commit` runs these steps, in this order, with nothing of the stage running in between (it is
+    synchronous):
 
-    1. **Produce the buffered changelog records** of every store (:meth:`produce_changelogs`).
-    2. **Flush the output producer** and wait for every acknowledgement: the tables' changelog records, the
-       ``kv-residency-changes`` and ``kv-tier-occupancy`` records and the dead letters of every message the
-       agent has finished. A refused or unacknowledged record raises: nothing may be committed then.
-    3. **Persist the stores**: each RocksDB store writes its pending entries and the changelog offset they
-       reach, one atomic batch per partition. Only acknowledged records reach the disk, so a crash leaves
-       every database equal to a prefix of its changelog.
-    4. **Freeze Python's garbage collector** on what exists now (see :meth:`_freeze_gc`).
-    5. Return. Faust then commits the offsets of the acknowledged messages (its ``on_commit_initiated``
-       hook runs this synchronously before it picks them).
+    1. **Produce what is buffered**: the stage's ``produce`` callables, then each store's buffered changelog
+       records (``produce_changelog()``). The repartition stage: its batch's re-keyed ``ownership_batch``
+       messages and changed clear histories. The agent: every table's changelog records (its residency
+       changes, occupancy records and dead letters are produced as they are made).
+    2. **Flush the producer** and wait for every acknowledgement, at most ``flush_timeout_s``. A record
+       refused, or not acknowledged in time, raises: nothing may be committed then.
+    3. **Persist the state**: each store's ``persist()``. A RocksDB store writes its pending entries and the
+       changelog offset they reach, one atomic batch per partition; only acknowledged records reach the disk,
+       so a crash leaves every database equal to a prefix of its changelog. (The repartition stage has no
+       state to persist: its clear histories are durable once step 2 acknowledged them.)
+    4. **Commit the offsets**. The checkpoint owns the offsets a stage hands it (:meth:`store_offsets`) and
+       commits them through ``commit_offsets`` (the repartition stage: its consumer's, asynchronously). The
+       agent's offsets stay Faust's: its checkpoint returns, and Faust's ``Consumer.force_commit``, which runs
+       it from :class:`CommitSensor`, then commits the offsets of the messages it has acknowledged. Faust
+       gives no other hook before it picks them (see :class:`CommitSensor`).
 
-    Outside offset commits, the same order holds a source-wide event's effects in place: a clear's row
-    removals (and a publisher restart's retired rows) go through steps 1-3 before the record that marks the
-    event applied is written, or a worker restarted after a crash could skip the redelivered clear as a
-    duplicate while some of its removals never reached the changelog.
+    Why this order: an offset committed before its message's outputs are acknowledged loses them at a crash
+    (the message is not read again), hence 1-2 before 4; a database written before its changelog records are
+    acknowledged keeps a value the changelog never gets (the restarted worker ignores the redelivered event as
+    a duplicate), hence 2 before 3. Persisting before the commit (Quix Streams commits first) keeps the disk
+    within what the next commit covers; either way a crash between the two only replays messages, which the
+    tables ignore (idempotent rows).
 
-    Between checkpoints the worker calls :meth:`produce_changelogs` every ``--changelog-interval-s``, so
-    that the changelogs (and what reads them: the other workers' copies of the global tables, standby
-    replicas) follow the tables within that interval.
+    The same order holds a source-wide event's effects in place: a clear's row removals (and a publisher
+    restart's retired rows) go through steps 1-3 before the record that marks the event applied is written,
+    or a worker restarted after a crash could skip the redelivered clear as a duplicate while some of its
+    removals never reached the changelog (bench/PROFILE.md, "The reverted 'several messages per flush'
+    attempt").
+
+    The flush of step 2 blocks its thread. The repartition stage runs it in its own process, with no event
+    loop, once per batch. The agent runs it where Faust calls it: in ``on_commit_initiated``, a synchronous
+    hook that Faust's commit coroutine calls and then at once reads the acknowledged offsets, so nothing can
+    be awaited there. Where a coroutine runs a checkpoint (a rebalance), :meth:`commit_async` first awaits
+    :meth:`prepare` (steps 1-2 with the event loop free), so the synchronous steps find little left to wait
+    for. Between checkpoints the worker produces the changelogs every ``--changelog-interval-s``
+    (:meth:`produce`) and serves delivery reports every 50 ms, so that a flush has few left to serve.
 
     Args:
-        outputs: the worker's output producer.
-        stores: the stores to persist (their ``persist()``), in any order.
+        producer: the stage's producer (:class:`Acknowledging`).
+        stores: stores whose ``produce_changelog()`` is part of step 1 and ``persist()`` is step 3, in this
+            order.
+        produce: callables producing the stage's other buffered records, before the stores' (step 1); each
+            returns how many it produced.
+        commit_offsets: commits the offsets stored with :meth:`store_offsets`, ``{partition: next offset}``
+            (step 4); None: the stage's offsets are committed by its caller after :meth:`commit` (Faust's).
+        flush_timeout_s: how long step 2 waits at most (seconds).
+        freeze_gc: whether each checkpoint ends with :meth:`_freeze_gc` (the agent's).
     """
 
-    def __init__(self, outputs: OutputTopics, stores: Iterable) -> None:
-        self.outputs = outputs
+    def __init__(self, producer: Acknowledging, stores: Iterable = (), *, produce: Iterable[Callable[[], int]] = (),
+                 commit_offsets: Callable[[dict[int, int]], object] | None = None,
+                 flush_timeout_s: float = FLUSH_TIMEOUT_S, freeze_gc: bool = True) -> None:
+        self.producer = producer
         self.stores = list(stores)
-        #: How many commits ran, and their seconds in all (``kvstream_checkpoint_seconds``).
+        self._produce = [*produce, *(store.produce_changelog for store in self.stores)]
+        self._commit_offsets = commit_offsets
+        self.flush_timeout_s = flush_timeout_s
+        self.freeze_gc = freeze_gc
+        #: Partition -> next offset to commit, handed over by the stage and not committed yet.
+        self.offsets: dict[int, int] = {}
+        #: How many commits ran, and their seconds in all (the agent's: ``kvstream_checkpoint_seconds``).
         self.commits = 0
         self.total_seconds = 0.0
         #: Why a checkpoint failed, if one did: every later one fails too (see :meth:`commit`).
         self.failure: str | None = None
+
+    def store_offsets(self, offsets: Mapping[int, int]) -> None:
+        """Hand over ``{partition: next offset}`` of messages whose outputs are produced or buffered: the next
+        :meth:`commit` commits them after their outputs are durable."""
+        self.offsets.update(offsets)
 
     def commit(self) -> None:
         """Run the steps above.
@@ -72,38 +131,65 @@ class Checkpoint:
         queued), so the offsets of messages whose outputs never reached the broker would be committed.
 
         Raises:
-            CheckpointError: a changelog record could not be produced, an output was refused or not
-                acknowledged (:meth:`stream_apps.outputs.OutputTopics.flush`), a store could not persist, or
-                an earlier checkpoint failed. Nothing may be committed; the worker must stop.
+            CheckpointError: a record could not be produced, an output was refused or not acknowledged in
+                ``flush_timeout_s``, a store could not persist, or an earlier checkpoint failed. Nothing is
+                committed; the stage must stop.
         """
         if self.failure is not None:
             raise CheckpointError(f"an earlier checkpoint failed, nothing more is committed: {self.failure}")
         started = time.perf_counter()
-        self.produce_changelogs()
+        self.produce()
         try:
-            self.outputs.flush()
+            check_acknowledged(self.producer, self.producer.acknowledge(self.flush_timeout_s), self.flush_timeout_s)
             for store in self.stores:
                 store.persist()
         except Exception as exc:
             self.failure = f"{type(exc).__name__}: {exc}"
             raise CheckpointError(str(exc)) from exc
-        self._freeze_gc()
+        if self._commit_offsets is not None and self.offsets:
+            offsets, self.offsets = self.offsets, {}
+            self._commit_offsets(offsets)
+        if self.freeze_gc:
+            self._freeze_gc()
         self.total_seconds += time.perf_counter() - started
         self.commits += 1
 
-    def produce_changelogs(self) -> int:
-        """Produce every store's buffered changelog records, all stores in one go (so the records of one
-        message reach the broker together, as they did when each write produced its own); returns how many.
+    async def prepare(self, timeout_s: float | None = None) -> None:
+        """Steps 1 and 2 without holding the event loop: produce what is buffered, then poll for the
+        acknowledgements :data:`PREPARE_POLL_S` at a time, yielding to the loop in between, until none is
+        outstanding or ``timeout_s`` (default ``flush_timeout_s``) has passed. What the stage produces
+        meanwhile is produced and waited for too. Nothing is committed or persisted: :meth:`commit` follows,
+        and finds little left to wait for. Refusals are raised by that commit."""
+        if self.failure is not None:
+            return
+        deadline = time.monotonic() + (self.flush_timeout_s if timeout_s is None else timeout_s)
+        while True:
+            self.produce()
+            if not self.producer.acknowledge(PREPARE_POLL_S) or time.monotonic() >= deadline:
+                return
+            await asyncio.sleep(0)
+
+    async def commit_async(self) -> None:
+        """:meth:`prepare`, then :meth:`commit`: a checkpoint for a coroutine."""
+        await self.prepare()
+        self.commit()
+
+    def produce(self) -> int:
+        """Step 1 alone: produce what is buffered (the ``produce`` callables, then every store's changelog
+        records, all in one go, so the records of one message reach the broker together); returns how many.
 
         Raises:
             CheckpointError: a record could not be encoded or enqueued; it and the records after it stay
-                buffered (so every later checkpoint fails too: the worker must stop).
+                buffered (so every later checkpoint fails too: the stage must stop).
         """
         try:
-            return sum(store.produce_changelog() for store in self.stores)
+            return sum(produce() for produce in self._produce)
         except Exception as exc:
             self.failure = f"{type(exc).__name__}: {exc}"
-            raise CheckpointError(f"a changelog record could not be produced: {self.failure}") from exc
+            raise CheckpointError(f"a buffered record could not be produced: {self.failure}") from exc
+
+    #: The agent's name for :meth:`produce`: its buffered records are the tables' changelog records.
+    produce_changelogs = produce
 
     @staticmethod
     def _freeze_gc() -> None:
@@ -112,6 +198,20 @@ class Checkpoint:
         # counting). Freezing moves what exists now out of the collector's sight, so each collection scans
         # only what was allocated since. The cost: cyclic garbage made before a freeze is never freed.
         gc.freeze()
+
+
+def check_acknowledged(producer: Acknowledging, unacknowledged: int, timeout_s: float) -> None:
+    """Step 2's verdict after ``producer.acknowledge(timeout_s)`` returned ``unacknowledged``.
+
+    Raises:
+        RuntimeError: records still unacknowledged, or refused by the broker (their messages' offsets must not
+            be committed).
+    """
+    if unacknowledged:
+        raise RuntimeError(f"{unacknowledged} outputs not acknowledged within {timeout_s:.0f} s")
+    errors = producer.take_delivery_errors()
+    if errors:
+        raise RuntimeError(f"{len(errors)} outputs refused by the broker, first: {errors[0]}")
 
 
 #: The worker's collector thresholds: a young-generation collection every 10,000 net container allocations
@@ -131,17 +231,23 @@ def tune_gc() -> None:
 
 
 class CommitSensor(faust.Sensor):
-    """Runs the checkpoint whenever Faust is about to commit offsets.
+    """Runs the agent's checkpoint (:meth:`Checkpoint.commit`) whenever Faust is about to commit offsets.
 
     Faust calls ``on_commit_initiated`` synchronously at the start of every offset commit (the commit timer,
     rebalances, errors), before it picks the offsets of the acknowledged messages. A message is acknowledged
-    only after the agent has finished it, and so has produced all its outputs. One checkpoint per commit
-    (every ``broker_commit_interval``), not per message: each flush waits a broker round trip.
+    only after the agent has finished it, and so has produced or buffered all its outputs. One checkpoint per
+    commit (every ``broker_commit_interval``), not per message: each flush waits a broker round trip.
 
-    This sensor is the only hook Faust gives before it picks the offsets to commit, and its API promises no order:
-    the order is Faust's ``Consumer.force_commit`` as of the pinned version (the sensor first, then the pending
-    acknowledgements). tests/unit/test_commit_sensor.py runs that method of the installed Faust and fails if an
-    upgrade reads the acknowledgements before it calls the sensor.
+    This sensor is the only hook Faust gives before it picks the offsets to commit, and its API promises no
+    order: the order is Faust's ``Consumer.force_commit`` as of the pinned version (the sensor first, then the
+    pending acknowledgements). tests/unit/test_commit_sensor.py runs that method of the installed Faust and
+    fails if an upgrade reads the acknowledgements before it calls the sensor.
+
+    The hook is a plain function that ``force_commit`` calls and returns from before it reads the
+    acknowledgements, without awaiting anything it returns: a coroutine started here would run only after
+    Faust had committed the offsets. So the checkpoint cannot await here: its flush blocks the event loop,
+    for about one broker round trip (what was produced since the delivery reports were last served; they are
+    served every 50 ms between checkpoints), at most ``Checkpoint.flush_timeout_s``.
 
     Args:
         checkpoint: the worker's checkpoint.

@@ -3,8 +3,8 @@
 Thin by design: read (one pass per batch message, :class:`schemas.ownership_batch.OwnershipBatchReader`: block
 events come as :class:`schemas.block_event.BlockEvent` tuples, others as records), apply
 (:class:`stream_apps.applier.BatchApplier`), dead-letter what cannot be applied. The agent never
-waits for the broker: outputs are flushed by the checkpoint before Faust commits offsets
-(:class:`stream_apps.checkpoint.Checkpoint`), so outputs of several messages can be unflushed at once; a
+waits for the broker: the checkpoint flushes the outputs before Faust commits offsets (the order is in
+:class:`stream_apps.checkpoint.Checkpoint`'s docstring), so outputs of several messages can be unflushed at once; a
 source-wide event runs a checkpoint before the record that marks it applied.
 """
 

@@ -3,10 +3,9 @@ producer.
 
 What goes through it: the tables' changelog records (:mod:`stream_apps.store`), the analytics topics
 ``kv-residency-changes`` and ``kv-tier-occupancy``, and dead letters. A Faust send costs more than applying
-several events; librdkafka's produce only enqueues. Nothing here waits for the broker: the
-checkpoint (:class:`stream_apps.checkpoint.Checkpoint`) flushes before any offset is committed, so every
-output of an acknowledged message is on the broker before that message's offset is: at least once, like
-Faust's own table writes.
+several events; librdkafka's produce only enqueues. Nothing here waits for the broker: the agent's
+checkpoint (:class:`stream_apps.checkpoint.Checkpoint`, whose docstring has the order) waits for the
+acknowledgements (:meth:`OutputTopics.acknowledge`) before any offset is committed: at least once.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from kafka_io.produce import produce_waiting
 from kafka_io.schema_registry import publish_schema, writer_codec
 from schemas.avro_writers import ResidencyChangeWriter
 from schemas.topics import ERROR_HEADER, SOURCE_HEADER, TopicNames
+from stream_apps.checkpoint import FLUSH_TIMEOUT_S, check_acknowledged
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,8 @@ class OutputTopics:
         return self._producer
 
     def on_delivery(self, error, message) -> None:
-        """Delivery report of one output: remembers a failure, which :meth:`flush` then raises."""
+        """Delivery report of one output: remembers a failure, which the checkpoint then raises
+        (:meth:`take_delivery_errors`)."""
         if error is not None:
             self.delivery_errors.append(f"{message.topic()}[{message.partition()}]: {error}")
 
@@ -115,7 +116,7 @@ class OutputTopics:
             key, value: the record's bytes (None: no key; a tombstone).
             partition: the partition; None: the key's murmur2 partition (the producer's partitioner).
             on_delivery: ``(error, message)`` callback of this record's delivery report instead of
-                :meth:`on_delivery` (which must then be called with a failure, or :meth:`flush` does not raise).
+                :meth:`on_delivery` (which must then be called with a failure, or the checkpoint does not see it).
             headers: the record's headers, ``[(name, bytes)]``.
         """
         producer = self._producer or self.producer
@@ -135,22 +136,28 @@ class OutputTopics:
     def serve_delivery_reports(self) -> None:
         """Run the delivery callbacks of the outputs acknowledged so far, without waiting.
 
-        Called often between messages, so that a checkpoint's :meth:`flush` finds few reports left to serve:
-        each is a Python call, and a whole commit interval's of them stopped the agent at every checkpoint.
+        Called often between messages, so that a checkpoint's flush finds few reports left to serve: each is a
+        Python call, and a whole commit interval's of them stopped the agent at every checkpoint.
         """
         if self._producer is not None:
             self._producer.poll(0)
 
-    def flush(self, timeout_s: float = 60.0) -> None:
-        """Wait until every output is acknowledged.
+    def acknowledge(self, timeout_s: float) -> int:
+        """Send what is queued at once and serve delivery reports until every output produced so far is
+        acknowledged or refused, for at most ``timeout_s`` (0: the reports already in); returns how many are
+        still unacknowledged (the checkpoint's step 2, :class:`stream_apps.checkpoint.Acknowledging`)."""
+        return 0 if self._producer is None else self._producer.flush(timeout_s)
+
+    def take_delivery_errors(self) -> list[str]:
+        """The outputs the broker refused since the last call, forgotten here."""
+        errors, self.delivery_errors = self.delivery_errors, []
+        return errors
+
+    def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> None:
+        """Wait until every output is acknowledged, outside a checkpoint (tests, tools): the checkpoint's step 2
+        alone, nothing persisted or committed.
 
         Raises:
-            RuntimeError: outputs still unacknowledged after ``timeout_s``, or refused by the broker (the
-                worker must not commit the offsets of the messages that made them).
+            RuntimeError: outputs still unacknowledged after ``timeout_s``, or refused by the broker.
         """
-        if self._producer is not None and self._producer.flush(timeout_s):
-            raise RuntimeError("outputs (changelogs, kv-residency-changes, kv-tier-occupancy) not acknowledged "
-                               f"within {timeout_s:.0f} s")
-        if self.delivery_errors:
-            errors, self.delivery_errors = self.delivery_errors, []
-            raise RuntimeError(f"{len(errors)} outputs refused by the broker, first: {errors[0]}")
+        check_acknowledged(self, self.acknowledge(timeout_s), timeout_s)

@@ -24,12 +24,14 @@ and, per batch:
 2. stamps it with its source's latest ``AllBlocksCleared`` before it on its
    kv-events partition (the *clear mark*: after re-keying, a clear's copy and
    a block's events can reach a partition in either order);
-3. writes one ``ownership_batch`` message per destination partition (split at
+3. makes one ``ownership_batch`` message per destination partition (split at
    :data:`MAX_BATCH_BYTES`); source-wide events (clears, the bridge's
    ``PublisherRestarted`` and ``SourceStale``) keep their partition number;
-4. flushes the producer and only then commits the batch's offsets (asynchronously: the next batch does not
-   wait for the commit): at least once. A redelivered event reaches the materializing agent again and is ignored there
-   (idempotent rows, :mod:`stream_apps.residency`).
+4. runs the worker's checkpoint protocol (:class:`stream_apps.checkpoint.Checkpoint`, whose docstring has the order
+   and why): produce the batch's messages and changed clear histories, wait for every acknowledgement, and only
+   then commit the batch's offsets (asynchronously: the next batch does not wait for the commit): at least once.
+   A redelivered event reaches the materializing agent again and is ignored there (idempotent rows,
+   :mod:`stream_apps.residency`).
 
 Clear marks survive restarts and rebalances: each source's last clears on a
 partition, with their offsets, are written to the compacted topic

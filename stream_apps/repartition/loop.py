@@ -1,5 +1,5 @@
-"""The repartition stage's consumer loop (:class:`Repartitioner`): read a batch of ``kv-events``, re-key it, produce
-it, flush, commit (the package docstring says how)."""
+"""The repartition stage's consumer loop (:class:`Repartitioner`): read a batch of ``kv-events``, re-key it, then run
+the checkpoint (:class:`stream_apps.checkpoint.Checkpoint`: produce, flush, commit; the package docstring says how)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from schemas import ALL_BLOCKS_CLEARED, BLOCK_STORED, SOURCE_WIDE_EVENTS, AvroCo
 from schemas.avro_writers import encode_clear_mark, encode_ownership_batch
 from schemas.clear_position import NO_CLEAR
 from schemas.topics import ERROR_HEADER, SOURCE_HEADER, TopicNames
+from stream_apps.checkpoint import Checkpoint
 from stream_apps.repartition.batches import PartitionBatch
 from stream_apps.repartition.clear_history import ClearHistory
 from stream_apps.residency import content_digest, key_partition, needs_content, residency_key, source_aggregation
@@ -29,6 +30,10 @@ log = logging.getLogger(__name__)
 NOT_READ_HERE = 1 << 62
 #: How often a batch that waits for the agent to finish the previous one checks again (seconds).
 AGENT_CHECK_S = 0.002
+#: How long the checkpoint after a batch waits for the broker's acknowledgements at most (seconds): past
+#: librdkafka's message timeout (``message.timeout.ms``, 300 s by default), every record is either acknowledged
+#: or refused, so this bound only ends the wait of a producer that hangs. This process has no event loop to block.
+FLUSH_TIMEOUT_S = 330.0
 
 
 def repartition_group(app_id: str) -> str:
@@ -36,9 +41,13 @@ def repartition_group(app_id: str) -> str:
     return f"{app_id}-repartition"
 
 
-
 class Repartitioner:
     """The repartition stage's consumer loop (:meth:`run`; :class:`RepartitionProcess` runs it in a process).
+
+    After every batch it runs its :attr:`checkpoint` (:class:`stream_apps.checkpoint.Checkpoint`, whose docstring
+    has the order and why): step 1 produces the batch's re-keyed messages and changed clear histories, step 2
+    waits for every acknowledgement (dead letters included), step 4 commits the batch's ``kv-events`` offsets
+    asynchronously (the next batch does not wait for the commit; a lost commit only means a redelivery).
 
     Args:
         bootstrap_servers: Kafka bootstrap servers.
@@ -57,11 +66,14 @@ class Repartitioner:
             (writer schemas this version does not ship are then looked up in the schemas topic).
         aggregation: the worker's configured aggregation, instance -> (world_size, mode)
             (:attr:`stream_apps.residency.SourceSettings.aggregation`).
+        consumer, producer: the confluent-kafka consumer of ``kv-events`` and producer of the outputs; None (the
+            default): :meth:`run` creates them. Tests give their own.
     """
 
     def __init__(self, bootstrap_servers: str, topics: TopicNames, partitions: int, counters, *,
                  batch_size: int = 10_000, within_s: float = 0.1, linger_s: float = 0.02, stop_event,
-                 schema_registry_url: str = "", agent_progress=None, aggregation: dict | None = None) -> None:
+                 schema_registry_url: str = "", agent_progress=None, aggregation: dict | None = None,
+                 consumer: Consumer | None = None, producer: Producer | None = None) -> None:
         self.bootstrap_servers = bootstrap_servers
         self.topics = topics
         self.app_id = topics.scoped_app_id
@@ -71,8 +83,9 @@ class Repartitioner:
         self.within_s = within_s
         self.linger_s = linger_s
         self.agent_progress = agent_progress
-        #: Re-keyed partition -> offset of the last ownership_batch message written there (acknowledged).
-        self._written: dict[int, int] = {}
+        #: Re-keyed partition -> offset of the last ownership_batch message acknowledged there (the delivery
+        #: reports keep it; a batch read waits for the agent to reach it, see :meth:`_read`).
+        self.written: dict[int, int] = {}
         self.output_topic = topics.by_ownership
         self.clears_topic = topics.source_clears
         self._event_codec = reader_codec("kv_event", bootstrap_servers, schema_registry_url, topics.schemas)
@@ -84,17 +97,29 @@ class Repartitioner:
         self.aggregation = dict(aggregation or {})
         #: (kv-events partition, instance, dp rank) -> clear history, for the assigned partitions.
         self._histories: dict[tuple[int, str, int], ClearHistory] = {}
-        #: kv-events partitions assigned to this consumer now, and how many assignments and revocations it has
-        #: seen (a batch read across one must not keep messages of a partition that left: see _read).
-        self._assigned: set[int] = set()
+        #: kv-events partitions assigned to this consumer now (the rebalance callbacks keep it), and how many
+        #: assignments and revocations it has seen (a batch read across one must not keep messages of a
+        #: partition that left: see _read).
+        self.assigned: set[int] = set()
         self._rebalances = 0
         self._delivery_errors: list[str] = []
         self._stop = stop_event
-        self._consumer: Consumer | None = None
-        self._producer: Producer | None = None
+        self._consumer = consumer
+        self._producer = producer
+        #: The batch's outgoing messages per destination partition and its changed clear histories, re-keyed
+        #: and not yet produced (the checkpoint's step 1 produces them).
+        self._outgoing: dict[int, PartitionBatch] = {}
+        self._changed: dict[tuple[int, str, int], ClearHistory] = {}
+        #: The commit protocol after every batch.
+        self.checkpoint = Checkpoint(self, produce=[self._produce_buffered], commit_offsets=self._commit_offsets,
+                                     flush_timeout_s=FLUSH_TIMEOUT_S, freeze_gc=False)
 
     def run(self) -> None:
-        """Consume, re-key, produce, flush, commit, until the stop event is set. Raises on a produce failure."""
+        """Consume, re-key, checkpoint, until the stop event is set.
+
+        Raises:
+            stream_apps.checkpoint.CheckpointError: an output could not be produced or was not acknowledged.
+        """
         # BROKER_SESSION_TIMEOUT (seconds), the variable Faust reads for the agent's consumer: when it is set,
         # both stages get their partitions back after the same wait after a crash. Unset, the two differ:
         # Faust's default is 60 s, this one librdkafka's 45 s (docs/configuration.md)
@@ -104,10 +129,12 @@ class Repartitioner:
             "auto.offset.reset": "earliest", "enable.partition.eof": False, "client.id": "kvstream-repartition",
             "session.timeout.ms": session_ms, "heartbeat.interval.ms": min(3000, session_ms // 3),
             "on_commit": self._on_commit})
-        self._consumer = Consumer(config)
-        self._producer = Producer(producer_config(self.bootstrap_servers, **{
-            "client.id": "kvstream-repartition", "partitioner": "murmur2_random", "linger.ms": 5,
-            "message.max.bytes": 8 << 20}))
+        if self._consumer is None:
+            self._consumer = Consumer(config)
+        if self._producer is None:
+            self._producer = Producer(producer_config(self.bootstrap_servers, **{
+                "client.id": "kvstream-repartition", "partitioner": "murmur2_random", "linger.ms": 5,
+                "message.max.bytes": 8 << 20}))
         self._consumer.subscribe([self.topics.kv_events], on_assign=self._on_assign, on_revoke=self._on_revoke,
                                  on_lost=self._on_revoke)
         # What exists now (modules, schemas, codecs) lives as long as the process: out of the collector's
@@ -154,7 +181,7 @@ class Repartitioner:
             # A later consume() ran a revocation: messages read before it from a partition that left have lost
             # their clear history (a block event would be re-keyed with no clear mark) and belong to the new
             # owner, which reads them again from the committed offset. They are neither re-keyed nor committed.
-            assigned = self._assigned
+            assigned = self.assigned
             messages = [m for m in messages if m.error() is not None or m.partition() in assigned]
         return messages
 
@@ -163,7 +190,7 @@ class Repartitioner:
         progress = self.agent_progress
         if progress is None:
             return True
-        for partition, offset in self._written.items():
+        for partition, offset in self.written.items():
             if progress[partition] < offset:
                 return False
         return True
@@ -188,12 +215,40 @@ class Repartitioner:
         if error is not None:
             log.warning("repartition commit failed (%s); the batch will be redelivered", error)
 
+    # -- what the checkpoint plugs in (stream_apps.checkpoint.Checkpoint) -------------------------------------
+
+    def _produce_buffered(self) -> int:
+        """Step 1: produce the batch's re-keyed messages and changed clear histories; returns how many."""
+        outgoing, changed = self._outgoing, self._changed
+        if not outgoing and not changed:
+            return 0
+        self._outgoing, self._changed = {}, {}
+        return self._produce(outgoing, changed)
+
+    def acknowledge(self, timeout_s: float) -> int:
+        """Step 2: flush the producer for at most ``timeout_s``; returns how many records are unacknowledged
+        (:class:`stream_apps.checkpoint.Acknowledging`)."""
+        return self._producer.flush(timeout_s)
+
+    def take_delivery_errors(self) -> list[str]:
+        """The records the broker refused since the last call, forgotten here."""
+        errors, self._delivery_errors = self._delivery_errors, []
+        return errors
+
+    def _commit_offsets(self, offsets: dict[int, int]) -> None:
+        """Step 4: commit ``{kv-events partition: next offset}``, asynchronously."""
+        try:
+            self._consumer.commit(offsets=[TopicPartition(self.topics.kv_events, p, o) for p, o in offsets.items()],
+                                  asynchronous=True)
+        except KafkaException as exc:  # e.g. no partitions assigned any more: they are read again elsewhere
+            log.warning("repartition commit failed (%s); the batch will be redelivered", exc)
+
     # -- assignment: clear histories follow their partitions ---------------------------------------------------
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         assigned = {tp.partition for tp in partitions}
         self._histories.update(self._load_histories(assigned))
-        self._assigned |= assigned
+        self.assigned |= assigned
         self._rebalances += 1
         log.info("repartition stage assigned kv-events partitions %s", sorted(assigned))
 
@@ -201,7 +256,7 @@ class Repartitioner:
         revoked = {tp.partition for tp in partitions}
         for key in [k for k in self._histories if k[0] in revoked]:
             del self._histories[key]
-        self._assigned -= revoked
+        self.assigned -= revoked
         self._rebalances += 1
 
     def _load_histories(self, partitions: set[int]) -> dict[tuple[int, str, int], ClearHistory]:
@@ -241,15 +296,15 @@ class Repartitioner:
     # -- the hot path -----------------------------------------------------------------------------------------
 
     def process(self, messages: list) -> dict[int, int]:
-        """Re-key one batch, produce it, wait for the broker's acks, commit the batch's offsets (asynchronously:
-        the commit is only sent after the acks, and a lost commit means a redelivery).
+        """Re-key one batch, then run the checkpoint (:attr:`checkpoint`): produce the batch, wait for the broker's
+        acks, commit its offsets.
 
         Returns:
             kv-events partition -> the offset after the batch's last message on it.
 
         Raises:
-            RuntimeError: the broker did not acknowledge every output (the offsets are not committed, so the
-                batch is read again after the worker restarts).
+            stream_apps.checkpoint.CheckpointError: the broker did not acknowledge every output (the offsets are not
+                committed, so the batch is read again after the worker restarts).
         """
         outgoing: dict[int, PartitionBatch] = defaultdict(PartitionBatch)
         changed_histories: dict[tuple[int, str, int], ClearHistory] = {}
@@ -286,19 +341,11 @@ class Repartitioner:
                 outgoing[key_partition(key, partitions)].add(key, mark, value, record, content)
             except DecodeError as exc:
                 self._dead_letter(message, str(exc))
-        self._produce(outgoing, changed_histories)
-        self._producer.flush()
-        if self._delivery_errors:
-            errors, self._delivery_errors = self._delivery_errors, []
-            raise RuntimeError(f"{len(errors)} re-keyed batches not acknowledged, first: {errors[0]}")
+        self._outgoing, self._changed = outgoing, changed_histories
+        checkpoint = self.checkpoint
+        checkpoint.store_offsets(next_offsets)
+        checkpoint.commit()
         self.counters["repartitioned"] += len(messages)
-        if next_offsets:
-            try:
-                self._consumer.commit(offsets=[TopicPartition(self.topics.kv_events, p, o)
-                                               for p, o in next_offsets.items()],
-                                      asynchronous=True)
-            except KafkaException as exc:  # e.g. no partitions assigned any more: they are read again elsewhere
-                log.warning("repartition commit failed (%s); the batch will be redelivered", exc)
         return next_offsets
 
     def _source_wide(self, message, record: dict, kind: str, source: tuple[int, str, int],
@@ -318,15 +365,19 @@ class Repartitioner:
         outgoing[partition].add(f"{name}/{record['instance_id']}/{record['data_parallel_rank']}",
                                 encode_clear_mark(mark), message.value())
 
-    def _produce(self, outgoing: dict[int, PartitionBatch], changed: dict[tuple[int, str, int], ClearHistory]) -> None:
+    def _produce(self, outgoing: dict[int, PartitionBatch], changed: dict[tuple[int, str, int], ClearHistory]) -> int:
         produce = self._producer.produce
         header = self._batch_codec.header
+        produced = 0
         for partition, batch in outgoing.items():
             for tables, items in batch.messages():
                 self._send(produce, self.output_topic, None, encode_ownership_batch(header, items, tables), partition)
+                produced += 1
         for (partition, instance, dp_rank), history in changed.items():
             self._send(produce, self.clears_topic, f"{partition}/{instance}/{dp_rank}".encode(),
                        self._clears_codec.encode(history.to_record()), partition)
+            produced += 1
+        return produced
 
     def _send(self, produce, topic: str, key: bytes | None, value: bytes, partition: int) -> None:
         produce_waiting(self._producer, topic, value, key, partition=partition, on_delivery=self._on_delivery)
@@ -335,7 +386,7 @@ class Repartitioner:
         if error is not None:
             self._delivery_errors.append(f"{message.topic()}[{message.partition()}]: {error}")
         elif message.topic() == self.output_topic:
-            self._written[message.partition()] = message.offset()
+            self.written[message.partition()] = message.offset()
 
     def _dead_letter(self, message, reason: str) -> None:
         """Send a record's original key and bytes to the dead-letter topic with the reason; move the counter."""

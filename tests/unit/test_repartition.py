@@ -69,16 +69,16 @@ class _Consumer:
         return 0, self.high.get(partition.partition, -1)
 
 
-def _repartitioner(consumer, batch_size=10, agent_progress=None):
+def _repartitioner(consumer, batch_size=10, agent_progress=None, producer=None, counters=None):
     from types import SimpleNamespace
 
     from schemas.topics import TopicNames
     from stream_apps.repartition import Repartitioner
 
-    r = Repartitioner("unused:0", TopicNames("unit"), 4, {}, batch_size=batch_size, within_s=60.0, linger_s=0.02,
-                      stop_event=SimpleNamespace(is_set=lambda: False), agent_progress=agent_progress)
-    r._consumer = consumer
-    return r
+    return Repartitioner("unused:0", TopicNames("unit"), 4, {} if counters is None else counters,
+                         batch_size=batch_size, within_s=60.0, linger_s=0.02,
+                         stop_event=SimpleNamespace(is_set=lambda: False), agent_progress=agent_progress,
+                         consumer=consumer, producer=producer)
 
 
 def test_a_backlogged_read_waits_for_a_whole_batch():
@@ -111,7 +111,7 @@ def test_a_batch_grows_while_the_agent_has_not_finished_the_previous_one():
 
     consumer = _Consumer([[1], [2], [3], [4]], on_read=agent)
     r = _repartitioner(consumer, agent_progress=progress)
-    r._written = {1: 7, 2: 3}
+    r.written.update({1: 7, 2: 3})
     assert r._read(backlogged=False, last_read=time.monotonic() - 1.0) == [1, 2, 3]
     assert consumer.calls == [(10, 0.0), (9, AGENT_CHECK_S), (8, AGENT_CHECK_S)]
 
@@ -139,7 +139,8 @@ def test_a_batch_read_across_a_revocation_drops_the_revoked_partitions_messages_
 
     consumer = _Consumer([first, second, [message(1, 22)]], on_read=rebalance)
     r = _repartitioner(consumer, agent_progress=progress)
-    r._assigned, r._written = {0, 1}, {1: 7}
+    r.assigned.update({0, 1})
+    r.written[1] = 7
     batch = r._read(backlogged=False, last_read=time.monotonic() - 1.0)
     assert [(m.partition(), m.offset()) for m in batch] == [(1, 20), (1, 21)]
     assert len(consumer.calls) == 2  # no read after the one that served the revocation
@@ -220,11 +221,10 @@ def test_a_store_without_content_hash_gets_one_in_the_repartition_process_and_ot
     messages = [SimpleNamespace(error=lambda: None, partition=lambda: 0, offset=lambda n=n: n, value=lambda v=v: v,
                                 key=lambda: None, topic=lambda: "kv-events") for n, v in enumerate(values)]
     produced = []
-    r = _repartitioner(_Consumer([]))
-    r.counters = {"repartitioned": 0, "dead_lettered": 0}
-    r._producer = SimpleNamespace(produce=lambda topic, value, key, **kwargs: produced.append((topic, value)),
-                                  flush=lambda *args: 0)
-    r._consumer = SimpleNamespace(commit=lambda **kwargs: None)
+    producer = SimpleNamespace(produce=lambda topic, value, key, **kwargs: produced.append((topic, value)),
+                               flush=lambda *args: 0)
+    r = _repartitioner(SimpleNamespace(commit=lambda **kwargs: None), producer=producer,
+                       counters={"repartitioned": 0, "dead_lettered": 0})
     r.process(messages)
     reader = OwnershipBatchReader(v4)
     events = [BlockEvent._make(event) for topic, value in produced if topic == r.output_topic
