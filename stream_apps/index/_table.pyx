@@ -54,6 +54,8 @@ from cpython.list cimport PyList_New, PyList_SET_ITEM
 
 import xxhash
 
+from stream_apps.index.table_keys import residency_key_block as _residency_key_block
+
 cdef extern from *:
     """
     #if defined(__GNUC__) || defined(__clang__)
@@ -446,6 +448,39 @@ cdef object _holder_filter(allowed):
 
 # ---------------------------------------------------------------------------------------------------------
 # The table
+
+
+cdef inline int _hex_digit(unsigned char c) noexcept nogil:
+    if 48 <= c <= 57:
+        return c - 48
+    if 97 <= c <= 102:
+        return c - 87
+    if 65 <= c <= 70:
+        return c - 55
+    return -1
+
+
+def residency_key_block(bytes key not None):
+    """``table.residency_key_block(key)``: ``(ownership or None, block key)`` of a residency table key, the 16
+    hex digits of an 8-byte hash read in C (the feed parses one per changelog record). Anything else (another
+    hash length, spaces ``bytes.fromhex`` allows) goes to the Python reference, so results and errors are
+    its."""
+    cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(key)
+    cdef Py_ssize_t n = PyBytes_GET_SIZE(key), slash = n - 1, i
+    cdef uint64_t v = 0
+    cdef int d
+    while slash >= 0 and p[slash] != 47:  # '/'
+        slash -= 1
+    if n - slash - 1 != 16:
+        return _residency_key_block(key)
+    for i in range(slash + 1, n):
+        d = _hex_digit(p[i])
+        if d < 0:
+            return _residency_key_block(key)
+        v = (v << 4) | <uint64_t>d
+    text = key.decode()  # the whole key, as the reference decodes it (the same error for bytes that are not UTF-8)
+    ownership = text[:-17] if slash >= 0 else ""  # what precedes "/" and the 16 ASCII digits
+    return (None if ownership == "primary" else ownership), PyLong_FromUnsignedLongLong(v)
 
 
 cdef class BlockTable:

@@ -26,7 +26,7 @@ from stream_apps.index.entry_reader import index_entry_of
 from stream_apps.index.liveness import SourceLeases
 from stream_apps.index.scoring import HolderInfo, PrefixRun, instances_answer, prefix_match_rows, table_prefix_runs
 from stream_apps.index.sources import DEFAULT_BLOCK_SIZE, DEFAULT_TENANT, SourceInfo, SourceRegistry
-from stream_apps.index.table import BlockTable, block_key, block_keys
+from stream_apps.index.table import BlockTable, block_key, block_keys, residency_key_block
 
 #: Re-exported: the registry's names were defined here before :mod:`stream_apps.index.sources`.
 __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_TENANT", "FleetIndex", "IndexCounters", "SourceInfo", "SourceRegistry"]
@@ -170,16 +170,13 @@ class FleetIndex:
             hash hex>``, or a value ``read`` refused); the others are applied.
         """
         failures = []
-        replace = self._table.replace
+        replace, key_block = self._table.replace, residency_key_block
         row_holders, scopes = self._row_holders, self._scopes
         applied = 0
         with self.lock:
             for position, (key, value) in enumerate(records):
                 try:
-                    ownership, _, hex_hash = key.decode().rpartition("/")
-                    if ownership == _PRIMARY:
-                        ownership = None
-                    block = block_key(bytes.fromhex(hex_hash))
+                    ownership, block = key_block(key)
                     rows, parent, content = read(value) if value else (None, None, None)
                     scope = scopes.get(ownership)
                     if scope is None:

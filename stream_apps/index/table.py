@@ -36,11 +36,10 @@ import os
 import sys
 from collections.abc import Iterator, Sequence
 
-import xxhash
-
 from schemas.compiled import PURE_PYTHON_VARIABLE
 from schemas.tiers import TIERS
 from stream_apps.index.scoring import runs_by_group
+from stream_apps.index.table_keys import block_key, residency_key_block
 
 #: A block's dump: ``(block, parent | None, content | None, ((scope, holder), ...))``, links sorted.
 Item = tuple[int, "int | None", "int | None", tuple[tuple[int, int], ...]]
@@ -55,14 +54,6 @@ _U32 = 1 << 32
 MAX_INFO_ID = 1 << 24
 #: Tiers of the holder metadata: ``set_holder``'s tier index is an index in this (``schemas.TIERS``).
 TIER_COUNT = len(TIERS)
-
-
-def block_key(canonical_hash: bytes) -> int:
-    """The u64 block key of a canonical block hash: an 8-byte hash read big-endian (vLLM's and SGLang's
-    64-bit hashes are their own keys), any other length (sha256 hashes: 32 bytes) its XXH3-64."""
-    if len(canonical_hash) == 8:
-        return int.from_bytes(canonical_hash, "big")
-    return xxhash.xxh3_64_intdigest(canonical_hash)
 
 
 def _block_keys(hashes: Sequence[bytes]) -> list[int]:
@@ -491,7 +482,12 @@ CompiledBlockTable = _compiled()
 BlockTable = CompiledBlockTable or PyBlockTable
 #: ``hashes -> [block_key(h) for h in hashes]``: compiled with the table (8-byte hashes read in C), else
 #: :func:`_block_keys`. A list of block keys for the queries, from a chain of canonical block hashes.
+#: ``residency_key_block(key bytes) -> (ownership or None, block key)``: compiled with the table (the 16 hex
+#: digits of an 8-byte hash read in C), else :func:`stream_apps.index.table_keys.residency_key_block`.
 if CompiledBlockTable is not None:
-    from stream_apps.index._table import block_keys
+    from stream_apps.index._table import block_keys, residency_key_block
 else:
     block_keys = _block_keys
+
+__all__ = ["MAX_INFO_ID", "TIER_COUNT", "BlockTable", "CompiledBlockTable", "Item", "PyBlockTable", "Run", "block_key",
+           "block_keys", "residency_key_block"]

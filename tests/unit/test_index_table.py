@@ -725,3 +725,42 @@ def test_scored_lookups_agree_with_python_and_the_definition(scenario):
         assert [(f"g{group}", matched, score, {TIERS[t]: r for t, r in enumerate(tiers) if r}, list(classes))
                 for group, matched, score, tiers, classes in expected] == [
             (key[0], run.any, run.score, run.tiers, run.classes) for key, run in reference.items()]
+
+
+def _key_block_outcome(parse, key: bytes):
+    try:
+        return parse(key)
+    except Exception as exc:  # noqa: BLE001 - the outcome compared is the error's type and message too
+        return type(exc), str(exc)
+
+
+_HEX = "0123456789abcdefABCDEF"
+
+
+@settings(max_examples=2000, deadline=None)
+@given(key=st.one_of(
+    # residency keys as workers write them, and near misses: other lengths, a non-hex digit, spaces, no slash
+    st.tuples(st.sampled_from(["primary", "kvcr", "", "prim/ary", "é"]),
+              st.text(_HEX, min_size=14, max_size=18), st.sampled_from(["", "g", " ", "/"]))
+    .map(lambda t: f"{t[0]}/{t[1]}{t[2]}".encode()),
+    st.text(_HEX, min_size=16, max_size=16).map(str.encode),
+    st.binary(max_size=40)))
+def test_the_compiled_residency_key_parse_gives_the_references_results_and_errors(key):
+    from stream_apps.index.table_keys import residency_key_block as reference
+
+    compiled = compiled_class()  # fails when not built, as the table tests do
+    from stream_apps.index._table import residency_key_block
+
+    assert compiled is not None
+    assert _key_block_outcome(residency_key_block, key) == _key_block_outcome(reference, key)
+
+
+def test_a_residency_key_names_its_ownership_and_the_block_key_of_its_hash():
+    from stream_apps.index.table import residency_key_block
+
+    block = bytes.fromhex("00ff10203040a0b0")
+    assert residency_key_block(b"primary/00ff10203040a0b0") == (None, block_key(block))
+    assert residency_key_block(b"kvcr/00FF10203040A0B0") == ("kvcr", int.from_bytes(block, "big"))
+    assert residency_key_block(b"kvcr/" + b"ab" * 32) == ("kvcr", xxhash.xxh3_64_intdigest(bytes.fromhex("ab" * 32)))
+    with pytest.raises(ValueError):
+        residency_key_block(b"primary/00ff10203040a0bg")
