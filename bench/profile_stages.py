@@ -172,16 +172,16 @@ def run_repartition(partitions) -> tuple[list[tuple[int, bytes]], float, int]:
     from schemas.topics import TopicNames
     from stream_apps.repartition import Repartitioner
 
-    r = Repartitioner("unused:0", TopicNames("profile"), PARTITIONS, defaultdict(int), stop_event=None)
-    r._producer = RecordingProducer()
-    r._consumer = types.SimpleNamespace(commit=lambda **_: None)
+    producer = RecordingProducer()
+    r = Repartitioner("unused:0", TopicNames("profile"), PARTITIONS, defaultdict(int), stop_event=None,
+                      consumer=types.SimpleNamespace(commit=lambda **_: None), producer=producer)
     batches = list(consume_batches(partitions))
     gc.collect()
     t0 = time.thread_time()
     for batch in batches:
         r.process(batch)
     seconds = time.thread_time() - t0  # CPU seconds of this thread: the machine's load does not inflate it
-    out = [(partition, value) for topic, value, key, partition, headers in r._producer.messages
+    out = [(partition, value) for topic, value, key, partition, headers in producer.messages
            if topic == r.output_topic]
     return out, seconds, sum(map(len, batches))
 
