@@ -1,4 +1,5 @@
-"""Delivery reports of changelog records, gathered per partition without a Python call per record.
+"""Delivery reports gathered without a Python call per record: the stores' changelog records per partition, and
+the worker's other outputs.
 
 librdkafka reports every produced record once, through the callback given to ``produce()``. A Python function
 there costs a frame per record, and the residency store produces about one changelog record per event: that was
@@ -16,6 +17,14 @@ and a restart would read some records again: values are whole entries, so that o
 from __future__ import annotations
 
 from typing import Callable
+
+
+def refused(reports: dict) -> list[str]:
+    """``"topic[partition]: error"`` of each refusal in ``reports`` (``{error or None: message}``, filled by
+    ``reports.__setitem__`` as a delivery callback): one per partition and error code, as a dict keeps one
+    message per equal key."""
+    return [f"{message.topic()}[{message.partition()}]: {error}" for error, message in reports.items()
+            if error is not None]
 
 
 class DeliveryReports(dict):
@@ -36,11 +45,8 @@ class DeliveryReports(dict):
         return callback
 
     def refused(self) -> list[str]:
-        """``"topic[partition]: error"`` of every refused record reported since the last
-        :meth:`take_offsets`, or of one per partition and error code (a dict keeps one per equal error)."""
-        return [f"{message.topic()}[{message.partition()}]: {error}"
-                for reports in self._by_partition.values() for error, message in reports.items()
-                if error is not None]
+        """:func:`refused` of every partition's reports since the last :meth:`take_offsets`."""
+        return [line for reports in self._by_partition.values() for line in refused(reports)]
 
     def take_offsets(self) -> dict[int, int]:
         """Partition -> offset of the last record acknowledged since the previous call; forgets the reports."""

@@ -20,6 +20,7 @@ from kafka_io.schema_registry import publish_schema, writer_codec
 from schemas.avro_writers import ResidencyChangeWriter
 from schemas.topics import ERROR_HEADER, SOURCE_HEADER, TopicNames
 from stream_apps.checkpoint import FLUSH_TIMEOUT_S, check_acknowledged
+from stream_apps.delivery_reports import refused
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +52,11 @@ class OutputTopics:
         #: Whether residency transitions are published (the callers skip :meth:`change` when not).
         self.residency_changes = residency_changes
         self._producer: Producer | None = None
-        #: Outputs the broker refused (after librdkafka's retries): "topic[partition]: error".
-        self.delivery_errors: list[str] = []
+        #: Delivery reports of the outputs produced without a callback of their own (residency changes,
+        #: occupancy, dead letters): error or None -> the last message reported with it, filled by the dict's
+        #: own ``__setitem__`` as librdkafka's callback, so a report costs no Python call
+        #: (:mod:`stream_apps.delivery_reports`).
+        self._reports: dict = {}
         # registered now (an incompatible schema stops the worker at start); published to the schemas topic
         # with the first record (the constructor needs no broker)
         self._change_codec = writer_codec("residency_change", bootstrap_servers, topics.residency_changes,
@@ -75,14 +79,8 @@ class OutputTopics:
             if not self._registry:
                 publish_schema(self.bootstrap_servers, self.topics.schemas, self._change_codec.schema,
                                self._occupancy_codec.schema)
-            self._producer = Producer(producer_config(self.bootstrap_servers, on_delivery=self.on_delivery))
+            self._producer = Producer(producer_config(self.bootstrap_servers, on_delivery=self._reports.__setitem__))
         return self._producer
-
-    def on_delivery(self, error, message) -> None:
-        """Delivery report of one output: remembers a failure, which the checkpoint then raises
-        (:meth:`take_delivery_errors`)."""
-        if error is not None:
-            self.delivery_errors.append(f"{message.topic()}[{message.partition()}]: {error}")
 
     def change(self, block_hash: bytes, ownership: str | None, instance_id: str, data_parallel_rank: int,
                tier: str, medium: str | None, locality: str | None, group_idx: int | None, resident: bool,
@@ -115,8 +113,9 @@ class OutputTopics:
             topic: the topic.
             key, value: the record's bytes (None: no key; a tombstone).
             partition: the partition; None: the key's murmur2 partition (the producer's partitioner).
-            on_delivery: ``(error, message)`` callback of this record's delivery report instead of
-                :meth:`on_delivery` (which must then be called with a failure, or the checkpoint does not see it).
+            on_delivery: ``(error, message)`` callback of this record's delivery report instead of the output
+                producer's, whose refusals the checkpoint raises (:meth:`take_delivery_errors`); a caller that
+                gives one must make its refusals fail the checkpoint itself (the stores do, in ``persist``).
             headers: the record's headers, ``[(name, bytes)]``.
         """
         producer = self._producer or self.producer
@@ -149,8 +148,10 @@ class OutputTopics:
         return 0 if self._producer is None else self._producer.flush(timeout_s)
 
     def take_delivery_errors(self) -> list[str]:
-        """The outputs the broker refused since the last call, forgotten here."""
-        errors, self.delivery_errors = self.delivery_errors, []
+        """The outputs the broker refused since the last call (one per partition and error code of those without
+        a callback of their own), forgotten here."""
+        errors = refused(self._reports)
+        self._reports.clear()
         return errors
 
     def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> None:

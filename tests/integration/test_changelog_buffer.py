@@ -199,3 +199,20 @@ def test_the_offset_persisted_is_the_last_acknowledged_record_of_each_partition(
         last[partition] = max(last.get(partition, -1), offset)
     assert last == {0: 3, 3: 0}
     assert {p: int(residency._db_for_partition(p).get(residency.offset_key)) for p in (0, 3)} == last
+
+
+def test_an_output_the_broker_refused_fails_the_checkpoint(kafka_bootstrap, tmp_path):
+    # the output producer's own delivery reports (residency changes, occupancy, dead letters) are a dict filled
+    # by librdkafka's callback, not a Python function (stream_apps/outputs.py): a refusal must still be seen
+    app_id = f"changelog-buffer-{next(_app_ids)}"
+    occupancy = f"{app_id}-kv-tier-occupancy"
+    ensure_topics(kafka_bootstrap, {occupancy: 4}, configs={occupancy: {"max.message.bytes": "300"}})
+    stream_app = _app(kafka_bootstrap, tmp_path, "memory://", app_id)
+    big = secrets.token_hex(2000)  # over the topic's limit even lz4-compressed
+    stream_app.outputs.occupancy(f"0/primary/GPU/{big}", {"ownership": None, "tier": "GPU", "instance_id": big,
+                                                          "resident_blocks": 1})
+
+    with pytest.raises(CheckpointError, match=f"1 outputs refused by the broker, first: {occupancy}"):
+        stream_app.checkpoint.commit()
+    with pytest.raises(CheckpointError, match="earlier checkpoint failed"):
+        stream_app.checkpoint.commit()
