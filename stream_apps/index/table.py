@@ -485,7 +485,12 @@ BlockTable = CompiledBlockTable or PyBlockTable
 #: ``residency_key_block(key bytes) -> (ownership or None, block key)``: compiled with the table (the 16 hex
 #: digits of an 8-byte hash read in C), else :func:`stream_apps.index.table_keys.residency_key_block`.
 if CompiledBlockTable is not None:
-    from stream_apps.index._table import block_keys, residency_key_block
+    from stream_apps.index._table import block_keys
+
+    try:
+        from stream_apps.index._table import residency_key_block
+    except ImportError:  # a module built before it had one (a checkout updated without `make install`)
+        pass
 else:
     block_keys = _block_keys
 
