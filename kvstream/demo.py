@@ -26,6 +26,7 @@ from kafka_io.admin import ensure_topics
 from kafka_io.config import DEFAULT_PARTITIONS
 from kafka_io.schema_registry import writer_codec
 from kvstream import broker, registry
+from kvstream.export import NULL_OWNERSHIP
 from kvstream.worker import spawn_worker, stop_worker, wait_until_consumed
 from producers.kafka_sink import KvEventProducer
 from producers.simulator import DEFAULT_TRACE, FleetConfig, ReplayResult, load_trace, replay_to_kafka
@@ -54,9 +55,6 @@ class DemoOptions:
     http_sample: int = 200
 
 
-#: How the occupancy table shows ownership null (the JSON's ``"ownership": null``): the serving framework's own
-#: tiers (docs/contract.md, "Ownership").
-NULL_OWNERSHIP = "null (framework)"
 
 
 def _print_occupancy(rows: list[dict]) -> None:

@@ -33,6 +33,9 @@ from kvstream.settings import app_topic
 from schemas import AvroCodec, DecodeError
 from schemas.topics import KV_RESIDENCY_CHANGES, topic_family
 
+#: How the CLI's tables (the demo's, the report's) show ownership null (the JSON's ``"ownership": null``, empty in
+#: an export): the serving framework's own tiers (docs/contract.md, "Ownership").
+NULL_OWNERSHIP = "null (framework)"
 #: Columns of an exported change, in order (see :func:`change_schema` for their types).
 CHANGE_COLUMNS = ("partition", "offset", "kafka_timestamp", "block_hash", "ownership", "instance_id",
                   "data_parallel_rank", "tier", "medium", "locality", "group_idx", "resident", "copies", "ts",

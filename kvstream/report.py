@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from kvstream.export import TIME_COLUMNS, change_batches, require_analytics
+from kvstream.export import NULL_OWNERSHIP, TIME_COLUMNS, change_batches, require_analytics
 
 #: The columns the report reads (an export of the changes has them all).
 REPORT_COLUMNS = ("block_hash", "ownership", "instance_id", "data_parallel_rank", "tier", "locality", "group_idx",
@@ -272,7 +272,8 @@ def summarize(replay: ChangeReplay, source: str) -> ReportSummary:
                     [[a, *(f"{replay.transitions.get((a, b), 0):,}" for b in labels)] for a in sources])
     lines += ["", f"## Occupancy as of {data['as_of']}", ""]
     lines += _table(["ownership", "tier", "instance", "resident blocks"],
-                    [[row["ownership"] or "primary", row["tier"], row["instance_id"], f"{row['resident_blocks']:,}"]
+                    [[row["ownership"] or NULL_OWNERSHIP, row["tier"], row["instance_id"],
+                      f"{row['resident_blocks']:,}"]
                      for row in data["occupancy_as_of"]])
     total = sum(row["resident_blocks"] for row in data["occupancy_as_of"])
     lines += ["", f"{total:,} resident blocks in all."]
