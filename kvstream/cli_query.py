@@ -116,13 +116,21 @@ def _lag_text(answer: dict) -> str:
 
 
 def _wait_caught_up(settings, poll_s: float = 1.0) -> int:
-    """Poll ``GET /occupancy/`` until the workers report ``caught_up``; progress on standard error. Returns 0
-    once they have, else the exit code (1: the wait timed out, or the URL is no worker's)."""
+    """Poll ``GET /occupancy/`` until the workers report ``caught_up`` and two answers ``poll_s`` apart agree;
+    progress on standard error. Returns 0 once they have, else the exit code (1: the wait timed out, or the URL
+    is no worker's).
+
+    Why the second answer: ``caught_up`` says the workers have consumed and committed their input, so every
+    table change is in the changelogs; the global tables (occupancy, sources) reach the other workers' copies
+    through those changelogs some hundreds of milliseconds later (``--changelog-interval-s`` and the read).
+    Once the input is consumed nothing else changes them, so an answer equal to the one before is the whole one.
+    """
     import time
 
     url = settings.worker_url + "/occupancy/"
     started = time.monotonic()
     said = None
+    settled = None  # the occupancy of the last caught-up answer
     while True:
         try:
             with urllib.request.urlopen(url, timeout=settings.request_timeout_s) as response:
@@ -138,16 +146,20 @@ def _wait_caught_up(settings, poll_s: float = 1.0) -> int:
                   "command?)", file=sys.stderr)
             return 1
         if answer.get("caught_up"):
-            if said is not None:
-                print(f"the workers have caught up ({time.monotonic() - started:.0f} s)", file=sys.stderr)
-            return 0
+            if settled is not None and answer.get("occupancy") == settled:
+                if said is not None:
+                    print(f"the workers have caught up ({time.monotonic() - started:.0f} s)", file=sys.stderr)
+                return 0
+            settled = answer.get("occupancy")
+        else:
+            settled = None
         waited = time.monotonic() - started
         if waited >= settings.wait_timeout_s:
             print(f"error: the workers have not caught up after {settings.wait_timeout_s:g} s: {_lag_text(answer)}",
                   file=sys.stderr)
             return 1
-        text = _lag_text(answer)
-        if text != said:
+        text = "the global tables' copies are settling" if settled is not None else _lag_text(answer)
+        if text != said and (settled is None or said is not None):  # the settling of an idle fleet goes unsaid
             print(f"waiting for the workers to catch up: {text}", file=sys.stderr)
             said = text
         time.sleep(min(poll_s, max(settings.wait_timeout_s - waited, 0.0)))

@@ -125,7 +125,8 @@ class QuerySettings(BaseSettings):
     request_timeout_s: float = Field(10.0, gt=0, description="longest wait for the answer, seconds")
     #: Before asking, wait until the workers have consumed their input (``caught_up`` of ``GET /occupancy/``).
     wait_caught_up: bool = Field(False, description="first wait until the workers have consumed their input "
-                                                    "(caught_up of GET /occupancy/), progress on standard error")
+                                                    "(caught_up of GET /occupancy/) and their copies of the "
+                                                    "global tables have settled, progress on standard error")
     #: Longest wait of ``wait_caught_up``, in seconds.
     wait_timeout_s: float = Field(600.0, gt=0, description="longest wait of --wait-caught-up, seconds")
 

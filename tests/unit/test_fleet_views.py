@@ -159,8 +159,8 @@ def fake_worker():
         server.server_close()
 
 
-def _occupancy(lag: int | None, error: str | None = None) -> dict:
-    answer = {"occupancy": [{"ownership": None, "tier": "GPU", "instance_id": "sim-0", "resident_blocks": 10}],
+def _occupancy(lag: int | None, error: str | None = None, blocks: int = 10) -> dict:
+    answer = {"occupancy": [{"ownership": None, "tier": "GPU", "instance_id": "sim-0", "resident_blocks": blocks}],
               "caught_up": lag == 0 and error is None, "lag": lag,
               "lag_by_topic": {} if lag is None else {"kv-events": lag}}
     return {**answer, "lag_error": error} if error else answer
@@ -190,8 +190,24 @@ def test_wait_caught_up_polls_until_the_workers_have_consumed_everything(fake_wo
         "waiting for the workers to catch up: their lag is unknown (the coordinator is loading)",
         "waiting for the workers to catch up: 5,000 messages of their input to go (kv-events 5,000)",
         "waiting for the workers to catch up: 20 messages of their input to go (kv-events 20)",
+        "waiting for the workers to catch up: the global tables' copies are settling",
         "the workers have caught up (0 s)"]
-    assert worker.requests == ["/occupancy/"] * 6  # five polls, then the query itself
+    assert worker.requests == ["/occupancy/"] * 7  # six polls (the last two caught up and equal), then the query
+
+
+def test_wait_caught_up_waits_for_the_other_workers_copies_of_the_global_tables(fake_worker, capsys, monkeypatch):
+    # caught up: every change is in the changelogs; the occupancy still grows while this worker's copy of the
+    # other workers' partitions reads them, and the wait ends at the first answer equal to the one before it
+    from kvstream import cli
+
+    monkeypatch.setattr(time, "sleep", lambda s: None)
+    worker = fake_worker([_occupancy(0, blocks=6), _occupancy(0, blocks=9), _occupancy(0, blocks=10),
+                          _occupancy(0, blocks=10)])
+    assert cli.main(["query", "occupancy", "--wait-caught-up", "--worker-url", worker.url]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["occupancy"][0]["resident_blocks"] == 10
+    assert err == ""  # an idle fleet's short settling is not worth a line
+    assert len(worker.requests) == 5
 
 
 def test_wait_caught_up_gives_up_after_its_timeout(fake_worker, capsys):
