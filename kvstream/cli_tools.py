@@ -78,14 +78,20 @@ def _cmd_tail(args: argparse.Namespace) -> int:
     from kvstream.options import settings_from_args
     from kvstream.settings import TailSettings, app_topic
     from kvstream.tail import reader_codecs, tail
-    from schemas.topics import TopicNames
+    from schemas.topics import TABLE_FAMILIES, TopicNames
 
     settings = settings_from_args(TailSettings, args)
     names = TopicNames(settings.app_id, settings.topic_prefix)
     codecs = reader_codecs(settings.bootstrap_servers, settings.schema_registry_url, names.schemas)
-    tail(settings.bootstrap_servers, app_topic(args.topic, names), from_beginning=settings.from_beginning,
-         max_messages=settings.max_messages, idle_timeout_s=settings.idle_timeout_s, to_end=settings.to_end,
-         codecs=codecs)
+    try:
+        tail(settings.bootstrap_servers, app_topic(args.topic, names), from_beginning=settings.from_beginning,
+             max_messages=settings.max_messages, idle_timeout_s=settings.idle_timeout_s, to_end=settings.to_end,
+             codecs=codecs)
+    except RuntimeError as exc:
+        if args.topic in TABLE_FAMILIES and "does not exist" in str(exc):  # a table's name, not a topic's
+            raise RuntimeError(f"{exc}: the {args.topic} table is kept in the topic {args.topic}-changelog "
+                               f"(kvstream tail {args.topic}-changelog)") from None
+        raise
     return 0
 
 

@@ -260,3 +260,6 @@ def test_tail_export_and_report_take_the_apps_topics_by_their_short_names(pipeli
     assert sorted(by_short.read_text().splitlines()) == sorted(by_full.read_text().splitlines()) != []
     assert main(["report", "kv-residency-changes", *flags, "--output-dir", str(tmp_path / "report")]) == 0
     assert json.loads((tmp_path / "report" / "summary.json").read_text())["source"] == topics.residency_changes
+    # a table's name is no topic's, and the error says which topic holds the table
+    assert main(["tail", "residency", *flags, "--from-beginning", "--max-messages", "1"]) != 0
+    assert "the residency table is kept in the topic residency-changelog" in capsys.readouterr().err
