@@ -61,11 +61,14 @@ def check_registry_url(url: str) -> str:
 RegistryUrl = Annotated[str, AfterValidator(check_registry_url)]
 
 
-def schema_registry_field():
+def schema_registry_field(reads_only: bool = False):
     """The ``schema_registry_url`` field every command's settings share (flags ``--schema-registry-url`` and
-    ``--schema-registry``, variable ``KVSTREAM_SCHEMA_REGISTRY_URL``)."""
-    return Field("", description="schema registry URL (Confluent API, e.g. Apicurio's .../apis/ccompat/v7): "
-                 "write the Confluent wire format; empty: single-object framing, no registry",
+    ``--schema-registry``, variable ``KVSTREAM_SCHEMA_REGISTRY_URL``); ``reads_only`` for a command that writes
+    no records (tail, export), whose help says what the registry is for there."""
+    use = ("resolve the schema ids of Confluent-framed records; empty: no registry (single-object framing, writer "
+           "schemas from the schemas topic)"
+           if reads_only else "write the Confluent wire format; empty: single-object framing, no registry")
+    return Field("", description=f"schema registry URL (Confluent API, e.g. Apicurio's .../apis/ccompat/v7): {use}",
                  json_schema_extra={"flag_aliases": ["--schema-registry"]})
 
 

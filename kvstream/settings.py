@@ -101,7 +101,7 @@ class TailSettings(BaseSettings):
     #: Stop after this many seconds without a record; none: never.
     idle_timeout_s: float | None = Field(None, gt=0, description="stop after this many seconds without a record")
     #: The schema registry that resolves Confluent-framed records' schema ids; empty: none.
-    schema_registry_url: RegistryUrl = schema_registry_field()
+    schema_registry_url: RegistryUrl = schema_registry_field(reads_only=True)
     #: The stream app whose topics are meant by their short names (``kv-residency-changes``, ...).
     app_id: str = Field("kvstream", min_length=1, description="app id of the stream app whose topics the short "
                                                               "names mean")
@@ -150,7 +150,7 @@ class _AppTopicsSettings(BaseSettings):
     #: The topic prefix of that app (``kvstream worker --topic-prefix``); empty: none.
     topic_prefix: str = Field("", description="topic prefix of that app; empty: none")
     #: The schema registry that resolves Confluent-framed records' schema ids; empty: none.
-    schema_registry_url: RegistryUrl = schema_registry_field()
+    schema_registry_url: RegistryUrl = schema_registry_field(reads_only=True)
     #: Longest time the whole read of the topic may take, in seconds.
     read_timeout_s: float = Field(3600.0, gt=0, description="longest time the read of the topic may take, seconds")
 
