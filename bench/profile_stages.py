@@ -212,14 +212,16 @@ def _bind(ns, cls, *names):
     return ns
 
 
-def _changelog_buffer(ns):
-    """Give a store stand-in the changelog buffer that ``_BoundStore.bind`` sets up in the worker."""
+def _stand_in(ns, store_class, *names):
+    """``ns`` as a ``store_class``: its methods ``names`` bound to it, with the changelog buffer and delivery
+    reports that ``_BoundStore.bind`` sets up in the worker."""
     from stream_apps.delivery_reports import DeliveryReports
     from stream_apps.store import MemoryTableStore
 
-    ns._unproduced, ns.changelog_records = {}, 0
+    ns._unproduced, ns.changelog_records, ns.buffers_bytes = {}, 0, store_class.buffers_bytes
     ns._reports = ns._changelog_delivery = DeliveryReports()
-    return _bind(ns, MemoryTableStore, "acknowledged_offsets")
+    _bind(ns, MemoryTableStore, "acknowledged_offsets")
+    return _bind(ns, store_class, "produce_changelog", "_changelog_value", *names)
 
 
 def make_materializer(store_kind: str, producer, tmp: Path, timers: dict[str, Timer], instrument: bool = True):
@@ -245,8 +247,7 @@ def make_materializer(store_kind: str, producer, tmp: Path, timers: dict[str, Ti
     def small(family: str, changelog: str):
         ns = types.SimpleNamespace(data={}, _key_partition={}, written_at={}, outputs=outputs, changelog=changelog,
                                    encode=store_module.value_encoder(AvroCodec(family)))
-        return _bind(_changelog_buffer(ns), store_module.MemoryTableStore, "entry", "lookup", "write", "persist",
-                     "partition_keys", "produce_changelog", "_changelog_value")
+        return _stand_in(ns, store_module.MemoryTableStore, "entry", "lookup", "write", "persist", "partition_keys")
 
     codec = AvroCodec("residency")
     encode = store_module.value_encoder(codec)
@@ -256,8 +257,8 @@ def make_materializer(store_kind: str, producer, tmp: Path, timers: dict[str, Ti
         residency = types.SimpleNamespace(data={}, _cache=OrderedDict(), cache_entries=10_000, outputs=outputs,
                                           changelog="profile-residency-changelog", encode=encode, codec=codec,
                                           table=types.SimpleNamespace(partitions=PARTITIONS))
-        _bind(_changelog_buffer(residency), store_module.CompactMemoryTableStore, "entry", "lookup", "_remember",
-              "write", "persist", "partition_keys", "_partition_of", "produce_changelog", "_changelog_value")
+        _stand_in(residency, store_module.CompactMemoryTableStore, "entry", "lookup", "_remember", "write", "persist",
+                  "partition_keys", "_partition_of")
     else:
         options = ResidencyRocksDBOptions(**residency_rocksdb_options()).as_options()
         dbs = {}
@@ -271,8 +272,8 @@ def make_materializer(store_kind: str, producer, tmp: Path, timers: dict[str, Ti
                                           codec=codec, encode=encode, outputs=outputs,
                                           changelog="profile-residency-changelog", offset_key=b"__faust\0offset__",
                                           _db_for_partition=db_for_partition, _dbs=dbs)
-        _bind(_changelog_buffer(residency), store_module.RocksDBTableStore, "entry", "lookup", "_remember", "write",
-              "persist", "partition_keys", "produce_changelog", "_changelog_value")
+        _stand_in(residency, store_module.RocksDBTableStore, "entry", "lookup", "_remember", "write", "persist",
+                  "partition_keys")
         residency.close_all = lambda: [db.close() for db in dbs.values()]
     residency.window_keys = set()
     residency.merged_writes = 0

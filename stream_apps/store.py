@@ -123,6 +123,9 @@ class _BoundStore:
                                f"{refused[0]}")
         return self._reports.take_offsets()
 
+    #: Whether the buffered values are the records' value bytes already (:meth:`_changelog_value` is the identity).
+    buffers_bytes = True
+
     def _changelog_value(self, value: Any) -> bytes | None:
         """The changelog record's value bytes of a buffered value (these stores buffer the bytes)."""
         return value
@@ -145,13 +148,22 @@ class _BoundStore:
         if not unproduced:
             return 0
         self._unproduced = {}
-        produce, changelog, delivery, value_bytes = (self.outputs.produce, self.changelog, self._changelog_delivery,
-                                                     self._changelog_value)
+        outputs, changelog, delivery = self.outputs, self.changelog, self._changelog_delivery
+        # librdkafka's produce itself, positional, and no call per record for a value buffered as its bytes:
+        # this runs once per key written (about once per event for the residency table). outputs.produce only
+        # when librdkafka's queue is full (it waits for room).
+        enqueue = outputs.producer.produce
+        value_bytes = None if self.buffers_bytes else self._changelog_value
         produced = 0
         try:
             for (partition, key), value in unproduced.items():
-                produce(changelog, key.encode(), value_bytes(value), partition,
-                        None if delivery is None else delivery[partition])
+                if value_bytes is not None:
+                    value = value_bytes(value)
+                callback = None if delivery is None else delivery[partition]
+                try:
+                    enqueue(changelog, value, key.encode(), partition, callback)
+                except BufferError:
+                    outputs.produce(changelog, key.encode(), value, partition, callback)
                 produced += 1
         except BaseException:
             left = dict(islice(unproduced.items(), produced, None))
@@ -245,6 +257,9 @@ class MemoryTableStore(_BoundStore, faust.stores.memory.Store):
         self._key_partition[key] = partition
         self._unproduced[(partition, key)] = value
 
+    #: Values are buffered as dicts (:meth:`_changelog_value` encodes them).
+    buffers_bytes = False
+
     def _changelog_value(self, value: dict | None) -> bytes | None:
         """These values are buffered as dicts: encoded once per record produced, not once per write."""
         return None if value is None else self.encode(value)
@@ -321,6 +336,9 @@ class CompactMemoryTableStore(_EntryCache, MemoryTableStore):
             self.data[key] = encoded
         self._remember(key, value)
         self._unproduced[(partition, key)] = encoded
+
+    #: Buffered as the bytes it stores (its parent, :class:`MemoryTableStore`, buffers dicts).
+    buffers_bytes = True
 
     def _changelog_value(self, value: bytes | None) -> bytes | None:
         """Buffered as the bytes it stores: already encoded."""

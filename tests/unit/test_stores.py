@@ -25,12 +25,14 @@ ENTRY = {"block_hash": b"\x01" * 8, "ownership": None, "parent_block_hash": b"\x
 
 
 class _Outputs:
-    """The output producer's ``produce`` as the stores call it, recording the changelog records."""
+    """The output producer as the stores use it, recording the changelog records: its librdkafka producer's
+    ``produce(topic, value, key, partition, on_delivery)``, reporting each record delivered at once."""
 
     def __init__(self) -> None:
         self.records: list[tuple] = []
+        self.producer = SimpleNamespace(produce=self._enqueue)
 
-    def produce(self, topic, key, value, partition, on_delivery) -> None:
+    def _enqueue(self, topic, value, key, partition, on_delivery) -> None:
         self.records.append((topic, key, value, partition))
         if on_delivery is not None:  # the RocksDB store persists what the broker acknowledged
             on_delivery(None, SimpleNamespace(partition=lambda: partition, offset=lambda: len(self.records)))
@@ -90,3 +92,26 @@ def test_an_entry_written_before_residency_v3_reads_back_without_content_keys(tm
     store.persist()
     store.forget_cache()
     assert store.entry(0, KEY) == expected
+
+
+@pytest.mark.parametrize("kind", ["rocksdb", "compact", "memory"])
+def test_a_changelog_record_librdkafka_has_no_room_for_goes_through_the_waiting_produce(tmp_path, kind):
+    # the stores enqueue straight into librdkafka; when its queue is full (BufferError) the output producer's
+    # produce waits for room (kafka_io.produce.produce_waiting): the record is neither dropped nor repeated
+    store, outputs = _store(tmp_path, kind)
+    waited = []
+    full = iter([False, True, False])
+
+    def enqueue(topic, value, key, partition, on_delivery):
+        if next(full):
+            raise BufferError("Local: Queue full")
+        outputs.records.append((topic, key, value, partition))
+
+    outputs.producer = SimpleNamespace(produce=enqueue)
+    outputs.produce = lambda topic, key, value, partition, on_delivery: waited.append(key)
+    for n in range(3):
+        store.write(n % 2, f"primary/{n:016x}", ENTRY)
+
+    assert store.produce_changelog() == 3
+    assert [key for _, key, _, _ in outputs.records] == [b"primary/0000000000000000", b"primary/0000000000000002"]
+    assert waited == [b"primary/0000000000000001"]
