@@ -1,0 +1,250 @@
+"""The engines of the engine-crash scenario and the watch over answers that name a dead one."""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import msgspec
+
+from chaos.workload import naive_residency
+from harness.vllm_publisher import FakeVllmPublisher
+from kvstream.client import IndexClient, IndexQueryError
+from producers.simulator import Batch
+
+
+class _Engine(threading.Thread):
+    """An engine double (:class:`FakeVllmPublisher`: vLLM's ZMQ PUB and replay sockets) publishing one simulated
+    instance's batches, one every ``pace_s`` seconds, in a thread.
+
+    With ``kill_after`` it is killed after that many batches: its sockets close at once, as the kernel closes a
+    SIGKILLed vLLM's, so what is still queued is never sent and nothing answers its replay socket. With ``down_s``
+    too, it comes back that many seconds later as a new process on the same ports (seq from 0, an empty cache
+    and replay buffer), loads for ``boot_s`` seconds and publishes the rest of its batches; otherwise it stays
+    dead. The engine that is never killed stays up, idle, once it has published everything (the bridge's probes
+    keep its lease).
+
+    After :meth:`join`, ``incarnations`` holds per process the batches it published (index = its seq) and
+    ``error`` the traceback text of a failure.
+    """
+
+    def __init__(self, name: str, batches: list[Batch], ports: tuple[int, int], watch: _DeadEngineWatch, *,
+                 pace_s: float, kill_after: int | None = None, down_s: float | None = None,
+                 boot_s: float = 0.5) -> None:
+        super().__init__(daemon=True, name=f"engine-{name}")
+        self.engine = name
+        self.batches = batches
+        self.ports = ports
+        self.watch = watch
+        self.pace_s = pace_s
+        self.kill_after = kill_after
+        self.down_s = down_s
+        self.boot_s = boot_s
+        self.publisher: FakeVllmPublisher | None = None
+        self.incarnations: list[list[Batch]] = []
+        #: Canonical hashes the current process has stored so far, each added before its batch is sent.
+        self.stored: set[bytes] = set()
+        self.error: str | None = None
+        self._halt = threading.Event()
+
+    def bind(self) -> None:
+        """Start the first process: bind its sockets (before the bridge connects)."""
+        self.publisher = FakeVllmPublisher(*self.ports)
+        self.incarnations.append([])
+
+    def run(self) -> None:
+        try:
+            end = len(self.batches) if self.kill_after is None else self.kill_after
+            self._publish(self.batches[:end])
+            if self.kill_after is None or self._halt.is_set():
+                return
+            held = naive_residency(self.incarnations[-1])
+            killed_at = time.monotonic()
+            self.publisher.kill()
+            self.publisher = None
+            self.watch.killed(self.engine, killed_at, sorted({identity[6] for identity in held}))
+            if self.down_s is None or self._halt.wait(self.down_s):
+                return
+            self.stored = set()  # a new object: the watch keeps the new process's
+            self.publisher = FakeVllmPublisher(*self.ports)
+            self.incarnations.append([])
+            self.watch.restarted(self.engine, time.monotonic(), sorted({identity[6] for identity in held}),
+                                 self.stored)
+            if self._halt.wait(self.boot_s):
+                return
+            self._publish(self.batches[end:])
+        except Exception:  # noqa: BLE001 - reported by the scenario, which fails the run
+            self.error = traceback.format_exc(limit=-4)
+
+    def _publish(self, batches: list[Batch]) -> None:
+        start = time.monotonic()
+        for i, batch in enumerate(batches):
+            # an absolute schedule: the pace holds however long a send takes
+            if self._halt.wait(max(0.0, start + i * self.pace_s - time.monotonic())):
+                return
+            # before the send: a block the watch finds missing here was not published when it asked
+            self.stored.update(h.to_bytes(8, "big") for e in batch.events if e["type"] == "BlockStored"
+                               for h in e["block_hashes"])
+            self.publisher.publish_payload(msgspec.msgpack.encode([batch.ts, batch.events, 0]))
+            self.incarnations[-1].append(batch)
+
+    def close(self) -> None:
+        """Stop publishing and close the current process's sockets (end of the run)."""
+        self._halt.set()
+        if self.is_alive():
+            self.join(10)
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
+
+
+@dataclass
+class _Kill:
+    """One engine kill as :class:`_DeadEngineWatch` saw its answers (times: ``time.monotonic()``)."""
+
+    engine: str
+    killed_at: float
+    #: Blocks the engine held when it was killed (what the watch asks about while it is dead).
+    blocks: list[bytes]
+    restarted_at: float | None = None
+    #: After the restart: the blocks the dead process held, and what the new process has stored so far (its
+    #: :attr:`_Engine.stored`); a block of the first not yet in the second is asked about.
+    old_blocks: list[bytes] = field(default_factory=list)
+    stored_since_restart: set = field(default_factory=set)
+    #: Latest answer naming the engine while it was dead, seconds after the kill; and which (API, worker).
+    named_for_s: float = 0.0
+    named_by: str | None = None
+    named_after_kill: bool = False
+    #: Last time the watch asked about the engine while it was dead, seconds after the kill.
+    watched_for_s: float = 0.0
+    #: Per worker URL: seconds after the kill when GET /workers first said ``live: false``.
+    down_seen_s: dict = field(default_factory=dict)
+    #: Latest answer naming the restarted engine for a block its dead process held and the new one had not
+    #: stored when asked, seconds after the restart (None: none did).
+    old_named_s: float | None = None
+    asked: int = 0
+    old_asked: int = 0
+    _turn: int = 0
+
+    def next_block(self, blocks: list[bytes]) -> bytes:
+        """The next of ``blocks`` to ask about, in turn (``blocks`` must not be empty)."""
+        self._turn += 1
+        return blocks[self._turn % len(blocks)]
+
+    def next_old_block(self) -> bytes | None:
+        """The next block the dead process held that the new one has not stored yet; None if there is none."""
+        for _ in range(len(self.old_blocks)):
+            block = self.next_block(self.old_blocks)
+            if block not in self.stored_since_restart:
+                return block
+        return None
+
+    def summary(self, bound_s: float) -> dict:
+        """The kill's entry of the results file."""
+        return {"engine": self.engine, "restarted_after_s": None if self.restarted_at is None
+                else round(self.restarted_at - self.killed_at, 2), "named_for_s": round(self.named_for_s, 2),
+                "bound_s": bound_s, "named_by": self.named_by, "named_after_kill": self.named_after_kill,
+                "watched_for_s": round(self.watched_for_s, 2),
+                "down_seen_s": {url: round(v, 2) for url, v in self.down_seen_s.items()},
+                "held_blocks": len(self.blocks), "asked": self.asked,
+                "old_blocks": len(self.old_blocks), "old_asked": self.old_asked, "old_named_s": self.old_named_s}
+
+
+class _DeadEngineWatch(threading.Thread):
+    """Asks every worker, in a loop, the lookups a router makes about the engines that are dead now:
+    ``GET /workers`` (is it ``live``?), ``POST /prefix-match/`` and ``POST /query_by_hash`` of one block it held
+    when it was killed, each in turn; and, once an engine is back, ``POST /prefix-match/`` of blocks its dead
+    process held that the new one has not stored yet. Records when each answer last named a dead engine
+    (:class:`_Kill`). A 503 or an error is counted in ``errors``, not taken for an answer."""
+
+    def __init__(self, urls: list[str], pause_s: float = 0.1) -> None:
+        super().__init__(daemon=True, name="dead-engine-watch")
+        self.clients = {url: IndexClient(url, timeout_s=10) for url in urls}
+        self.pause_s = pause_s
+        self.kills: list[_Kill] = []
+        self.asked = 0
+        self.errors = 0
+        self.error_examples: list[str] = []
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+
+    def killed(self, engine: str, at: float, blocks: list[bytes]) -> None:
+        """``engine`` was killed at ``at`` (monotonic), holding ``blocks``."""
+        with self._lock:
+            self.kills.append(_Kill(engine, at, blocks))
+
+    def restarted(self, engine: str, at: float, old_blocks: list[bytes], stored: set[bytes]) -> None:
+        """``engine`` is back since ``at`` (monotonic); ``old_blocks``: what its dead process held; ``stored``:
+        the set of what the new process stores, which its engine thread fills as it publishes."""
+        with self._lock:
+            kill = self.kill_of(engine)
+            kill.restarted_at, kill.old_blocks, kill.stored_since_restart = at, old_blocks, stored
+
+    def kill_of(self, engine: str) -> _Kill:
+        """The (last) kill of ``engine``. Raises StopIteration if it was not killed."""
+        return next(k for k in reversed(self.kills) if k.engine == engine)
+
+    def stop(self) -> None:
+        """End the loop and wait for it."""
+        self._done.set()
+        if self.is_alive():
+            self.join(30)
+        for client in self.clients.values():
+            client.close()
+
+    def run(self) -> None:
+        while not self._done.is_set():
+            with self._lock:
+                kills = list(self.kills)
+            for url, client in self.clients.items():
+                dead = [k for k in kills if k.restarted_at is None]
+                back = [k for k in kills if k.restarted_at is not None and k.old_blocks]
+                if dead:
+                    workers = self._ask(url, client.workers)
+                    if workers is not None:
+                        live = {w["instance_id"] for w in workers["workers"] if w["live"]}
+                        for kill in dead:
+                            self._saw(kill, url, "GET /workers", kill.engine in live)
+                            if kill.engine not in live:
+                                kill.down_seen_s.setdefault(url, time.monotonic() - kill.killed_at)
+                for kill in (k for k in dead if k.blocks):
+                    answer = self._ask(url, client.prefix_match, [kill.next_block(kill.blocks)])
+                    if answer is not None:
+                        self._saw(kill, url, "POST /prefix-match/",
+                                  any(m["instance_id"] == kill.engine for m in answer["matches"]))
+                    answer = self._ask(url, client.query_by_hash, [kill.next_block(kill.blocks)])
+                    if answer is not None:
+                        self._saw(kill, url, "POST /query_by_hash", kill.engine in answer["instances"])
+                for kill in back:
+                    block = kill.next_old_block()
+                    answer = None if block is None else self._ask(url, client.prefix_match, [block])
+                    if answer is not None:
+                        kill.old_asked += 1
+                        if any(m["instance_id"] == kill.engine for m in answer["matches"]):
+                            kill.old_named_s = round(time.monotonic() - kill.restarted_at, 2)
+            self._done.wait(self.pause_s)
+
+    def _ask(self, url: str, call, *args):
+        self.asked += 1
+        try:
+            return call(*args)
+        except (IndexQueryError, OSError, ValueError) as exc:
+            self.errors += 1
+            if len(self.error_examples) < 20:
+                self.error_examples.append(f"{url} {getattr(call, '__name__', call)}: {type(exc).__name__}: {exc}")
+            return None
+
+    @staticmethod
+    def _saw(kill: _Kill, url: str, api: str, named: bool) -> None:
+        # the answer's time is when it came back: an upper bound of when the worker computed it
+        now = time.monotonic()
+        if kill.restarted_at is not None and now >= kill.restarted_at:
+            return  # asked while dead, answered after the restart: the engine is alive again
+        kill.asked += 1
+        kill.watched_for_s = max(kill.watched_for_s, now - kill.killed_at)
+        if named:
+            kill.named_after_kill = True
+            if now - kill.killed_at >= kill.named_for_s:
+                kill.named_for_s, kill.named_by = now - kill.killed_at, f"{api} {url}"
