@@ -289,18 +289,23 @@ def _state(index: FleetIndex) -> tuple:
     return list(index.dump()), index.stats(), index.workers(), index._holders
 
 
+def _index_entries(blocks: list[bytes]):
+    """Entries as far as the index reads them (block, ownership, rows' holders and copies, parent, content), over
+    ``blocks``, three instances, two ranks and two tiers, so that records collide on blocks and holders."""
+    rows = st.lists(st.fixed_dictionaries({"instance_id": st.sampled_from(["e1", "e2", "e3"]),
+                                           "data_parallel_rank": st.integers(0, 1),
+                                           "tier": st.sampled_from(["GPU", "CPU"]),
+                                           "copies": st.integers(-1, 2)}), max_size=4)
+    return st.fixed_dictionaries({"block_hash": st.sampled_from(blocks),
+                                  "ownership": st.sampled_from([None, "kvcr"]), "rows": rows,
+                                  "parent_block_hash": st.one_of(st.none(), st.sampled_from(blocks)),
+                                  "content_hash": st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1))})
+
+
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_apply_rows_of_the_lean_tuple_builds_the_index_apply_entry_builds(data):
-    blocks = [bytes([b]) * 8 for b in range(1, 6)]
-    instances = st.sampled_from(["e1", "e2", "e3"])
-    rows = st.lists(st.fixed_dictionaries({"instance_id": instances, "data_parallel_rank": st.integers(0, 1),
-                                           "tier": st.sampled_from(["GPU", "CPU"]),
-                                           "copies": st.integers(-1, 2)}), max_size=4)
-    entries = st.fixed_dictionaries({"block_hash": st.sampled_from(blocks),
-                                     "ownership": st.sampled_from([None, "kvcr"]), "rows": rows,
-                                     "parent_block_hash": st.one_of(st.none(), st.sampled_from(blocks)),
-                                     "content_hash": st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1))})
+    entries = _index_entries([bytes([b]) * 8 for b in range(1, 6)])
     records = data.draw(st.lists(st.one_of(entries, entries.map(lambda e: (_key(e), None))), max_size=30))
     by_entry, by_rows = FleetIndex(table=PyBlockTable()), FleetIndex(table=PyBlockTable())
     for record in records:
@@ -316,15 +321,7 @@ def test_apply_rows_of_the_lean_tuple_builds_the_index_apply_entry_builds(data):
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_apply_changelog_of_a_batch_builds_the_index_apply_rows_builds_and_names_each_record_it_refused(data):
-    blocks = [bytes([b]) * 8 for b in range(1, 6)] + [bytes([7]) * 32]  # a sha256-sized hash too
-    rows = st.lists(st.fixed_dictionaries({"instance_id": st.sampled_from(["e1", "e2", "e3"]),
-                                           "data_parallel_rank": st.integers(0, 1),
-                                           "tier": st.sampled_from(["GPU", "CPU"]),
-                                           "copies": st.integers(-1, 2)}), max_size=4)
-    entries = st.fixed_dictionaries({"block_hash": st.sampled_from(blocks),
-                                     "ownership": st.sampled_from([None, "kvcr"]), "rows": rows,
-                                     "parent_block_hash": st.one_of(st.none(), st.sampled_from(blocks)),
-                                     "content_hash": st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1))})
+    entries = _index_entries([bytes([b]) * 8 for b in range(1, 6)] + [bytes([7]) * 32])  # a sha256-sized hash too
     # a record: an entry, a tombstone of one, a key that is no residency key, or a value the reader refuses
     records = data.draw(st.lists(st.one_of(
         entries.map(lambda e: ("entry", e)), entries.map(lambda e: ("tombstone", e)),
