@@ -39,3 +39,14 @@ def hotpath(request, monkeypatch):
     module = hotpath_module(request.param)
     monkeypatch.setattr("schemas.compiled.HOTPATH", module)
     return module
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_gc_pause_warnings_after_the_session():
+    """Tests that build a worker's app install its long-GC warning (stream_apps.checkpoint.warn_on_long_gc_pauses)
+    in this process; pytest's last full collection, after the log handlers are closed, then made it print a
+    logging error at the end of every run. The callback goes when the session ends."""
+    import gc
+
+    yield
+    gc.callbacks[:] = [callback for callback in gc.callbacks if not getattr(callback, "_kvstream_gc_pauses", False)]
