@@ -45,8 +45,8 @@ from kvstream.broker import (
     file_lock,
     java_executable,
     log_tail,
+    pid_of,
     port_in_use,
-    process_alive,
     terminate_process,
 )
 
@@ -156,20 +156,9 @@ def _paths(data_dir: Path) -> tuple[Path, Path, Path, Path]:
 
 
 def _running_pid(data_dir: Path) -> int | None:
+    """Pid of the live registry of ``data_dir`` (per its pid file), else None."""
     d, pid_file, _, _ = _paths(data_dir)
-    try:
-        pid = int(pid_file.read_text().strip())
-    except (OSError, ValueError):
-        return None
-    if not process_alive(pid):
-        return None
-    try:  # guard against pid reuse: the process must be this data dir's registry
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        if b"apicurio-registry-app" not in cmdline or str(d).encode() not in cmdline:
-            return None
-    except OSError:
-        pass
-    return pid
+    return pid_of(pid_file, "apicurio-registry-app", str(d))
 
 
 def status(data_dir: Path = DEFAULT_DATA_DIR) -> RegistryStatus:

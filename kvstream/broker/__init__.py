@@ -50,6 +50,7 @@ from kvstream.broker.ports import free_port as free_port
 from kvstream.broker.ports import free_port_range as free_port_range
 from kvstream.broker.ports import free_ports as free_ports
 from kvstream.broker.ports import port_in_use as port_in_use
+from kvstream.broker.process import pid_of as pid_of
 from kvstream.broker.process import process_alive as process_alive
 from kvstream.broker.process import terminate_process as terminate_process
 from kvstream.broker.tools import TOOLS as TOOLS

@@ -21,7 +21,7 @@ from kvstream.broker.jars import KAFKA_VERSION, ensure_jars
 from kvstream.broker.java import BROKER_LOG4J, JVM_FLAGS, java_command, java_executable
 from kvstream.broker.lock import file_lock
 from kvstream.broker.ports import port_in_use
-from kvstream.broker.process import process_alive, terminate_process
+from kvstream.broker.process import pid_of, process_alive, terminate_process
 from kvstream.broker.security import probe_client
 from kvstream.tls import TlsMaterial
 
@@ -67,19 +67,7 @@ def broker_paths(data_dir: Path) -> tuple[Path, Path, Path, Path]:
 def running_pid(data_dir: Path) -> int | None:
     """Pid of the live broker JVM of ``data_dir`` (per its pid file), else None."""
     _, props, pid_file, _ = broker_paths(data_dir)
-    try:
-        pid = int(pid_file.read_text().strip())
-    except (OSError, ValueError):
-        return None
-    if not process_alive(pid):
-        return None
-    try:  # guard against pid reuse: the process must be *this* broker
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        if b"kafka.Kafka" not in cmdline or str(props).encode() not in cmdline:
-            return None
-    except OSError:
-        pass  # no /proc: trust the pid file
-    return pid
+    return pid_of(pid_file, "kafka.Kafka", str(props))
 
 
 def answers(bootstrap: str, client: dict | None = None) -> bool:

@@ -29,6 +29,23 @@ def process_alive(pid: int) -> bool:
         return True
 
 
+def pid_of(pid_file: Path, *markers: str) -> int | None:
+    """The pid in ``pid_file`` if that process is alive and its command line contains every one of ``markers``
+    (a guard against pid reuse: the process must be the one that wrote the file); None otherwise. Without
+    ``/proc`` the pid file is trusted."""
+    try:
+        pid = int(pid_file.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    if not process_alive(pid):
+        return None
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return pid
+    return pid if all(marker.encode() in cmdline for marker in markers) else None
+
+
 def terminate_process(pid: int, grace_s: float) -> None:
     """SIGTERM ``pid``, wait up to ``grace_s`` seconds, then SIGKILL it."""
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):

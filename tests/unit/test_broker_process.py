@@ -1,0 +1,24 @@
+"""kvstream.broker.process.pid_of: the pid file guard the broker and the schema registry share."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from kvstream.broker.process import pid_of
+
+
+def test_a_pid_file_names_its_process_only_while_that_process_runs_with_the_markers(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "kvstream-marker", str(tmp_path)])
+    pid_file = tmp_path / "service.pid"
+    pid_file.write_text(f"{child.pid}\n")
+    try:
+        assert pid_of(pid_file, "kvstream-marker", str(tmp_path)) == child.pid
+        assert pid_of(pid_file, "kvstream-marker", "another data dir") is None  # a reused pid is not ours
+    finally:
+        child.kill()
+        child.wait()
+    assert pid_of(pid_file, "kvstream-marker") is None  # the process is gone
+    assert pid_of(tmp_path / "missing.pid") is None
+    (tmp_path / "garbled.pid").write_text("not a pid")
+    assert pid_of(tmp_path / "garbled.pid") is None
