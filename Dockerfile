@@ -3,9 +3,9 @@
 # The embedded broker (`kvstream broker`) is not usable here: the image has no Java or Maven.
 #
 # Two stages on the same base. `build` installs a C compiler and builds the kvstream wheel with its compiled
-# modules (schemas._hotpath, stream_apps.index._table; setup.py). The final stage installs only that wheel,
-# with no compiler, and the build fails there if the compiled modules do not load: setup.py falls back to pure
-# Python silently, and an image must not.
+# modules (schemas._hotpath, stream_apps.residency._record, stream_apps.index._table; setup.py). The final
+# stage installs only that wheel, with no compiler, and the build fails there if the compiled modules do not
+# load: setup.py falls back to pure Python silently, and an image must not.
 #
 # Build arguments:
 #   BASE_IMAGE     the Python 3.11 base (default python:3.11-slim; any Debian-like image with python and pip
@@ -69,13 +69,13 @@ COPY kvstream/ kvstream/
 # another Python, or from older sources. Cython and gcc build them again here from the .pyx. setup.py only warns
 # when a module does not build, so the wheel is checked for both, and pip's verbose log, kept aside, shows why.
 RUN find schemas stream_apps -name '*.so' -delete \
-    && rm -f schemas/_hotpath.c stream_apps/index/_table.c \
+    && rm -f schemas/_hotpath.c stream_apps/residency/_record.c stream_apps/index/_table.c \
     && if ! pip wheel --verbose --no-deps --wheel-dir /wheels . > /tmp/pip-wheel.log 2>&1; then \
            tail -n 60 /tmp/pip-wheel.log; exit 1; \
        fi \
     && if ! python -c "import glob, sys, zipfile; \
 names = zipfile.ZipFile(glob.glob('/wheels/kvstream-*.whl')[0]).namelist(); \
-missing = [m for m in ('schemas/_hotpath', 'stream_apps/index/_table') \
+missing = [m for m in ('schemas/_hotpath', 'stream_apps/residency/_record', 'stream_apps/index/_table') \
            if not any(n.startswith(m + '.') and n.endswith('.so') for n in names)]; \
 print('kvstream wheel: ' + ', '.join(n for n in names if n.endswith('.so'))); \
 sys.exit('kvstream: the wheel has no compiled ' + ', '.join(missing) if missing else 0)"; then \
@@ -90,7 +90,7 @@ COPY --from=build /wheels/ /tmp/wheels/
 # second check is the choice the worker makes, so KVSTREAM_PURE_PYTHON=1 in the base would fail here too.
 RUN pip install /tmp/wheels/kvstream-*.whl \
     && rm -rf /tmp/wheels \
-    && python -c "import schemas._hotpath, stream_apps.index._table; \
+    && python -c "import schemas._hotpath, stream_apps.residency._record, stream_apps.index._table; \
 from stream_apps.hotpath import hotpath; \
 current = hotpath(); print(current.describe()); \
 raise SystemExit(None if current.implementation == 'compiled' \

@@ -14,7 +14,8 @@ STAMP := $(VENV)/.installed
 .PHONY: install demo test lint bench chaos broker-start broker-stop clean images-local compose-test
 
 # the compiled hot path and the index table are built by the install: a changed .pyx or setup.py installs again
-$(STAMP): pyproject.toml setup.py schemas/_hotpath.pyx stream_apps/index/_table.pyx
+$(STAMP): pyproject.toml setup.py schemas/_avro.pxd schemas/_hotpath.pyx stream_apps/residency/_record.pyx \
+		stream_apps/index/_table.pyx
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found (set PYTHON=...)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip

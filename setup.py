@@ -1,5 +1,6 @@
-"""Builds the optional compiled hot path (``schemas/_hotpath.pyx``) and the fleet index's block table
-(``stream_apps/index/_table.pyx``); everything else is in pyproject.toml.
+"""Builds the optional compiled hot path (``schemas/_hotpath.pyx``, the codecs; ``stream_apps/residency/_record.pyx``,
+the residency entry as a compiled record) and the fleet index's block table (``stream_apps/index/_table.pyx``);
+everything else is in pyproject.toml. ``schemas/_avro.pxd`` holds the Avro primitives the first two share.
 
 The extension is compiled with Cython (a build requirement, fetched by pip) and the machine's C compiler.
 Without a compiler, or when its build fails, the package installs without it and runs the pure-Python
@@ -40,6 +41,7 @@ def extensions() -> list:
     except ImportError:  # an install without build isolation and without Cython
         return []
     return cythonize([Extension("schemas._hotpath", ["schemas/_hotpath.pyx"]),
+                      Extension("stream_apps.residency._record", ["stream_apps/residency/_record.pyx"]),
                       Extension("stream_apps.index._table", ["stream_apps/index/_table.pyx"])], quiet=True)
 
 

@@ -30,7 +30,6 @@ from stream_apps.residency import (
     PRIMARY,
     ApplyStats,
     SourceSettings,
-    apply_block,
     apply_clear,
     apply_unregister,
     content_digest,
@@ -234,6 +233,8 @@ class BatchApplier:
     def __init__(self, materializer: Materializer, partition: int) -> None:
         self.m = materializer
         self.store = materializer.tables.residency_store
+        #: The rules for the form of entry the store holds (:mod:`stream_apps.residency.records`).
+        self._apply_block = self.store.entry_form.apply_block
         self.partition = partition
         #: Residency key -> entry (None: deleted), written back at :meth:`finish` or before a source-wide event.
         self.touched: dict[str, dict | None] = {}
@@ -351,7 +352,7 @@ class BatchApplier:
                 self.new_keys.add(key)
         stats = m.stats
         applied_before = stats.applied
-        entry, delta, copies = apply_block(entry, event, mark, watermark, clear_tiers, stats, aggregation)
+        entry, delta, copies = self._apply_block(entry, event, mark, watermark, clear_tiers, stats, aggregation)
         touched[key] = entry
         if stats.applied != applied_before:  # a redelivered event is counted as a duplicate only, never applied
             seen = self.publishers.get(publisher)

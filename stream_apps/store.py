@@ -57,10 +57,10 @@ import faust.stores.rocksdb
 from faust.types import TP
 
 from schemas import AvroCodec
-from schemas.avro_writers import ResidencyWriter
 from stream_apps import changelog_recovery
 from stream_apps.delivery_reports import DeliveryReports
 from stream_apps.residency import key_partition
+from stream_apps.residency.records import EntryCodec, EntryForm, entry_form
 from stream_apps.store_settings import ResidencyRocksDBOptions
 
 if TYPE_CHECKING:
@@ -72,14 +72,11 @@ log = logging.getLogger(__name__)
 STORE_SCHEMES = {"rocksdb://": "kvstream-rocksdb://", "memory://": "kvstream-compact-memory://"}
 
 
-def value_encoder(codec: AvroCodec) -> Callable[[dict], bytes]:
-    """The fastest encoder of a table's values: the hand-written residency writer where it knows the codec's
-    schema (:class:`schemas.avro_writers.ResidencyWriter`), fastavro otherwise."""
+def value_encoder(codec: AvroCodec) -> Callable[[Any], bytes]:
+    """The fastest encoder of a table's values: a residency entry's :class:`EntryCodec` (the compiled record's
+    writer, or the hand-written writer of the dicts, where they know the codec's schema), fastavro otherwise."""
     if codec.family == "residency":
-        try:
-            return ResidencyWriter(codec).encode
-        except ValueError as exc:  # a schema version the writer does not know: correct, only slower
-            log.warning("%s; encoding residency entries with fastavro (slower)", exc)
+        return EntryCodec(codec).encode
     return codec.encode
 
 
@@ -88,15 +85,25 @@ class _BoundStore:
 
     outputs: OutputTopics
     codec: AvroCodec
-    encode: Callable[[dict], bytes]
+    encode: Callable[[Any], bytes]
+    decode: Callable[[bytes], Any]
     changelog: str
 
     def bind(self, outputs: OutputTopics, *, bootstrap_servers: str, cache_entries: int = 0,
-             recovery_timeout_s: float = 600.0) -> None:
-        """Give the store the output producer and the settings it needs (``kvstream worker`` options)."""
+             recovery_timeout_s: float = 600.0, compiled_entries: bool | None = None) -> None:
+        """Give the store the output producer and the settings it needs (``kvstream worker`` options).
+        ``compiled_entries``: residency entries as compiled records (True), the dicts (False), or the records where
+        they are built (None; :func:`stream_apps.residency.records.entry_form`)."""
         self.outputs = outputs
         self.codec = AvroCodec(self.table.value_type.family)
-        self.encode = value_encoder(self.codec)
+        if self.codec.family == "residency":
+            entries = EntryCodec(self.codec, compiled=compiled_entries)
+            self.encode, self.decode = entries.encode, entries.decode
+        else:
+            entries = None
+            self.encode, self.decode = self.codec.encode, self.codec.decode
+        #: The form of the entries this store holds, and the rules that take it (the agent applies with them).
+        self.entry_form: EntryForm = entry_form(entries is not None and entries.compiled)
         self.changelog = self.table.changelog_topic.get_topic_name()
         self.bootstrap_servers = bootstrap_servers
         self.cache_entries = cache_entries
@@ -315,7 +322,7 @@ class CompactMemoryTableStore(_EntryCache, MemoryTableStore):
             cache.move_to_end(key)
             return cache[key]
         raw = self.data.get(key)
-        entry = None if raw is None else self.codec.decode(raw)
+        entry = None if raw is None else self.decode(raw)
         self._remember(key, entry)
         return entry
 
@@ -324,7 +331,7 @@ class CompactMemoryTableStore(_EntryCache, MemoryTableStore):
         if key in self._cache:
             return self._cache[key]
         raw = self.data.get(key)
-        return None if raw is None else self.codec.decode(raw)
+        return None if raw is None else self.decode(raw)
 
     def write(self, partition: int, key: str, value: dict | None) -> None:
         """Store ``value`` (None: delete) as its Avro bytes and buffer them as its changelog record to
@@ -390,7 +397,7 @@ class RocksDBTableStore(_EntryCache, _BoundStore, faust.stores.rocksdb.Store):
         raw = self._db_for_partition(partition).get(key.encode())
         if raw is None:  # not remembered: most absent keys are about to be written, which remembers them
             return None
-        entry = self.codec.decode(raw)
+        entry = self.decode(raw)
         self._remember(key, entry)
         return entry
 
@@ -407,7 +414,7 @@ class RocksDBTableStore(_EntryCache, _BoundStore, faust.stores.rocksdb.Store):
             return self._cache[key]
         db = self._dbs.get(partition)
         raw = None if db is None else db.get(key.encode())
-        return None if raw is None else self.codec.decode(raw)
+        return None if raw is None else self.decode(raw)
 
     def write(self, partition: int, key: str, entry: dict | None) -> None:
         """Buffer ``entry``'s changelog record (None: a tombstone) to ``partition``; it reaches the disk at

@@ -1,5 +1,6 @@
 """Shared fixtures: the session's Kafka broker (tests/broker_fixture.py), schema registry
-(tests/registry_fixture.py), and `hotpath`, which runs a codec test with each implementation (schemas/compiled.py)."""
+(tests/registry_fixture.py), and `hotpath`, which runs a test with each implementation of the hot path
+(schemas/compiled.py, stream_apps/residency/records.py)."""
 
 import os
 
@@ -32,12 +33,29 @@ def hotpath_module(name: str):
     return _hotpath
 
 
+def record_module(name: str):
+    """The residency record module ``name`` stands for (stream_apps/residency/records.py): None for ``python`` (the
+    dicts), stream_apps.residency._record for ``compiled``; not built, as :func:`hotpath_module`."""
+    if name == "python":
+        return None
+    try:
+        from stream_apps.residency import _record
+    except ImportError:
+        if os.environ.get("KVSTREAM_PURE_PYTHON") == "1":
+            pytest.skip("KVSTREAM_PURE_PYTHON=1 and stream_apps/residency/_record.pyx not built: the dicts only")
+        pytest.fail("stream_apps/residency/_record.pyx is not built (`pip install -e .` builds it with the C "
+                    "compiler); set KVSTREAM_PURE_PYTHON=1 to test the pure-Python path only")
+    return _record
+
+
 @pytest.fixture(params=HOTPATHS)
 def hotpath(request, monkeypatch):
-    """Runs a test once per implementation of the hot path's codecs: sets ``schemas.compiled.HOTPATH``, which the
-    codecs pick when not told otherwise. Gives the module (None for pure Python)."""
+    """Runs a test once per implementation of the hot path: sets ``schemas.compiled.HOTPATH`` (the codecs) and
+    ``stream_apps.residency.records.RECORD_MODULE`` (the residency entry: compiled record or dicts), which are
+    picked when not told otherwise. Gives the codec module (None for pure Python)."""
     module = hotpath_module(request.param)
     monkeypatch.setattr("schemas.compiled.HOTPATH", module)
+    monkeypatch.setattr("stream_apps.residency.records.RECORD_MODULE", record_module(request.param))
     return module
 
 

@@ -13,9 +13,11 @@ from stream_apps.hotpath import COMPILED_MODULES, hotpath, log_hotpath
 from stream_apps.index.table import CompiledBlockTable
 from stream_apps.metrics import WorkerMetrics
 from stream_apps.residency import ApplyStats
+from stream_apps.residency.records import RECORD_MODULE
 from stream_apps.settings import WorkerSettings
 
-BOTH = {"codecs": object(), "table": type("Table", (), {})}
+BOTH = {"codecs": object(), "records": object(), "table": type("Table", (), {})}
+NONE = {"codecs": None, "records": None, "table": None}
 
 
 def worker_metrics(tmp_path) -> WorkerMetrics:
@@ -28,13 +30,13 @@ def worker_metrics(tmp_path) -> WorkerMetrics:
 
 
 @pytest.mark.parametrize(("kwargs", "implementation", "line"), [
-    (BOTH, "compiled", "hot path: compiled (schemas._hotpath, stream_apps.index._table)"),
-    ({"codecs": None, "table": None}, "python",
-     "hot path: pure Python (not built: schemas._hotpath, stream_apps.index._table)"),
-    ({"codecs": None, "table": None, "environ": {"KVSTREAM_PURE_PYTHON": "1"}}, "python",
-     "hot path: pure Python (KVSTREAM_PURE_PYTHON=1)"),
-    ({"codecs": object(), "table": None}, "partial",
-     "hot path: partly compiled (schemas._hotpath; not built: stream_apps.index._table)"),
+    (BOTH, "compiled",
+     "hot path: compiled (schemas._hotpath, stream_apps.residency._record, stream_apps.index._table)"),
+    (NONE, "python",
+     "hot path: pure Python (not built: schemas._hotpath, stream_apps.residency._record, stream_apps.index._table)"),
+    ({**NONE, "environ": {"KVSTREAM_PURE_PYTHON": "1"}}, "python", "hot path: pure Python (KVSTREAM_PURE_PYTHON=1)"),
+    ({**NONE, "codecs": object()}, "partial", "hot path: partly compiled (schemas._hotpath; not built: "
+     "stream_apps.residency._record, stream_apps.index._table)"),
 ])
 def test_the_implementation_and_its_log_line(kwargs, implementation, line):
     current = hotpath(**{"environ": {}, **kwargs})
@@ -42,10 +44,10 @@ def test_the_implementation_and_its_log_line(kwargs, implementation, line):
     assert current.describe() == line
 
 
-def test_by_default_it_is_the_choice_the_codecs_and_the_index_made():
+def test_by_default_it_is_the_choice_the_codecs_the_records_and_the_index_made():
     current = hotpath()
-    assert current.compiled == tuple(name for name, module in zip(COMPILED_MODULES, (HOTPATH, CompiledBlockTable))
-                                     if module is not None)
+    chosen = (HOTPATH, RECORD_MODULE, CompiledBlockTable)
+    assert current.compiled == tuple(name for name, module in zip(COMPILED_MODULES, chosen) if module is not None)
 
 
 def test_the_worker_logs_it_at_info(caplog):
@@ -56,7 +58,7 @@ def test_the_worker_logs_it_at_info(caplog):
 
 
 @pytest.mark.parametrize(("kwargs", "implementation"),
-                         [(BOTH, "compiled"), ({"codecs": None, "table": None}, "python")])
+                         [(BOTH, "compiled"), (NONE, "python")])
 def test_metrics_report_the_implementation(tmp_path, kwargs, implementation):
     metrics = worker_metrics(tmp_path)
     metrics.hotpath = hotpath(environ={}, **kwargs)

@@ -318,12 +318,12 @@ def test_residency_change_writer_matches_fastavro_on_any_change(changes, change)
 # --------------------------------------------------------------------------- the stream app's use
 
 def test_stream_app_encodes_with_the_writers_and_falls_back_to_fastavro_when_one_refuses(caplog):
-    from schemas.avro_writers import ResidencyWriter
     from schemas.topics import TopicNames
     from stream_apps.outputs import CHANGE_FIELDS, OutputTopics
+    from stream_apps.residency.records import EntryCodec
     from stream_apps.store import value_encoder
 
-    assert isinstance(value_encoder(AvroCodec("residency")).__self__, ResidencyWriter)
+    assert isinstance(value_encoder(AvroCodec("residency")).__self__, EntryCodec)
     change = CHANGES["everything set"]
     fields = [change[name] for name in CHANGE_FIELDS]
     outputs = OutputTopics("127.0.0.1:9", TopicNames())  # no producer is made until a record is sent
@@ -331,7 +331,9 @@ def test_stream_app_encodes_with_the_writers_and_falls_back_to_fastavro_when_one
     with caplog.at_level("WARNING"):
         codec = AvroCodec("residency")
         codec.schema = dataclasses.replace(codec.schema, version=codec.schema.version + 1)
-        assert value_encoder(codec) == codec.encode
+        encode = value_encoder(codec)
+    entry = ENTRIES["everything set"]
+    assert encode(entry) == codec.encode(entry) and not encode.__self__.compiled
     assert "encoding residency entries with fastavro" in caplog.text
 
 

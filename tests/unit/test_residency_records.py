@@ -1,0 +1,197 @@
+"""The residency entry as a compiled record (stream_apps/residency/_record.pyx) against the Python reference's dicts
+(stream_apps/residency/rules.py, the codec, ResidencyWriter): the same results for every event sequence, the same
+bytes, the same refusals."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from collections.abc import Mapping, MutableMapping
+from dataclasses import asdict
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from schemas import BLOCK_REMOVED, BLOCK_STORED, BLOCK_STORED_OR_REUSED, AvroCodec
+from schemas.avro_writers import ResidencyWriter
+from schemas.block_event import BlockEvent
+from schemas.clear_position import NO_CLEAR, ClearPosition
+from schemas.codec import DecodeError
+from stream_apps.residency import ApplyStats, apply_clear, retire_epoch, rules, source_aggregation
+from stream_apps.residency.records import EntryCodec, entry_form
+from tests.conftest import record_module
+from tests.unit.test_writers import ENTRIES
+
+CODEC = AvroCodec("residency")
+PROPERTY = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.fixture(scope="module")
+def record():
+    """The compiled record module (the test fails when it is not built, as tests/conftest.py says)."""
+    return record_module("compiled")
+
+
+def test_the_record_form_is_picked_where_built_and_the_dicts_when_told(record):
+    assert entry_form(compiled=True).apply_block is record.apply_block and entry_form(compiled=True).compiled
+    assert entry_form(compiled=False).apply_block is rules.apply_block and not entry_form(compiled=False).compiled
+
+
+def test_a_record_reads_and_writes_as_the_dicts_do(record):
+    entry = record.from_dict(copy.deepcopy(ENTRIES["every enum symbol"]))
+    assert isinstance(entry, MutableMapping) and isinstance(entry["rows"][0], Mapping)
+    assert entry == ENTRIES["every enum symbol"] and entry.as_dict() == ENTRIES["every enum symbol"]
+    assert list(entry) == list(ENTRIES["every enum symbol"]) and len(entry) == 5 and "rows" in entry
+    row = entry["rows"][2]
+    assert row["clear_mark"] == {"publisher_epoch": 2, "seq": 2000, "batch_index": 2}
+    assert row.get("no such field", "default") == "default"
+    row["copies"] = 0
+    row["clear_mark"] = None
+    row["workers"][0]["count"] = 5
+    assert (row.copies, row.has_mark, row.workers[0].count) == (0, False, 5) and row["clear_mark"] is None
+    assert entry != ENTRIES["every enum symbol"]
+    with pytest.raises(KeyError):
+        row["no such field"]
+    with pytest.raises(KeyError):
+        row["no such field"] = 1
+    assert copy.deepcopy(entry) == entry and pickle.loads(pickle.dumps(entry)) == entry
+    assert copy.deepcopy(entry)["rows"][0] is not entry["rows"][0]
+
+
+@pytest.mark.parametrize("name", list(ENTRIES))
+def test_records_are_written_and_read_byte_for_byte_as_the_dicts(record, name):
+    records, dicts = EntryCodec(CODEC, compiled=True), EntryCodec(CODEC, compiled=False)
+    entry = ENTRIES[name]
+    data = records.encode(record.from_dict(entry))
+    assert data == dicts.encode(entry) == CODEC.encode(entry)
+    decoded = records.decode(data)
+    assert type(decoded) is record.ResidencyEntry and decoded == CODEC.decode(data) == dicts.decode(data)
+
+
+def _decoded_or_refusal(codec: EntryCodec, data: bytes):
+    try:
+        return codec.decode(data)
+    except DecodeError:
+        return "DecodeError"
+
+
+@PROPERTY
+@given(st.sampled_from(list(ENTRIES)), st.data())
+def test_damaged_bytes_are_read_as_the_codec_reads_them_or_refused_as_it_refuses_them(record, name, data):
+    good = CODEC.encode(ENTRIES[name])
+    damaged = bytearray(good)
+    for _ in range(data.draw(st.integers(1, 3))):
+        position = data.draw(st.integers(0, len(damaged) - 1))
+        damaged[position] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(damaged)))
+    for candidate in (bytes(damaged), bytes(damaged[:cut]), good + b"\x00"):
+        expected = _decoded_or_refusal(EntryCodec(CODEC, compiled=False), candidate)
+        got = _decoded_or_refusal(EntryCodec(CODEC, compiled=True), candidate)
+        if got == "DecodeError" and expected != "DecodeError":
+            assert _has_an_int_beyond_32_bits(expected)  # the one refusal of the records alone
+        else:
+            assert got == expected
+
+
+#: The Avro ``int`` fields of an entry's rows and workers (the others are longs, strings, ...).
+ROW_INTS = ("data_parallel_rank", "group_idx", "world_size", "copies")
+WORKER_INTS = ("worker_rank", "count", "batch_index", "block_index")
+
+
+def _has_an_int_beyond_32_bits(entry: dict) -> bool:
+    values = [row[name] for row in entry["rows"] for name in ROW_INTS]
+    values += [worker[name] for row in entry["rows"] for worker in row["workers"] for name in WORKER_INTS]
+    values += [row["clear_mark"]["batch_index"] for row in entry["rows"] if row["clear_mark"]]
+    return any(value is not None and not -(1 << 31) <= value < (1 << 31) for value in values)
+
+
+def test_an_older_versions_bytes_are_resolved_by_the_codec_and_made_records(record):
+    older = AvroCodec("residency", 2)
+    entry = {key: value for key, value in ENTRIES["typical"].items() if key not in ("parent_block_hash",
+                                                                                     "content_hash")}
+    decoded = EntryCodec(CODEC, compiled=True).decode(older.encode(entry))
+    assert type(decoded) is record.ResidencyEntry and decoded == {**entry, "parent_block_hash": None,
+                                                                  "content_hash": None}
+
+
+def test_a_value_the_compiled_writer_refuses_is_written_or_refused_by_the_python_writer(record):
+    entry = record.from_dict(copy.deepcopy(ENTRIES["typical"]))
+    entry["rows"][0]["last_ts"] = 1767225600  # an int where a double belongs: fastavro writes it as a double
+    assert EntryCodec(CODEC, compiled=True).encode(entry) == ResidencyWriter(CODEC, compiled=False).encode(
+        entry.as_dict()) == CODEC.encode(entry.as_dict())
+    entry["rows"][0]["tier"] = "NVME"
+    with pytest.raises(KeyError):
+        EntryCodec(CODEC, compiled=True).encode(entry)
+
+
+# --------------------------------------------------------------------------- the rules, event by event
+
+SOURCES = [(instance, dp_rank, worker, world_size, mode)
+           for instance in ("sim-0", "sim-1") for dp_rank in (0, 1) for worker, world_size, mode in (
+               (None, None, None), (0, 2, "REPLICATED"), (1, 2, "REPLICATED"), (0, 2, "SHARDED"), (1, 2, "SHARDED"))]
+POSITIONS = [NO_CLEAR, ClearPosition(1, 3, 0), ClearPosition(1, 5, 1), ClearPosition(2, 0, 0)]
+CLEAR_SCOPES = [frozenset({"GPU"}), frozenset({"GPU", "CPU"}), frozenset()]
+
+events = st.builds(
+    lambda kind, source, epoch, seq, batch, block, ts, hash_byte, tier, medium, locality, group, ownership, known,
+    content, parent, content_hash: BlockEvent(kind, source, epoch, seq, batch, block, ts, bytes([hash_byte]) * 8, tier,
+                                              medium, locality, group, ownership,
+                                              known if kind != BLOCK_REMOVED else None, content, parent, content_hash),
+    st.sampled_from([BLOCK_STORED, BLOCK_STORED, BLOCK_REMOVED, BLOCK_STORED_OR_REUSED]), st.sampled_from(SOURCES),
+    st.integers(1, 2), st.integers(0, 6), st.integers(0, 1), st.integers(0, 1),
+    st.floats(1.7e9, 1.8e9), st.just(7), st.sampled_from(["GPU", "CPU", "UNKNOWN"]),
+    st.sampled_from(["GPU", "cpu", None, "NVME"]), st.sampled_from([None, "LOCAL"]), st.sampled_from([None, 0, 1]),
+    st.just(None), st.sampled_from([True, False, None]), st.sampled_from([None, 11, 12]),
+    st.sampled_from([None, b"\x01" * 8]), st.sampled_from([None, -5, 1 << 62]))
+steps = st.tuples(events, st.sampled_from(POSITIONS), st.sampled_from(POSITIONS), st.sampled_from(CLEAR_SCOPES),
+                  st.sampled_from([None, (2, "REPLICATED"), (2, "SHARDED")]))
+
+
+def _outcome(result):
+    entry, delta, copies = result
+    return (None if entry is None else dict(entry.as_dict() if hasattr(entry, "as_dict") else entry), delta, copies)
+
+
+@PROPERTY
+@given(st.lists(steps, min_size=1, max_size=25), st.booleans())
+def test_the_compiled_rules_give_the_python_rules_results_event_by_event(record, sequence, start_from_dicts):
+    """Every step: the same entry, delta, copies and counters; the same bytes; and the record read back from them
+    is the entry. One key's events, from any of the sources, in any order, redeliveries and clears among them."""
+    writer = ResidencyWriter(CODEC, compiled=False)
+    records = EntryCodec(CODEC, compiled=True)
+    python_entry = compiled_entry = None
+    python_stats, compiled_stats = ApplyStats(), ApplyStats()
+    for event, mark, watermark, scope, configured in sequence:
+        aggregation = source_aggregation(event.source, configured)
+        expected = rules.apply_block(python_entry, event, mark, watermark, scope, python_stats, aggregation)
+        if start_from_dicts and compiled_entry is not None:
+            compiled_entry = compiled_entry.as_dict()  # the record rules take the dicts too, and make them records
+        got = record.apply_block(compiled_entry, event, mark, watermark, scope, compiled_stats, aggregation)
+        assert _outcome(got) == _outcome(expected)
+        assert asdict(compiled_stats) == asdict(python_stats)
+        python_entry, compiled_entry = copy.deepcopy(expected[0]), got[0]
+        if compiled_entry is not None:
+            assert type(compiled_entry) is record.ResidencyEntry
+            data = records.encode(compiled_entry)
+            assert data == writer.encode(python_entry) and records.decode(data) == python_entry
+
+
+@PROPERTY
+@given(st.lists(steps, min_size=1, max_size=12), st.sampled_from(SOURCES), st.sampled_from(POSITIONS[1:]))
+def test_clears_and_restarts_give_the_same_results_on_records_as_on_dicts(record, sequence, source, position):
+    """The source-wide rules are the Python ones for both forms: they read a record as a mapping."""
+    python_entry = compiled_entry = None
+    for event, mark, watermark, scope, configured in sequence:
+        aggregation = source_aggregation(event.source, configured)
+        python_entry = rules.apply_block(python_entry, event, mark, watermark, scope, ApplyStats(), aggregation)[0]
+        compiled_entry = record.apply_block(compiled_entry, event, mark, watermark, scope, ApplyStats(),
+                                            aggregation)[0]
+    if python_entry is None:
+        return
+    instance, dp_rank, worker, _, _ = source
+    for rewrite in (lambda entry: apply_clear(entry, instance, dp_rank, position, frozenset({"GPU"}), ApplyStats()),
+                    lambda entry: retire_epoch(entry, instance, dp_rank, worker, 2, ApplyStats())):
+        expected_entry, expected_stopped, expected_changed = rewrite(copy.deepcopy(python_entry))
+        got_entry, got_stopped, got_changed = rewrite(copy.deepcopy(compiled_entry))
+        assert (got_entry, got_stopped, got_changed) == (expected_entry, expected_stopped, expected_changed)
