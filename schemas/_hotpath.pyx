@@ -2,71 +2,50 @@
 """The compiled hot path: the worker's codecs that cost the most per event in Python.
 
 - :func:`walk_items`: the item loop of :meth:`schemas.ownership_batch.OwnershipBatchReader._walk`;
-- :func:`encode_residency`: :meth:`schemas.avro_writers.ResidencyWriter.encode`;
 - :func:`read_program`: any schema's generated reader (:func:`schemas.fast_reader.compile_reader`): the codecs'
-  decode of their own version's records (``kv_event`` in the repartition process, residency entries in the
-  stores, the batch messages' tables);
+  decode of their own version's records (``kv_event`` in the repartition process, the batch messages' tables,
+  residency entries where they are dicts);
 - :func:`read_index_entry`: the fleet index's lean read of a residency entry
   (:class:`stream_apps.index.entry_reader.IndexEntryReader`): the rows' holders and the entry's parent and
   content hash, without the entry's dicts;
 - :func:`json_query_token_ids` and :func:`json_token_bytes`: a ``POST /query``'s JSON ``token_ids`` array as
   little-endian u32 bytes, without a Python int per token (``stream_apps.index.api.read_json_query``).
 
+The residency entry's own read, write and rules are compiled with the entry itself, as a record
+(``stream_apps/residency/_record.pyx``). The Avro primitives both modules read and write with are in
+``schemas/_avro.pxd``.
+
 This module is optional. ``setup.py`` builds it with Cython when a C compiler is there; the pure-Python
 versions are used when it is absent, or when ``KVSTREAM_PURE_PYTHON=1`` is set. Each function gives exactly
 what its Python twin gives; where it refuses the bytes or the values, its caller hands them to the Python
-twin, whose result or error is then the answer (the tests run both and compare them). Python 3.11's
-interpreter already runs the residency rules' dict and tuple work at close to C speed, so only byte-level
-work moved here: varints, the fixed block-field layout, building the output bytes, reading a record's
-fields. ``boundscheck=False``: every index into a tuple or list here is checked against its length first,
-by hand, or comes from a program built by schemas.fast_reader.
+twin, whose result or error is then the answer (the tests run both and compare them). ``boundscheck=False``:
+every index into a tuple or list here is checked against its length first, by hand, or comes from a program
+built by schemas.fast_reader.
 """
 
 cimport cython
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
-from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
-from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdint cimport INT64_MIN, int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memchr, memcmp, memcpy
 
+from schemas._avro cimport (
+    Cursor,
+    _le,
+    _read_branch,
+    _read_bytes,
+    _read_count,
+    _read_double,
+    _read_long,
+    _read_string,
+    _read_symbol,
+    _skip_double,
+    _skip_string,
+)
+
 # ---------------------------------------------------------------------------------------------------------
-# Reading
-
-
-cdef class _Cursor:
-    """A read position in one message's bytes."""
-    cdef const uint8_t* data
-    cdef Py_ssize_t pos
-    cdef Py_ssize_t size
-
-
-cdef inline int64_t _read_long(_Cursor c) except? -1:
-    """The zig-zag varint at the cursor (at most 10 bytes and 64 bits, as schemas.fast_reader reads it)."""
-    cdef uint64_t result = 0
-    cdef uint64_t byte
-    cdef int shift = 0
-    while True:
-        if c.pos >= c.size:
-            raise IndexError("varint past the end of the message")
-        byte = c.data[c.pos]
-        c.pos += 1
-        if shift == 63 and (byte & 0x7E):
-            raise ValueError(f"varint beyond 64 bits before {c.pos}")
-        result |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return <int64_t>((result >> 1) ^ (0 - (result & 1)))
-        shift += 7
-        if shift > 63:
-            raise ValueError(f"varint longer than 10 bytes at {c.pos}")
-
-
-cdef inline uint64_t _le(const uint8_t* p, int n):
-    """``n`` bytes at ``p`` as a little-endian unsigned integer (any host byte order)."""
-    cdef uint64_t value = 0
-    cdef int i
-    for i in range(n - 1, -1, -1):
-        value = (value << 8) | p[i]
-    return value
+# The ownership_batch walk
 
 
 #: The block fields this walk reads: name -> ``struct`` code. Their offsets come from the caller's layout
@@ -151,7 +130,8 @@ def walk_items(bytes data not None, Py_ssize_t pos, list items not None, list so
         _use_layout(layout)
     cdef Py_ssize_t fields_size = _fields_size
     cdef const Py_ssize_t* off = _offsets
-    cdef _Cursor c = _Cursor()
+    cdef Cursor cursor
+    cdef Cursor* c = &cursor
     c.data = <const uint8_t*>PyBytes_AS_STRING(data)
     c.size = PyBytes_GET_SIZE(data)
     if pos < 0 or pos > c.size:
@@ -259,263 +239,7 @@ def walk_items(bytes data not None, Py_ssize_t pos, list items not None, list so
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Writing
-
-
-cdef struct _Buffer:
-    char* data
-    Py_ssize_t size
-    Py_ssize_t capacity
-
-
-cdef int _reserve(_Buffer* out, Py_ssize_t extra) except -1:
-    cdef Py_ssize_t capacity
-    cdef char* grown
-    if out.size + extra <= out.capacity:
-        return 0
-    capacity = max(out.capacity * 2, out.size + extra)
-    grown = <char*>PyMem_Realloc(out.data, capacity)
-    if grown == NULL:
-        raise MemoryError()
-    out.data = grown
-    out.capacity = capacity
-    return 0
-
-
-cdef inline int _put(_Buffer* out, const char* data, Py_ssize_t n) except -1:
-    _reserve(out, n)
-    memcpy(out.data + out.size, data, n)
-    out.size += n
-    return 0
-
-
-cdef inline int _put_byte(_Buffer* out, uint8_t byte) except -1:
-    _reserve(out, 1)
-    out.data[out.size] = <char>byte
-    out.size += 1
-    return 0
-
-
-cdef inline int _put_long(_Buffer* out, int64_t value) except -1:
-    """Avro ``long``: zig-zag, then a little-endian base-128 varint (at most 10 bytes)."""
-    cdef uint64_t n = (<uint64_t>value << 1) ^ <uint64_t>(value >> 63)
-    _reserve(out, 10)
-    while n > 0x7F:
-        out.data[out.size] = <char>((n & 0x7F) | 0x80)
-        out.size += 1
-        n >>= 7
-    out.data[out.size] = <char>n
-    out.size += 1
-    return 0
-
-
-cdef inline int _put_double(_Buffer* out, double value) except -1:
-    """Avro ``double``: 8 bytes, little-endian IEEE 754 (any host byte order)."""
-    cdef uint64_t bits
-    cdef int i
-    memcpy(&bits, &value, 8)
-    _reserve(out, 8)
-    for i in range(8):
-        out.data[out.size + i] = <char>((bits >> (8 * i)) & 0xFF)
-    out.size += 8
-    return 0
-
-
-class _Unusual(Exception):
-    """A value outside the shapes :func:`encode_residency` encodes: the Python writer takes the entry."""
-
-
-cdef inline int64_t _long_of(object value) except? -1:
-    if type(value) is not int:
-        raise _Unusual()
-    try:
-        return value
-    except OverflowError:
-        raise _Unusual()
-
-
-cdef inline int _put_string(_Buffer* out, object value) except -1:
-    cdef Py_ssize_t n
-    cdef const char* utf8
-    if type(value) is not str:
-        raise _Unusual()
-    utf8 = PyUnicode_AsUTF8AndSize(value, &n)  # UnicodeEncodeError for a lone surrogate, as str.encode()
-    _put_long(out, n)
-    _put(out, utf8, n)
-    return 0
-
-
-cdef inline bint _put_branch(_Buffer* out, object value) except -1:
-    """A ``["null", X]`` union's branch index: 0 for None, else 2 (branch 1, zig-zag); True when X follows."""
-    _put_byte(out, 0 if value is None else 2)
-    return value is not None
-
-
-cdef inline int _put_symbol(_Buffer* out, dict symbols, object symbol) except -1:
-    encoded = symbols.get(symbol) if type(symbol) is str else None
-    if encoded is None:
-        raise _Unusual()
-    _put(out, PyBytes_AS_STRING(encoded), PyBytes_GET_SIZE(encoded))
-    return 0
-
-
-cdef inline dict _dict_of(object value):
-    if type(value) is not dict:
-        raise _Unusual()
-    return <dict>value
-
-
-cdef inline list _list_of(object value):
-    if type(value) is not list:
-        raise _Unusual()
-    return <list>value
-
-
-cdef int _put_entry(_Buffer* out, dict entry, dict tiers, dict aggregations) except -1:
-    cdef dict row, worker, mark
-    cdef list rows, workers
-    block_hash = entry["block_hash"]
-    if type(block_hash) is not bytes:
-        raise _Unusual()
-    _put_long(out, PyBytes_GET_SIZE(block_hash))
-    _put(out, PyBytes_AS_STRING(block_hash), PyBytes_GET_SIZE(block_hash))
-    if _put_branch(out, entry["ownership"]):
-        _put_string(out, entry["ownership"])
-    rows = _list_of(entry["rows"])
-    if rows:
-        _put_long(out, len(rows))
-        for row_object in rows:
-            row = _dict_of(row_object)
-            _put_string(out, row["instance_id"])
-            _put_long(out, _long_of(row["data_parallel_rank"]))
-            _put_symbol(out, tiers, row["tier"])
-            medium, locality = row["medium"], row["locality"]
-            if _put_branch(out, medium):
-                _put_string(out, medium)
-            if _put_branch(out, locality):
-                _put_string(out, locality)
-            group_idx = row["group_idx"]
-            if _put_branch(out, group_idx):
-                _put_long(out, _long_of(group_idx))
-            _put_long(out, _long_of(row["world_size"]))
-            _put_symbol(out, aggregations, row["aggregation"])
-            workers = _list_of(row["workers"])
-            if workers:
-                _put_long(out, len(workers))
-                for worker_object in workers:
-                    worker = _dict_of(worker_object)
-                    _put_long(out, _long_of(worker["worker_rank"]))
-                    _put_long(out, _long_of(worker["count"]))
-                    _put_long(out, _long_of(worker["publisher_epoch"]))
-                    _put_long(out, _long_of(worker["seq"]))
-                    _put_long(out, _long_of(worker["batch_index"]))
-                    _put_long(out, _long_of(worker["block_index"]))
-                    content = worker["content"]
-                    if _put_branch(out, content):
-                        _put_long(out, _long_of(content))
-            _put_byte(out, 0)  # end of workers
-            _put_long(out, _long_of(row["copies"]))
-            since, last_ts = row["since"], row["last_ts"]
-            if type(last_ts) is not float or (since is not None and type(since) is not float):
-                raise _Unusual()
-            if _put_branch(out, since):
-                _put_double(out, since)
-            _put_double(out, last_ts)
-            mark_object = row["clear_mark"]
-            if _put_branch(out, mark_object):
-                mark = _dict_of(mark_object)
-                _put_long(out, _long_of(mark["publisher_epoch"]))
-                _put_long(out, _long_of(mark["seq"]))
-                _put_long(out, _long_of(mark["batch_index"]))
-    _put_byte(out, 0)  # end of rows
-    parent = entry["parent_block_hash"]
-    if _put_branch(out, parent):
-        if type(parent) is not bytes:
-            raise _Unusual()
-        _put_long(out, PyBytes_GET_SIZE(parent))
-        _put(out, PyBytes_AS_STRING(parent), PyBytes_GET_SIZE(parent))
-    content_hash = entry["content_hash"]
-    if _put_branch(out, content_hash):
-        _put_long(out, _long_of(content_hash))
-    return 0
-
-
-def encode_residency(entry, bytes header not None, dict tiers not None, dict aggregations not None):
-    """A ``residency`` v3 entry encoded with its framing ``header``, byte for byte as
-    :meth:`schemas.avro_writers.ResidencyWriter.encode`; None when the entry holds a value of another shape
-    than the agent writes (a missing field, a bool or float where an int belongs, an int for a double, an
-    unknown enum symbol, a long out of range): the Python writer then encodes it, or raises what it raises.
-
-    ``tiers`` and ``aggregations``: enum symbol -> its encoded index (``ResidencyWriter.tier`` and
-    ``.aggregation``).
-    """
-    cdef _Buffer out
-    if type(entry) is not dict:
-        return None
-    out.data = <char*>PyMem_Malloc(256)
-    if out.data == NULL:
-        raise MemoryError()
-    out.size = 0
-    out.capacity = 256
-    try:
-        _put(&out, PyBytes_AS_STRING(header), PyBytes_GET_SIZE(header))
-        _put_entry(&out, <dict>entry, tiers, aggregations)
-        return PyBytes_FromStringAndSize(out.data, out.size)
-    except (_Unusual, KeyError, UnicodeEncodeError):
-        return None
-    finally:
-        PyMem_Free(out.data)
-
-
-# ---------------------------------------------------------------------------------------------------------
 # Reading values of a schema
-
-
-cdef inline object _read_string(_Cursor c):
-    cdef int64_t n = _read_long(c)
-    if n < 0 or n > c.size - c.pos:  # not c.pos + n: a length near 2**63 would wrap past the check
-        raise ValueError(f"bad length {n} at {c.pos}")
-    value = PyUnicode_DecodeUTF8(<const char*>c.data + c.pos, n, NULL)
-    c.pos += n
-    return value
-
-
-cdef inline object _read_bytes(_Cursor c):
-    cdef int64_t n = _read_long(c)
-    if n < 0 or n > c.size - c.pos:
-        raise ValueError(f"bad length {n} at {c.pos}")
-    value = PyBytes_FromStringAndSize(<const char*>c.data + c.pos, n)
-    c.pos += n
-    return value
-
-
-cdef inline double _read_double(_Cursor c) except? -1.0:
-    cdef uint64_t bits
-    cdef double value
-    if c.pos + 8 > c.size:
-        raise IndexError("double past the end of the record")
-    bits = _le(c.data + c.pos, 8)
-    memcpy(&value, &bits, 8)
-    c.pos += 8
-    return value
-
-
-cdef inline object _read_symbol(_Cursor c, tuple symbols):
-    cdef int64_t index = _read_long(c)
-    if not 0 <= index < len(symbols):
-        raise ValueError(f"enum index {index} at {c.pos}")
-    return symbols[index]
-
-
-cdef inline int64_t _read_count(_Cursor c) except? -1:
-    """An array block's item count; the block's byte size, when given (a negative count), is skipped."""
-    cdef int64_t count = _read_long(c)
-    if count < 0:
-        if count == INT64_MIN:  # -count would stay negative; Python reads 2**63 items and runs out of bytes
-            raise ValueError("array block count out of range")
-        count = -count
-        _read_long(c)
-    return count
 
 
 # The programs of schemas.fast_reader.compile_program
@@ -526,7 +250,7 @@ cdef enum:
 
 
 @cython.boundscheck(True)  # a program is trusted (compile_program builds it), but read_program is public
-cdef object _run(tuple program, _Cursor c):
+cdef object _run(tuple program, Cursor* c):
     cdef int op = program[0]
     cdef int64_t index, count
     cdef uint32_t bits32
@@ -599,7 +323,8 @@ def read_program(tuple program not None, bytes data not None, Py_ssize_t pos):
         ValueError (UnicodeDecodeError included), IndexError: bytes that are not a value of the schema; the
         caller then has the generated reader name the fault.
     """
-    cdef _Cursor c = _Cursor()
+    cdef Cursor cursor
+    cdef Cursor* c = &cursor
     if pos < 0 or pos > PyBytes_GET_SIZE(data):
         raise IndexError("start outside the data")
     c.data = <const uint8_t*>PyBytes_AS_STRING(data)
@@ -618,40 +343,6 @@ OPERATIONS = (OP_NULL, OP_BOOLEAN, OP_LONG, OP_FLOAT, OP_DOUBLE, OP_STRING, OP_B
 # The fleet index's lean read of a residency entry
 
 
-cdef inline bint _read_branch(_Cursor c) except -1:
-    """A ``["null", X]`` union's branch: False for null, True when X follows (any varint form of 0 or 1, as the
-    generated readers accept)."""
-    cdef int64_t index = _read_long(c)
-    if index == 1:
-        return True
-    if index != 0:
-        raise ValueError(f"union branch {index} at {c.pos}")
-    return False
-
-
-cdef inline int _skip_string(_Cursor c) except -1:
-    """Past a string that is not kept, checked as the generated reader checks it: its length, and that it is
-    UTF-8 (an ASCII string, the usual medium or locality, needs no decoding to tell)."""
-    cdef int64_t n = _read_long(c)
-    cdef Py_ssize_t i
-    if n < 0 or n > c.size - c.pos:  # not c.pos + n: a length near 2**63 would wrap past the check
-        raise ValueError(f"bad length {n} at {c.pos}")
-    for i in range(c.pos, c.pos + n):
-        if c.data[i] & 0x80:
-            # decoded only to refuse what str.decode() refuses (UnicodeDecodeError), by the same rules
-            PyUnicode_DecodeUTF8(<const char*>c.data + c.pos, n, NULL)
-            break
-    c.pos += n
-    return 0
-
-
-cdef inline int _skip_double(_Cursor c) except -1:
-    if c.size - c.pos < 8:
-        raise IndexError("double past the end of the record")
-    c.pos += 8
-    return 0
-
-
 def read_index_entry(bytes data not None, Py_ssize_t pos, tuple tiers not None, Py_ssize_t aggregations):
     """What the fleet index keeps of a ``residency`` v3 entry whose body starts at ``pos`` and ends with
     ``data``: ``(rows, parent_block_hash, content_hash)``, ``rows`` the ``(instance_id, data_parallel_rank,
@@ -668,7 +359,8 @@ def read_index_entry(bytes data not None, Py_ssize_t pos, tuple tiers not None, 
         ValueError (UnicodeDecodeError included), IndexError: bytes that are not such a record; the caller then
         has the codec decode them (it names the fault, or resolves another layout).
     """
-    cdef _Cursor c = _Cursor()
+    cdef Cursor cursor
+    cdef Cursor* c = &cursor
     if pos < 0 or pos > PyBytes_GET_SIZE(data):
         raise IndexError("start outside the data")
     c.data = <const uint8_t*>PyBytes_AS_STRING(data)

@@ -38,7 +38,6 @@ from schemas.avro_primitives import (
 )
 from schemas.clear_position import NO_CLEAR
 from schemas.codec import AvroCodec, find_named_type
-from schemas.compiled import choose
 from schemas.kv_event_writer import KvEventWriter
 
 __all__ = [
@@ -118,23 +117,20 @@ class ResidencyWriter(_TableRecordWriter):
 
     Every field must be present in the dicts (fastavro would write a missing optional field's default;
     here it is a KeyError). ``clear_mark`` is the ClearMark dict or None, as the codec decodes it.
-    Construction as :class:`_TableRecordWriter` (a ``residency`` v3 codec, or ValueError); ``compiled`` picks
-    the compiled encoder (:func:`schemas._hotpath.encode_residency`) as :func:`schemas.compiled.choose` does
-    (None: when built). The compiled one gives the same bytes; an entry of an unusual shape (a float where an
-    int belongs, and the like) it hands back to the Python code here.
+    Construction as :class:`_TableRecordWriter` (a ``residency`` v3 codec, or ValueError).
+
+    This is the reference encoder of the entries' dicts. Its compiled twin encodes the entry as a compiled record
+    (``encode_entry`` in ``stream_apps/residency/_record.pyx``), and hands what it refuses to this one.
     """
 
     FAMILY = "residency"
     VERSION = 3
     FINGERPRINT = bytes.fromhex("edf15354f4595dea")
 
-    def __init__(self, codec: AvroCodec, compiled: bool | None = None) -> None:
+    def __init__(self, codec: AvroCodec) -> None:
         super().__init__(codec)
         #: symbol -> encoded index of the AggregationMode enum (a named type of kv_event_v1).
         self.aggregation = _named_enum(codec, "kvstream.v1.AggregationMode")
-        hotpath = choose(compiled)
-        #: The compiled encoder (schemas/_hotpath.pyx), or None.
-        self._encode_compiled = None if hotpath is None else hotpath.encode_residency
         #: (instance_id, data_parallel_rank, tier, medium, locality, group_idx, world_size, aggregation) ->
         #: those fields encoded: one row identity per source and tier, so few.
         self._identities: dict[tuple, bytes] = {}
@@ -191,13 +187,6 @@ class ResidencyWriter(_TableRecordWriter):
                 enum symbol is a KeyError).
             OverflowError: an int outside Avro's long range (as fastavro).
         """
-        if self._encode_compiled is not None:
-            encoded = self._encode_compiled(entry, self.header, self.tier, self.aggregation)
-            if encoded is not None:
-                return encoded
-        return self._encode_python(entry)
-
-    def _encode_python(self, entry: dict) -> bytes:
         # An int field in the small-int table is one comparison and one index, in line: a call to
         # avro_long per field was most of this method's time. The index refuses a float (TypeError), as
         # fastavro does; None fails the comparison (TypeError).

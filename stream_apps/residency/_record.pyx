@@ -62,6 +62,14 @@ from schemas.clear_position import clear_mark_record
 # ---------------------------------------------------------------------------------------------------------
 # The records
 
+cdef inline object _int(object value):
+    """``value`` if it is an int (a bool is one, as in the dicts' writer); TypeError for anything else, which a C
+    field would otherwise truncate silently (a float) or refuse with another error (NaN)."""
+    if not isinstance(value, int):
+        raise TypeError(f"an int field holds {type(value).__name__} {value!r}")
+    return value
+
+
 cdef class _Record:
     """What the three records share: their fields read and written as a mapping, as the dicts' keys."""
 
@@ -153,12 +161,12 @@ cdef class WorkerCount(_Record):
     @staticmethod
     def from_dict(dict worker):
         cdef WorkerCount record = WorkerCount.__new__(WorkerCount)
-        record.worker_rank = worker["worker_rank"]
-        record.count = worker["count"]
-        record.publisher_epoch = worker["publisher_epoch"]
-        record.seq = worker["seq"]
-        record.batch_index = worker["batch_index"]
-        record.block_index = worker["block_index"]
+        record.worker_rank = _int(worker["worker_rank"])
+        record.count = _int(worker["count"])
+        record.publisher_epoch = _int(worker["publisher_epoch"])
+        record.seq = _int(worker["seq"])
+        record.batch_index = _int(worker["batch_index"])
+        record.block_index = _int(worker["block_index"])
         record.content = worker["content"]
         return record
 
@@ -219,23 +227,23 @@ cdef class ResidencyRow(_Record):
             self.mark_epoch = self.mark_seq = self.mark_batch = 0
         else:
             self.has_mark = True
-            self.mark_epoch, self.mark_seq, self.mark_batch = (mark["publisher_epoch"], mark["seq"],
-                                                               mark["batch_index"])
+            self.mark_epoch, self.mark_seq, self.mark_batch = (_int(mark["publisher_epoch"]), _int(mark["seq"]),
+                                                               _int(mark["batch_index"]))
 
     @staticmethod
     def from_dict(dict row):
         cdef ResidencyRow record = ResidencyRow.__new__(ResidencyRow)
         record.instance_id = row["instance_id"]
-        record.data_parallel_rank = row["data_parallel_rank"]
+        record.data_parallel_rank = _int(row["data_parallel_rank"])
         record.tier = row["tier"]
         record.medium = row["medium"]
         record.locality = row["locality"]
         record.group_idx = row["group_idx"]
-        record.world_size = row["world_size"]
+        record.world_size = _int(row["world_size"])
         record.aggregation = row["aggregation"]
         record.workers = [worker if type(worker) is WorkerCount else WorkerCount.from_dict(worker)
                           for worker in row["workers"]]
-        record.copies = row["copies"]
+        record.copies = _int(row["copies"])
         record.since = row["since"]
         record.last_ts = row["last_ts"]
         record.clear_mark = row["clear_mark"]

@@ -118,7 +118,7 @@ def test_an_older_versions_bytes_are_resolved_by_the_codec_and_made_records(reco
 def test_a_value_the_compiled_writer_refuses_is_written_or_refused_by_the_python_writer(record):
     entry = record.from_dict(copy.deepcopy(ENTRIES["typical"]))
     entry["rows"][0]["last_ts"] = 1767225600  # an int where a double belongs: fastavro writes it as a double
-    assert EntryCodec(CODEC, compiled=True).encode(entry) == ResidencyWriter(CODEC, compiled=False).encode(
+    assert EntryCodec(CODEC, compiled=True).encode(entry) == ResidencyWriter(CODEC).encode(
         entry.as_dict()) == CODEC.encode(entry.as_dict())
     entry["rows"][0]["tier"] = "NVME"
     with pytest.raises(KeyError):
@@ -158,7 +158,7 @@ def _outcome(result):
 def test_the_compiled_rules_give_the_python_rules_results_event_by_event(record, sequence, start_from_dicts):
     """Every step: the same entry, delta, copies and counters; the same bytes; and the record read back from them
     is the entry. One key's events, from any of the sources, in any order, redeliveries and clears among them."""
-    writer = ResidencyWriter(CODEC, compiled=False)
+    writer = ResidencyWriter(CODEC)
     records = EntryCodec(CODEC, compiled=True)
     python_entry = compiled_entry = None
     python_stats, compiled_stats = ApplyStats(), ApplyStats()
