@@ -235,6 +235,7 @@ def make_materializer(store_kind: str, producer, tmp: Path, timers: dict[str, Ti
     from stream_apps.checkpoint import Checkpoint
     from stream_apps.outputs import OutputTopics
     from stream_apps.residency import SourceSettings
+    from stream_apps.residency.records import EntryCodec, EntryForm, entry_form
     from stream_apps.store_settings import ResidencyRocksDBOptions, residency_rocksdb_options
 
     outputs = OutputTopics("unused:0", TopicNames("profile"))
@@ -250,13 +251,14 @@ def make_materializer(store_kind: str, producer, tmp: Path, timers: dict[str, Ti
         return _stand_in(ns, store_module.MemoryTableStore, "entry", "lookup", "write", "persist", "partition_keys")
 
     codec = AvroCodec("residency")
-    encode = store_module.value_encoder(codec)
+    entries = EntryCodec(codec)  # the worker's form of entry: the compiled record where it is built
+    encode, decode = entries.encode, entries.decode
     if instrument:
         encode = timers["entry encode (residency writer)"].wrap(encode)
     if store_kind == "memory":  # the residency table's memory store, as the worker runs it: Avro bytes + a cache
         residency = types.SimpleNamespace(data={}, _cache=OrderedDict(), cache_entries=10_000, outputs=outputs,
                                           changelog="profile-residency-changelog", encode=encode, codec=codec,
-                                          table=types.SimpleNamespace(partitions=PARTITIONS))
+                                          decode=decode, table=types.SimpleNamespace(partitions=PARTITIONS))
         _stand_in(residency, store_module.CompactMemoryTableStore, "entry", "lookup", "_remember", "write", "persist",
                   "partition_keys", "_partition_of")
     else:
@@ -269,12 +271,15 @@ def make_materializer(store_kind: str, producer, tmp: Path, timers: dict[str, Ti
             return dbs[partition]
 
         residency = types.SimpleNamespace(_pending=defaultdict(dict), _cache=OrderedDict(), cache_entries=100_000,
-                                          codec=codec, encode=encode, outputs=outputs,
+                                          codec=codec, encode=encode, decode=decode, outputs=outputs,
                                           changelog="profile-residency-changelog", offset_key=b"__faust\0offset__",
                                           _db_for_partition=db_for_partition, _dbs=dbs)
         _stand_in(residency, store_module.RocksDBTableStore, "entry", "lookup", "_remember", "write", "persist",
                   "partition_keys")
         residency.close_all = lambda: [db.close() for db in dbs.values()]
+    form = entry_form(entries.compiled)
+    residency.entry_form = EntryForm(form.compiled, timers["residency rules (apply_block)"].wrap(form.apply_block)
+                                     if instrument else form.apply_block)
     residency.window_keys = set()
     residency.merged_writes = 0
     residency.total_writes = 0
@@ -320,11 +325,8 @@ def run_materialize(batches, store_kind: str, producer, commit_every: int, cprof
     from schemas.ownership_batch import OwnershipBatchReader
 
     timers = defaultdict(Timer)
-    rules = timers["residency rules (apply_block)"]
-    original_rules = applier_module.apply_block
     original_write_back = applier_module.BatchApplier.write_back
     if instrument:
-        applier_module.apply_block = rules.wrap(original_rules)
         write_back_timer = timers["write-back (entry encode, changelog produce, store write)"]
         applier_module.BatchApplier.write_back = write_back_timer.wrap(original_write_back)
     tmp = Path(tempfile.mkdtemp(prefix="kvstream-profile-"))
@@ -408,7 +410,6 @@ def run_materialize(batches, store_kind: str, producer, commit_every: int, cprof
             residency.close_all()
         return result
     finally:
-        applier_module.apply_block = original_rules
         applier_module.BatchApplier.write_back = original_write_back
         shutil.rmtree(tmp, ignore_errors=True)
 
