@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Callable
 
 from schemas import (
     ALL_BLOCKS_CLEARED,
@@ -233,8 +234,10 @@ class BatchApplier:
     def __init__(self, materializer: Materializer, partition: int) -> None:
         self.m = materializer
         self.store = materializer.tables.residency_store
-        #: The rules for the form of entry the store holds (:mod:`stream_apps.residency.records`).
+        #: The rules for the form of entry the store holds (:mod:`stream_apps.residency.records`), and the compiled
+        #: loop of :meth:`apply_all` with them (None: the dicts' form, whose loop is Python).
         self._apply_block = self.store.entry_form.apply_block
+        self._apply_events = self.store.entry_form.apply_events
         self.partition = partition
         #: Residency key -> entry (None: deleted), written back at :meth:`finish` or before a source-wide event.
         self.touched: dict[str, dict | None] = {}
@@ -321,6 +324,34 @@ class BatchApplier:
             m.apply_clear(partition, record, mark, self.occupancy)
         else:
             m.apply_source_event(partition, record, self.occupancy)
+
+    def apply_all(self, items: list, apply_other: Callable[[tuple, Exception | None], None]) -> None:
+        """Apply a batch message's items (:data:`schemas.ownership_batch.BatchItem` tuples) in order: each block
+        event read with its fields as :meth:`apply` applies it; ``apply_other(item, None)`` for every other item
+        and for one :meth:`apply` would refuse with :class:`NeedsRecord`, ``apply_other(item, exception)`` for one
+        whose apply raised. What ``apply_other`` raises ends the loop.
+
+        With the compiled record form this is its module's ``apply_events``, the compiled twin of this loop and
+        of :meth:`apply`; otherwise the loop below, the reference.
+        """
+        if self._apply_events is not None:
+            m = self.m
+            self._apply_events(items, self.partition, self._sources, self._source_state, self.touched, self.new_keys,
+                               self.publishers, self.occupancy, self.store.entry, m.stats, m.outputs, _CAUSES,
+                               apply_other)
+            return
+        apply = self.apply
+        for item in items:
+            key, mark, _, _, _, event = item
+            if type(event) is not tuple:
+                apply_other(item, None)
+                continue
+            try:
+                apply(key, mark, event)
+            except NeedsRecord:
+                apply_other(item, None)
+            except Exception as exc:  # noqa: BLE001 - apply_other dead-letters it, or raises
+                apply_other(item, exc)
 
     def apply(self, key: str, mark: ClearPosition, event: tuple) -> None:
         """Apply one re-keyed block event: ``key`` (its residency key) and ``mark`` (its source's latest clear

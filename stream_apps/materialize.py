@@ -45,18 +45,23 @@ def register_agent(app: faust.App, topic: faust.TopicT, materializer: Materializ
             materializer.materialized += len(items)
             applier = BatchApplier(materializer, message.partition)
             apply, apply_record = applier.apply, applier.apply_record
-            for key, mark, buffer, start, end, event in items:
+
+            def apply_other(item: tuple, error: Exception | None) -> None:
+                """An item the applier's loop left to Python (a record, or a store that needs its record), or one
+                whose apply raised ``error``: applied, or dead-lettered with the reason. A CheckpointError is
+                raised on: it stops the worker."""
+                key, mark, buffer, start, end, event = item
                 try:
-                    if type(event) is tuple:  # block fields read by the batch reader: the usual case
+                    if error is not None:
+                        raise error
+                    if type(event) is tuple:  # a store of a replicated source whose content digest is missing
                         try:
                             apply(key, mark, event)
                         except NeedsRecord:
                             apply_record(key, mark, decode(buffer[start:end]))
                     else:
                         apply_record(key, mark, decode(buffer[start:end]) if event is None else event)
-                except CheckpointError as exc:  # never dead-letter a clear whose removals may be lost: stop
-                    log.error("stopping the worker: %s", exc)
-                    await app.crash(exc)
+                except CheckpointError:  # never dead-letter a clear whose removals may be lost
                     raise
                 except (DecodeError, InvalidRecord) as exc:
                     outputs.dead_letter(key.encode(), buffer[start:end], str(exc), where)
@@ -64,6 +69,13 @@ def register_agent(app: faust.App, topic: faust.TopicT, materializer: Materializ
                     log.exception("could not apply %s", key)
                     outputs.dead_letter(key.encode(), buffer[start:end],
                                         f"could not apply: {type(exc).__name__}: {exc}", where)
+
+            try:
+                applier.apply_all(items, apply_other)
+            except CheckpointError as exc:
+                log.error("stopping the worker: %s", exc)
+                await app.crash(exc)
+                raise
             applier.finish()
 
     app.agent(topic, name=AGENT_NAME)(materialize_residency)

@@ -366,6 +366,10 @@ def apply_block(entry, event, clear_mark, clear_watermark, clear_tiers, stats, a
             32 bits); the entry may then be half changed, as the Python rules would leave it half changed by an
             exception.
     """
+    return _apply_block(entry, event, clear_mark, clear_watermark, clear_tiers, stats, aggregation)
+
+
+cdef tuple _apply_block(entry, event, clear_mark, clear_watermark, clear_tiers, stats, aggregation):
     cdef ResidencyEntry record
     cdef ResidencyRow row = None, candidate
     cdef WorkerCount worker = None, other
@@ -556,6 +560,91 @@ cdef inline void _set_mark(ResidencyRow row, int64_t epoch, int64_t seq, int bat
         row.mark_epoch = epoch
         row.mark_seq = seq
         row.mark_batch = batch_index
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A batch message's block events
+
+# Positions of the BlockEvent fields read here (schemas.block_event.BlockEvent; EVENT_FIELDS below, which the
+# tests compare with it).
+cdef enum:
+    _KIND = 0
+    _SOURCE = 1
+    _EPOCH = 2
+    _TS = 6
+    _BLOCK_HASH = 7
+    _TIER = 8
+    _MEDIUM = 9
+    _LOCALITY = 10
+    _GROUP = 11
+    _OWNERSHIP = 12
+    _CONTENT = 14
+
+#: The BlockEvent field at each position :func:`apply_events` reads.
+EVENT_FIELDS = {_KIND: "kind", _SOURCE: "source", _EPOCH: "publisher_epoch", _TS: "ts", _BLOCK_HASH: "block_hash",
+                _TIER: "tier", _MEDIUM: "medium", _LOCALITY: "locality", _GROUP: "group_idx",
+                _OWNERSHIP: "ownership", _CONTENT: "content"}
+
+
+def apply_events(list items not None, Py_ssize_t partition, dict sources not None, source_state, dict touched not None,
+                 set new_keys not None, dict publishers not None, occupancy, store_entry, stats, outputs, dict causes,
+                 apply_other):
+    """The compiled twin of the agent's loop over one ``ownership_batch`` message's items with
+    :meth:`stream_apps.applier.BatchApplier.apply` (see :meth:`~stream_apps.applier.BatchApplier.apply_all`, which
+    passes the applier's state): every block event read with its fields is applied as that method applies it,
+    with the record rules, in the items' order.
+
+    An item it does not apply, ``apply_other(item, None)`` applies the Python way: a record (not a tuple), and a
+    store of a replicated source without its content digest (``NeedsRecord`` in the Python method; nothing was
+    changed). An exception in an item's apply goes to ``apply_other(item, exception)``, which dead-letters it or
+    raises; what it raises ends the loop.
+    """
+    cdef Py_ssize_t i, n = len(items)
+    cdef tuple item, event, state
+    emit_changes = outputs.residency_changes
+    for i in range(n):
+        item = <tuple>items[i]
+        key, mark, event_object = item[0], item[1], item[5]
+        if type(event_object) is not tuple:
+            apply_other(item, None)
+            continue
+        event = <tuple>event_object
+        try:
+            source = event[_SOURCE]
+            state = sources.get(source)
+            if state is None:
+                state = source_state(source)
+            _, publisher, watermark, retired, clear_tiers, aggregation, replicated = state
+            if replicated and event[_CONTENT] is None and event[_KIND] in STORE_KINDS:
+                apply_other(item, None)  # the Python method raises NeedsRecord here, and the record is applied
+                continue
+            if retired is not None and event[_EPOCH] < retired:
+                stats.retired_late += 1
+                continue
+            entry = touched.get(key, touched)  # the dict itself: absent (an entry may be None, a deleted one)
+            if entry is touched:
+                entry = store_entry(partition, key)
+                if entry is None:
+                    new_keys.add(key)
+            applied_before = stats.applied
+            entry, delta, copies = _apply_block(entry, event, mark, watermark, clear_tiers, stats, aggregation)
+            touched[key] = entry
+            if stats.applied != applied_before:
+                seen = publishers.get(publisher)
+                if seen is None:
+                    publishers[publisher] = [event, 1]
+                else:
+                    seen[0] = event
+                    seen[1] += 1
+            if delta:
+                kind = event[_KIND]
+                occupancy[(event[_OWNERSHIP], event[_TIER], source[0])] += delta
+                if emit_changes:
+                    outputs.change(event[_BLOCK_HASH], event[_OWNERSHIP], source[0], source[1], event[_TIER],
+                                   event[_MEDIUM], event[_LOCALITY], event[_GROUP], delta > 0, copies, event[_TS],
+                                   causes.get(kind) or kind.rpartition(".")[2])
+        except Exception as exc:
+            apply_other(item, exc)
 
 
 # ---------------------------------------------------------------------------------------------------------

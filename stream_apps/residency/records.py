@@ -68,6 +68,9 @@ class EntryForm:
 
     compiled: bool
     apply_block: Callable[..., tuple[Any, int, int]]
+    #: The compiled loop over a batch message's block events (:meth:`stream_apps.applier.BatchApplier.apply_all`);
+    #: None for the dicts, whose loop is the Python one.
+    apply_events: Callable[..., None] | None = None
 
     def codec(self, codec: AvroCodec) -> "EntryCodec":
         """The decode and encode of this form's entries for ``codec`` (a ``residency`` codec)."""
@@ -84,7 +87,7 @@ def entry_form(compiled: bool | None = None) -> EntryForm:
     module = _module(compiled)
     if module is None:
         return EntryForm(False, rules.apply_block)
-    return EntryForm(True, module.apply_block)
+    return EntryForm(True, module.apply_block, module.apply_events)
 
 
 class EntryCodec:
