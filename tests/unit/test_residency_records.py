@@ -229,7 +229,6 @@ def _materializer(tmp_path, compiled: bool, name: str):
 
     from stream_apps.applier import Materializer
     from stream_apps.checkpoint import Checkpoint
-    from stream_apps.residency import SourceSettings
     from stream_apps.settings import WorkerSettings
     from stream_apps.store import STORE_SCHEMES
     from stream_apps.tables import define_tables
