@@ -8,6 +8,7 @@ when ``KVSTREAM_PURE_PYTHON=1`` is set. Its users (:class:`schemas.ownership_bat
 
 from __future__ import annotations
 
+import importlib
 import os
 from types import ModuleType
 
@@ -15,18 +16,19 @@ from types import ModuleType
 PURE_PYTHON_VARIABLE = "KVSTREAM_PURE_PYTHON"
 
 
-def _load() -> ModuleType | None:
+def load_compiled(name: str) -> ModuleType | None:
+    """The compiled module ``name`` (e.g. ``schemas._hotpath``), or None when it was not built or
+    ``KVSTREAM_PURE_PYTHON=1`` is set: what every optional compiled module of the hot path is loaded with."""
     if os.environ.get(PURE_PYTHON_VARIABLE) == "1":
         return None
     try:
-        from schemas import _hotpath
+        return importlib.import_module(name)
     except ImportError:
         return None
-    return _hotpath
 
 
 #: The compiled module, or None.
-HOTPATH = _load()
+HOTPATH = load_compiled("schemas._hotpath")
 
 
 def choose(compiled: bool | None) -> ModuleType | None:

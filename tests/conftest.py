@@ -2,6 +2,7 @@
 (tests/registry_fixture.py), and `hotpath`, which runs a test with each implementation of the hot path
 (schemas/compiled.py, stream_apps/residency/records.py)."""
 
+import importlib
 import os
 
 import pytest
@@ -17,35 +18,30 @@ pytest_plugins = ["tests.broker_fixture", "tests.registry_fixture"]
 HOTPATHS = ("python", "compiled")
 
 
-def hotpath_module(name: str):
-    """The module ``name`` stands for: None for ``python``, schemas._hotpath for ``compiled``. A compiled module
-    that was not built fails the test (a silent fallback would leave it untested), unless
-    ``KVSTREAM_PURE_PYTHON=1`` says to test the pure-Python codecs only."""
-    if name == "python":
-        return None
+def compiled_module(name: str, source: str):
+    """The compiled module ``name`` (built from ``source``, a .pyx). One that was not built fails the test (a silent
+    fallback would leave it untested), unless ``KVSTREAM_PURE_PYTHON=1`` says to test the pure-Python path only."""
     try:
-        from schemas import _hotpath
+        return importlib.import_module(name)
     except ImportError:
         if os.environ.get("KVSTREAM_PURE_PYTHON") == "1":
-            pytest.skip("KVSTREAM_PURE_PYTHON=1 and schemas/_hotpath.pyx not built: pure-Python codecs only")
-        pytest.fail("schemas/_hotpath.pyx is not built (`pip install -e .` builds it with the C compiler); "
-                    "set KVSTREAM_PURE_PYTHON=1 to test the pure-Python codecs only")
-    return _hotpath
+            pytest.skip(f"KVSTREAM_PURE_PYTHON=1 and {source} not built: the pure-Python path only")
+        pytest.fail(f"{source} is not built (`pip install -e .` builds it with the C compiler); "
+                    "set KVSTREAM_PURE_PYTHON=1 to test the pure-Python path only")
+
+
+def hotpath_module(name: str):
+    """The codec module ``name`` stands for: None for ``python``, schemas._hotpath for ``compiled``
+    (:func:`compiled_module`)."""
+    return None if name == "python" else compiled_module("schemas._hotpath", "schemas/_hotpath.pyx")
 
 
 def record_module(name: str):
     """The residency record module ``name`` stands for (stream_apps/residency/records.py): None for ``python`` (the
-    dicts), stream_apps.residency._record for ``compiled``; not built, as :func:`hotpath_module`."""
+    dicts), stream_apps.residency._record for ``compiled`` (:func:`compiled_module`)."""
     if name == "python":
         return None
-    try:
-        from stream_apps.residency import _record
-    except ImportError:
-        if os.environ.get("KVSTREAM_PURE_PYTHON") == "1":
-            pytest.skip("KVSTREAM_PURE_PYTHON=1 and stream_apps/residency/_record.pyx not built: the dicts only")
-        pytest.fail("stream_apps/residency/_record.pyx is not built (`pip install -e .` builds it with the C "
-                    "compiler); set KVSTREAM_PURE_PYTHON=1 to test the pure-Python path only")
-    return _record
+    return compiled_module("stream_apps.residency._record", "stream_apps/residency/_record.pyx")
 
 
 @pytest.fixture(params=HOTPATHS)

@@ -15,35 +15,23 @@ clears, exports) reads either form as a mapping: ``entry["rows"][0]["copies"]``.
 
 from __future__ import annotations
 
+import importlib
 import logging
-import os
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable
 
 from schemas.avro_writers import ResidencyWriter
 from schemas.codec import SINGLE_OBJECT_HEADER_LEN, AvroCodec, DecodeError, find_named_type
-from schemas.compiled import PURE_PYTHON_VARIABLE
+from schemas.compiled import load_compiled
 from stream_apps.residency import rules
 
 log = logging.getLogger(__name__)
 
 #: The compiled module's import name (what ``/metrics`` and the worker's log line name).
 COMPILED_MODULE = "stream_apps.residency._record"
-
-
-def _load() -> ModuleType | None:
-    if os.environ.get(PURE_PYTHON_VARIABLE) == "1":
-        return None
-    try:
-        from stream_apps.residency import _record
-    except ImportError:
-        return None
-    return _record
-
-
 #: The compiled record module, or None (not built, or ``KVSTREAM_PURE_PYTHON=1``).
-RECORD_MODULE = _load()
+RECORD_MODULE = load_compiled(COMPILED_MODULE)
 
 
 def _module(compiled: bool | None) -> ModuleType | None:
@@ -51,9 +39,7 @@ def _module(compiled: bool | None) -> ModuleType | None:
         return RECORD_MODULE
     if not compiled:
         return None
-    from stream_apps.residency import _record
-
-    return _record
+    return importlib.import_module(COMPILED_MODULE)
 
 
 @dataclass(frozen=True)

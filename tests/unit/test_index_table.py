@@ -3,7 +3,6 @@ the compiled table (stream_apps/index/_table.pyx), and the two compared on rando
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -15,21 +14,15 @@ from schemas.tiers import TIERS
 from stream_apps.index import table as table_module
 from stream_apps.index.scoring import HolderInfo, prefix_runs
 from stream_apps.index.table import PyBlockTable, block_key
+from tests.conftest import compiled_module
 
 U64 = (1 << 64) - 1
 
 
 def compiled_class():
-    """The compiled table class; a table that was not built fails the test (a silent fallback would leave it
-    untested), unless ``KVSTREAM_PURE_PYTHON=1`` says to test the pure-Python one only (as tests/conftest.py)."""
-    try:
-        from stream_apps.index._table import BlockTable
-    except ImportError:
-        if os.environ.get("KVSTREAM_PURE_PYTHON") == "1":
-            pytest.skip("KVSTREAM_PURE_PYTHON=1 and stream_apps/index/_table.pyx not built: pure-Python table only")
-        pytest.fail("stream_apps/index/_table.pyx is not built (`pip install -e .` builds it with the C compiler); "
-                    "set KVSTREAM_PURE_PYTHON=1 to test the pure-Python table only")
-    return BlockTable
+    """The compiled table class; a table that was not built fails the test (tests/conftest.py's
+    ``compiled_module``)."""
+    return compiled_module("stream_apps.index._table", "stream_apps/index/_table.pyx").BlockTable
 
 
 @pytest.fixture(params=("python", "compiled"))
