@@ -21,6 +21,8 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 #: (stage, pattern on one frame "function (file:line)"), leaf-most match wins; order breaks ties in one frame.
+#: py-spy sees no frame inside compiled code: with the residency entry as a compiled record the rules, the entry's
+#: read and write and the agent's loop count in the Python stage that calls them (no "residency rules" line).
 STAGE_RULES = [
     ("kv_event decode", r"<avro reader of [\w.]*KvBlockEvent>"),
     ("ownership_batch read (block fields)", r"<avro reader of [\w.]*OwnershipBatch>|ownership_batch\.py"),
