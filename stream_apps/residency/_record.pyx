@@ -10,7 +10,9 @@ them, each the twin of a Python function with the same results:
 - :func:`apply_block`: :func:`stream_apps.residency.rules.apply_block`, the per-event rule;
 - :func:`aggregate_copies`: :func:`stream_apps.residency.rules.aggregate_copies`;
 - :func:`read_entry`: the codec's decode of an entry of its own version, into records;
-- :func:`encode_entry`: :meth:`schemas.avro_writers.ResidencyWriter.encode` of a record.
+- :func:`encode_entry`: :meth:`schemas.avro_writers.ResidencyWriter.encode` of a record;
+- :func:`apply_events`: the agent's loop over a batch message's block events with
+  :meth:`stream_apps.applier.BatchApplier.apply` (:meth:`~stream_apps.applier.BatchApplier.apply_all`).
 
 Why: every stage of the materializing agent that touches an entry (the rules, the store's decode on a cache
 miss, the write-back's encode) spent most of its time building, looking up and walking the dicts, not on what
