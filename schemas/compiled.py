@@ -31,16 +31,24 @@ def load_compiled(name: str) -> ModuleType | None:
 HOTPATH = load_compiled("schemas._hotpath")
 
 
-def choose(compiled: bool | None) -> ModuleType | None:
-    """The module a codec uses: ``compiled`` None picks :data:`HOTPATH`; False none; True the compiled one.
+def choose_compiled(compiled: bool | None, name: str, loaded: ModuleType | None) -> ModuleType | None:
+    """The compiled module ``name`` to use: ``compiled`` None picks ``loaded`` (what :func:`load_compiled` gave
+    at import); False none; True the module itself.
 
     Raises:
         ImportError: ``compiled`` is True and the module is not built (``pip install -e .`` with a C compiler).
     """
     if compiled is None:
-        return HOTPATH
+        return loaded
     if not compiled:
         return None
-    from schemas import _hotpath
+    return importlib.import_module(name)
 
-    return _hotpath
+
+def choose(compiled: bool | None) -> ModuleType | None:
+    """The module a codec uses (:func:`choose_compiled` of ``schemas._hotpath``, :data:`HOTPATH` by default).
+
+    Raises:
+        ImportError: ``compiled`` is True and the module is not built.
+    """
+    return choose_compiled(compiled, "schemas._hotpath", HOTPATH)

@@ -8,7 +8,7 @@ for field the ``residency`` v3 Avro records of the same names (``schemas/residen
 them, each the twin of a Python function with the same results:
 
 - :func:`apply_block`: :func:`stream_apps.residency.rules.apply_block`, the per-event rule;
-- :func:`aggregate_copies`: :func:`stream_apps.residency.rules.aggregate_copies`;
+- ``_aggregate``, inside the rules: :func:`stream_apps.residency.rules.aggregate_copies`;
 - :func:`read_entry`: the codec's decode of an entry of its own version, into records;
 - :func:`encode_entry`: :meth:`schemas.avro_writers.ResidencyWriter.encode` of a record;
 - :func:`apply_events`: the agent's loop over a batch message's block events with
@@ -66,7 +66,8 @@ from schemas.clear_position import clear_mark_record
 
 cdef inline object _int(object value):
     """``value`` if it is an int (a bool is one, as in the dicts' writer); TypeError for anything else, which a C
-    field would otherwise truncate silently (a float) or refuse with another error (NaN)."""
+    field would otherwise truncate silently (a float: Cython converts it as ``int()`` does) or refuse with another
+    error (NaN)."""
     if not isinstance(value, int):
         raise TypeError(f"an int field holds {type(value).__name__} {value!r}")
     return value
@@ -77,6 +78,8 @@ cdef class _Record:
 
     #: The Avro record's field names, in its order: the mapping's keys.
     FIELDS = ()
+    #: The fields held in C integers, which take only an int (:func:`_int`).
+    INT_FIELDS = frozenset()
 
     def __getitem__(self, key):
         if key in type(self).FIELDS:
@@ -84,9 +87,12 @@ cdef class _Record:
         raise KeyError(key)
 
     def __setitem__(self, key, value):
-        if key not in type(self).FIELDS:
+        """``record[key] = value``, as on the dicts, except that an int field takes only an int (TypeError; an
+        OverflowError for one its C integer cannot hold). ``from_dict`` sets every field through here."""
+        cls = type(self)
+        if key not in cls.FIELDS:
             raise KeyError(key)
-        setattr(self, key, value)
+        setattr(self, key, _int(value) if key in cls.INT_FIELDS else value)
 
     def __delitem__(self, key):
         raise TypeError(f"{type(self).__name__} has a fixed set of fields; {key!r} cannot be deleted")
@@ -135,7 +141,7 @@ cdef class _Record:
         return self.__deepcopy__(None)
 
     def __deepcopy__(self, memo):
-        return _from_dict_of(type(self).__name__, self.as_dict())
+        return type(self).from_dict(self.as_dict())
 
     def __reduce__(self):
         return (_from_dict_of, (type(self).__name__, self.as_dict()))
@@ -145,6 +151,7 @@ cdef class WorkerCount(_Record):
     """One worker's view of a row (``residency`` ``WorkerCount``)."""
 
     FIELDS = ("worker_rank", "count", "publisher_epoch", "seq", "batch_index", "block_index", "content")
+    INT_FIELDS = frozenset(FIELDS[:6])
 
     #: The worker's rank; -1 for a publisher without worker rank (the engine's scheduler).
     cdef public int worker_rank
@@ -162,15 +169,7 @@ cdef class WorkerCount(_Record):
 
     @staticmethod
     def from_dict(dict worker):
-        cdef WorkerCount record = WorkerCount.__new__(WorkerCount)
-        record.worker_rank = _int(worker["worker_rank"])
-        record.count = _int(worker["count"])
-        record.publisher_epoch = _int(worker["publisher_epoch"])
-        record.seq = _int(worker["seq"])
-        record.batch_index = _int(worker["batch_index"])
-        record.block_index = _int(worker["block_index"])
-        record.content = worker["content"]
-        return record
+        return _filled(WorkerCount.__new__(WorkerCount), worker)
 
     def as_dict(self):
         return {"worker_rank": self.worker_rank, "count": self.count, "publisher_epoch": self.publisher_epoch,
@@ -183,6 +182,7 @@ cdef class ResidencyRow(_Record):
 
     FIELDS = ("instance_id", "data_parallel_rank", "tier", "medium", "locality", "group_idx", "world_size",
               "aggregation", "workers", "copies", "since", "last_ts", "clear_mark")
+    INT_FIELDS = frozenset({"data_parallel_rank", "world_size", "copies"})
 
     #: Serving instance holding the block (str).
     cdef public object instance_id
@@ -234,21 +234,9 @@ cdef class ResidencyRow(_Record):
 
     @staticmethod
     def from_dict(dict row):
-        cdef ResidencyRow record = ResidencyRow.__new__(ResidencyRow)
-        record.instance_id = row["instance_id"]
-        record.data_parallel_rank = _int(row["data_parallel_rank"])
-        record.tier = row["tier"]
-        record.medium = row["medium"]
-        record.locality = row["locality"]
-        record.group_idx = row["group_idx"]
-        record.world_size = _int(row["world_size"])
-        record.aggregation = row["aggregation"]
+        cdef ResidencyRow record = <ResidencyRow>_filled(ResidencyRow.__new__(ResidencyRow), row, "workers")
         record.workers = [worker if type(worker) is WorkerCount else WorkerCount.from_dict(worker)
                           for worker in row["workers"]]
-        record.copies = _int(row["copies"])
-        record.since = row["since"]
-        record.last_ts = row["last_ts"]
-        record.clear_mark = row["clear_mark"]
         return record
 
     def as_dict(self):
@@ -292,20 +280,24 @@ def from_dict(dict entry):
     Raises:
         KeyError: a field is missing; TypeError, OverflowError: a value that does not fit its field.
     """
-    cdef ResidencyEntry record = ResidencyEntry.__new__(ResidencyEntry)
-    record.block_hash = entry["block_hash"]
-    record.ownership = entry["ownership"]
+    cdef ResidencyEntry record = <ResidencyEntry>_filled(ResidencyEntry.__new__(ResidencyEntry), entry, "rows")
     record.rows = [row if type(row) is ResidencyRow else ResidencyRow.from_dict(row) for row in entry["rows"]]
-    record.parent_block_hash = entry["parent_block_hash"]
-    record.content_hash = entry["content_hash"]
+    return record
+
+
+cdef _Record _filled(_Record record, dict values, str nested=None):
+    """``record`` with every field but ``nested`` (a list of records, which the caller makes) set from ``values``
+    through the mapping's checks (``_Record.__setitem__``)."""
+    for key in type(record).FIELDS:
+        if key != nested:
+            record[key] = values[key]
     return record
 
 
 def _from_dict_of(str name, dict values):
     """Unpickling: the record named ``name`` from its :meth:`as_dict`."""
-    if name == "ResidencyEntry":
-        return from_dict(values)
-    return {"ResidencyRow": ResidencyRow, "WorkerCount": WorkerCount}[name].from_dict(values)
+    return {"ResidencyEntry": ResidencyEntry, "ResidencyRow": ResidencyRow, "WorkerCount": WorkerCount}[
+        name].from_dict(values)
 
 
 for _type in (ResidencyEntry, ResidencyRow, WorkerCount):
@@ -351,11 +343,6 @@ cdef int _aggregate(list workers, int world_size, object mode) except? -1:
         if rank == 0 or count < lowest:
             lowest = count
     return lowest
-
-
-def aggregate_copies(list workers not None, int world_size, aggregation):
-    """:func:`stream_apps.residency.rules.aggregate_copies` over :class:`WorkerCount` records."""
-    return _aggregate(workers, world_size, aggregation)
 
 
 def apply_block(entry, event, clear_mark, clear_watermark, clear_tiers, stats, aggregation):

@@ -15,7 +15,6 @@ clears, exports) reads either form as a mapping: ``entry["rows"][0]["copies"]``.
 
 from __future__ import annotations
 
-import importlib
 import logging
 from dataclasses import dataclass
 from types import ModuleType
@@ -23,7 +22,7 @@ from typing import Any, Callable
 
 from schemas.avro_writers import ResidencyWriter
 from schemas.codec import SINGLE_OBJECT_HEADER_LEN, AvroCodec, DecodeError, find_named_type
-from schemas.compiled import load_compiled
+from schemas.compiled import choose_compiled, load_compiled
 from stream_apps.residency import rules
 
 log = logging.getLogger(__name__)
@@ -35,11 +34,7 @@ RECORD_MODULE = load_compiled(COMPILED_MODULE)
 
 
 def _module(compiled: bool | None) -> ModuleType | None:
-    if compiled is None:
-        return RECORD_MODULE
-    if not compiled:
-        return None
-    return importlib.import_module(COMPILED_MODULE)
+    return choose_compiled(compiled, COMPILED_MODULE, RECORD_MODULE)
 
 
 @dataclass(frozen=True)
@@ -57,10 +52,6 @@ class EntryForm:
     #: The compiled loop over a batch message's block events (:meth:`stream_apps.applier.BatchApplier.apply_all`);
     #: None for the dicts, whose loop is the Python one.
     apply_events: Callable[..., None] | None = None
-
-    def codec(self, codec: AvroCodec) -> "EntryCodec":
-        """The decode and encode of this form's entries for ``codec`` (a ``residency`` codec)."""
-        return EntryCodec(codec, compiled=self.compiled)
 
 
 def entry_form(compiled: bool | None = None) -> EntryForm:
@@ -95,6 +86,8 @@ class EntryCodec:
             writer, module = None, None  # the records mirror the writer's version only
         self._encode_dicts = codec.encode if writer is None else writer.encode
         self._module = module
+        #: The record class this codec writes in C (None: the dicts' form).
+        self._record_type = None if module is None else module.ResidencyEntry
         self.compiled = module is not None
         if module is not None:
             self._headers = codec.own_version_headers()
@@ -135,9 +128,8 @@ class EntryCodec:
             KeyError, TypeError, AttributeError, OverflowError, ValueError: a value the schema does not allow, as
                 :meth:`ResidencyWriter.encode` or fastavro raise it.
         """
-        module = self._module
-        if module is not None and type(entry) is module.ResidencyEntry:
-            encoded = module.encode_entry(entry, self._header, self._tiers, self._aggregation_codes)
+        if type(entry) is self._record_type:  # once per key written: the class is looked up at construction
+            encoded = self._module.encode_entry(entry, self._header, self._tiers, self._aggregation_codes)
             if encoded is not None:
                 return encoded
             entry = entry.as_dict()

@@ -55,6 +55,10 @@ def test_a_record_reads_and_writes_as_the_dicts_do(record):
         row["no such field"]
     with pytest.raises(KeyError):
         row["no such field"] = 1
+    with pytest.raises(TypeError):
+        row["copies"] = 1.0  # a C int field would truncate it
+    with pytest.raises(OverflowError):
+        row["workers"][0]["count"] = 1 << 40
     assert copy.deepcopy(entry) == entry and pickle.loads(pickle.dumps(entry)) == entry
     assert copy.deepcopy(entry)["rows"][0] is not entry["rows"][0]
 
