@@ -5,6 +5,8 @@
 - :func:`read_program`: any schema's generated reader (:func:`schemas.fast_reader.compile_reader`): the codecs'
   decode of their own version's records (``kv_event`` in the repartition process, the batch messages' tables,
   residency entries where they are dicts);
+- :func:`project_program`: the same programs as projections (:func:`schemas.fast_reader.compile_projection`): a
+  record's named fields into a list, without its dicts (the repartition process's read of a block event);
 - :func:`read_index_entry`: the fleet index's lean read of a residency entry
   (:class:`stream_apps.index.entry_reader.IndexEntryReader`): the rows' holders and the entry's parent and
   content hash, without the entry's dicts;
@@ -246,7 +248,8 @@ def walk_items(bytes data not None, Py_ssize_t pos, list items not None, list so
 
 # the operation numbers of schemas.fast_reader (OP_NULL ... OP_UNION), in its order: OPERATIONS below
 cdef enum:
-    OP_NULL, OP_BOOLEAN, OP_LONG, OP_FLOAT, OP_DOUBLE, OP_STRING, OP_BYTES, OP_ENUM, OP_ARRAY, OP_RECORD, OP_UNION
+    OP_NULL, OP_BOOLEAN, OP_LONG, OP_FLOAT, OP_DOUBLE, OP_STRING, OP_BYTES, OP_ENUM, OP_ARRAY, OP_RECORD, OP_UNION,
+    OP_PROJECT_RECORD, OP_PROJECT_UNION
 
 
 @cython.boundscheck(True)  # a program is trusted (compile_program builds it), but read_program is public
@@ -334,9 +337,122 @@ def read_program(tuple program not None, bytes data not None, Py_ssize_t pos):
     return value, c.pos
 
 
+@cython.boundscheck(True)
+cdef int _skip(tuple program, Cursor* c) except -1:
+    """Past the value ``program`` reads, refusing what :func:`_run` refuses, building nothing."""
+    cdef int op = program[0]
+    cdef int64_t index, count
+    cdef tuple branches, fields
+    cdef Py_ssize_t i
+    if op == OP_LONG:
+        _read_long(c)
+    elif op == OP_STRING:
+        _skip_string(c)
+    elif op == OP_UNION:
+        branches = <tuple?>program[1]
+        index = _read_long(c)
+        if not 0 <= index < len(branches):
+            raise ValueError(f"union branch {index} at {c.pos}")
+        _skip(<tuple?>(<tuple?>branches[index])[0], c)
+    elif op == OP_RECORD:
+        fields = <tuple?>program[2]
+        for i in range(len(fields)):
+            _skip(<tuple?>fields[i], c)
+    elif op == OP_DOUBLE:
+        _skip_double(c)
+    elif op == OP_BYTES:
+        count = _read_long(c)
+        if count < 0 or count > c.size - c.pos:
+            raise ValueError(f"bad length {count} at {c.pos}")
+        c.pos += count
+    elif op == OP_ENUM:
+        _read_symbol(c, <tuple?>program[1])
+    elif op == OP_ARRAY:
+        while True:
+            count = _read_count(c)
+            if count == 0:
+                break
+            while count:
+                count -= 1
+                _skip(<tuple?>program[1], c)
+    elif op == OP_BOOLEAN:
+        if c.pos >= c.size:
+            raise IndexError("boolean past the end")
+        if c.data[c.pos] > 1:
+            raise ValueError(f"boolean byte {c.data[c.pos]} at {c.pos}")
+        c.pos += 1
+    elif op == OP_FLOAT:
+        if c.pos + 4 > c.size:
+            raise IndexError("float past the end")
+        c.pos += 4
+    elif op != OP_NULL:
+        raise ValueError(f"unknown reader operation {op}")
+    return 0
+
+
+@cython.boundscheck(True)
+cdef int _project(tuple program, Cursor* c, list out) except -1:
+    """Run a projection program (:func:`schemas.fast_reader.compile_projection`) at the cursor into ``out``."""
+    cdef tuple slots = <tuple?>program[1]
+    cdef tuple fields = <tuple?>program[2]
+    cdef tuple field, branches, branch
+    cdef Py_ssize_t i, slot
+    cdef int op
+    cdef int64_t index
+    for i in range(len(fields)):
+        field = <tuple?>fields[i]
+        slot = slots[i]
+        op = field[0]
+        if op == OP_PROJECT_RECORD:
+            _project(field, c, out)
+        elif op == OP_PROJECT_UNION:
+            slot = field[1]
+            branches = <tuple?>field[2]
+            index = _read_long(c)
+            if not 0 <= index < len(branches):
+                raise ValueError(f"union branch {index} at {c.pos}")
+            branch = <tuple?>branches[index]
+            if (<tuple?>branch[0])[0] == OP_PROJECT_RECORD:
+                if branch[1] is not None and slot >= 0:
+                    out[slot] = branch[1]
+                _project(<tuple?>branch[0], c, out)
+            elif slot >= 0:
+                out[slot] = _run(<tuple?>branch[0], c)
+            else:
+                _skip(<tuple?>branch[0], c)
+        elif slot >= 0:
+            out[slot] = _run(field, c)
+        else:
+            _skip(field, c)
+    return 0
+
+
+def project_program(tuple program not None, Py_ssize_t size, bytes data not None, Py_ssize_t pos):
+    """``(values, position after the record)`` of the record at ``pos`` in ``data``, read by the projection
+    ``program`` (:func:`schemas.fast_reader.compile_projection`) into a list of ``size`` values: what
+    :func:`schemas.fast_reader.project` takes from the record the reader of the same schema gives.
+
+    Raises:
+        ValueError (UnicodeDecodeError included), IndexError: bytes that are not a record of the schema (the
+        caller then reads them with the reader, which names the fault); a ``size`` too small for a slot.
+    """
+    cdef Cursor cursor
+    cdef Cursor* c = &cursor
+    if pos < 0 or pos > PyBytes_GET_SIZE(data):
+        raise IndexError("start outside the data")
+    if program[0] != OP_PROJECT_RECORD:
+        raise ValueError("not a projection program")
+    c.data = <const uint8_t*>PyBytes_AS_STRING(data)
+    c.size = PyBytes_GET_SIZE(data)
+    c.pos = pos
+    out = [None] * size
+    _project(program, c, out)
+    return out, c.pos
+
+
 #: The operation numbers above, in order, for the test that compares them with schemas.fast_reader's.
 OPERATIONS = (OP_NULL, OP_BOOLEAN, OP_LONG, OP_FLOAT, OP_DOUBLE, OP_STRING, OP_BYTES, OP_ENUM, OP_ARRAY, OP_RECORD,
-              OP_UNION)
+              OP_UNION, OP_PROJECT_RECORD, OP_PROJECT_UNION)
 
 
 # ---------------------------------------------------------------------------------------------------------

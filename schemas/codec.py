@@ -22,7 +22,7 @@ import io
 import json
 import re
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -31,7 +31,8 @@ from typing import Any
 import fastavro
 from fastavro.schema import fingerprint, to_parsing_canonical_form
 
-from schemas.fast_reader import ReadError, compile_reader
+from schemas.compiled import choose
+from schemas.fast_reader import ReadError, compile_program, compile_projection, compile_reader
 
 SCHEMA_DIR = Path(__file__).resolve().parent
 SINGLE_OBJECT_MAGIC = b"\xc3\x01"
@@ -326,9 +327,7 @@ class AvroCodec:
         read = self._fast_read
         if read is None:
             raise NotImplementedError(f"no generated reader for {self.family}")
-        own = self.schema.parsed
-        headers = self.own_version_headers()
-        registry_ids = self._registry_ids
+        body_of = self._own_version_body()
         read_errors = (ReadError, IndexError, struct.error, UnicodeDecodeError)
 
         def read_own_version(data: bytes, start: int, end: int) -> dict | None:
@@ -336,11 +335,8 @@ class AvroCodec:
             # against the end of what it is given, and a corrupt count in the buffer would make it read on
             # through the records after this one before failing.
             data = data[start:end]
-            if data[:SINGLE_OBJECT_HEADER_LEN] in headers:
-                body = SINGLE_OBJECT_HEADER_LEN
-            elif data[:1] == CONFLUENT_MAGIC and registry_ids.get(int.from_bytes(data[1:5], "big")) is own:
-                body = 5
-            else:
+            body = body_of(data)
+            if not body:
                 return None
             try:
                 record, pos = read(data, body)
@@ -349,6 +345,53 @@ class AvroCodec:
             return record if pos == len(data) else None
 
         return read_own_version
+
+    def own_version_projection(self, slots: Mapping[str, int]) -> "Callable[[bytes], list | None] | None":
+        """A reader of only some fields of a whole framed record of this codec's own version, or None where the
+        compiled module is not built (in Python a projection costs what :meth:`decode` does).
+
+        The returned ``project(data)`` gives the list that :func:`schemas.fast_reader.project` takes with
+        ``slots`` from what :meth:`decode` gives, read by the compiled module without building the record's
+        dicts; or None when the record was written with another version or is not a valid record, as
+        :meth:`own_version_reader`'s read does: the caller then decodes it.
+
+        Raises:
+            NotImplementedError: the schema has a type the generated readers do not support.
+        """
+        hotpath = choose(None)
+        if hotpath is None:
+            return None
+        program = compile_projection(compile_program(self.schema.parsed, self._override_names), slots)
+        size = max(slots.values()) + 1
+        project_program, body_of = hotpath.project_program, self._own_version_body()
+
+        def project_own_version(data: bytes) -> list | None:
+            body = body_of(data)
+            if not body:
+                return None
+            try:
+                values, end = project_program(program, size, data, body)
+            except (ValueError, IndexError):  # UnicodeDecodeError is a ValueError
+                return None
+            return values if end == len(data) else None
+
+        return project_own_version
+
+    def _own_version_body(self) -> Callable[[bytes], int]:
+        """``body_of(data)``: where the body of a framed record of this codec's own version starts in ``data``
+        (after its single-object header, or its registry id once resolved), or 0 for any other record."""
+        own = self.schema.parsed
+        headers = self.own_version_headers()
+        registry_ids = self._registry_ids  # the live dict: ids resolved later count too
+
+        def body_of(data: bytes) -> int:
+            if data[:SINGLE_OBJECT_HEADER_LEN] in headers:
+                return SINGLE_OBJECT_HEADER_LEN
+            if data[:1] == CONFLUENT_MAGIC and registry_ids.get(int.from_bytes(data[1:5], "big")) is own:
+                return 5
+            return 0
+
+        return body_of
 
     def _writer_for_fingerprint(self, fp: bytes):
         """A writer schema this reader does not ship, from the writer-schema source; DecodeError if unknown."""

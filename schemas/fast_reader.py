@@ -23,7 +23,7 @@ stays with fastavro too.
 from __future__ import annotations
 
 import struct
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from schemas.compiled import choose
 
@@ -212,6 +212,8 @@ def _emit_union(w: _Writer, indent: int, branches: list, target: str, named: dic
 # (schemas/_hotpath.pyx, ``read_program``): the numbers are shared with it.
 (OP_NULL, OP_BOOLEAN, OP_LONG, OP_FLOAT, OP_DOUBLE, OP_STRING, OP_BYTES, OP_ENUM, OP_ARRAY, OP_RECORD,
  OP_UNION) = range(11)
+#: The two operations of a projection program (:func:`compile_projection`), numbered after the reader's.
+OP_PROJECT_RECORD, OP_PROJECT_UNION = 11, 12
 
 
 def compile_program(schema: Any, override_names: bool = False, named: dict | None = None) -> tuple:
@@ -255,6 +257,61 @@ def compile_program(schema: Any, override_names: bool = False, named: dict | Non
         return (OP_RECORD, tuple(f["name"] for f in schema["fields"]),
                 tuple(compile_program(f["type"], override_names, named) for f in schema["fields"]))
     raise NotImplementedError(f"Avro type {kind!r}")
+
+
+def compile_projection(program: tuple, slots: Mapping[str, int]) -> tuple:
+    """A reader ``program`` (:func:`compile_program`) of a record schema turned into a projection: the compiled
+    module's ``project_program`` runs it and gives a list of ``max(slots.values()) + 1`` values, the value of each
+    field named in ``slots`` at its index, without building the records' dicts; what :func:`project` takes from
+    the dict that ``program`` reads.
+
+    ``slots`` maps field names to list indices, at any depth: a record-typed field is projected by the same
+    names, and so is a record branch of a union, whose name (where the reader gives one: ``(name, dict)``) goes
+    in the union field's slot; another branch's value goes there as a field's would. Fields not named are read
+    past, checked as the reader checks them, and not kept.
+
+    Shapes: ``(OP_PROJECT_RECORD, slot of each field or -1, field programs)``, and ``(OP_PROJECT_UNION, slot or -1,
+    ((branch program, full name or None), ...))``; a field program that is neither reads the field's value.
+
+    Raises:
+        ValueError: ``program`` does not read a record.
+    """
+    if program[0] != OP_RECORD:
+        raise ValueError("a projection reads a record")
+    return _project_record(program, slots)
+
+
+def _project_record(program: tuple, slots: Mapping[str, int]) -> tuple:
+    names, fields = program[1], program[2]
+    return (OP_PROJECT_RECORD, tuple(slots.get(name, -1) for name in names),
+            tuple(_project_field(field, slots.get(name, -1), slots) for name, field in zip(names, fields)))
+
+
+def _project_field(program: tuple, slot: int, slots: Mapping[str, int]) -> tuple:
+    if program[0] == OP_RECORD:
+        return _project_record(program, slots)
+    if program[0] == OP_UNION and any(branch[0] == OP_RECORD for branch, _ in program[1]):
+        return (OP_PROJECT_UNION, slot, tuple((_project_record(branch, slots) if branch[0] == OP_RECORD else branch,
+                                               name) for branch, name in program[1]))
+    return program
+
+
+def project(record: dict, slots: Mapping[str, int], out: list | None = None) -> list:
+    """The Python twin of a projection program (:func:`compile_projection`): the values of ``record`` (as the
+    reader gives it) that ``slots`` names, in a list of ``max(slots.values()) + 1`` (None where absent)."""
+    if out is None:
+        out = [None] * (max(slots.values()) + 1)
+    for name, value in record.items():
+        slot = slots.get(name, -1)
+        if type(value) is dict:
+            _ = project(value, slots, out)
+        elif type(value) is tuple and len(value) == 2 and type(value[1]) is dict:  # a record branch: (name, record)
+            if slot >= 0:
+                out[slot] = value[0]
+            _ = project(value[1], slots, out)
+        elif slot >= 0:
+            out[slot] = value
+    return out
 
 
 def compile_reader(schema: dict, override_names: bool = False,

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from schemas import AvroCodec, DecodeError, fast_reader
+from schemas import compiled as compiled_module
 from schemas.codec import schema_versions
 from schemas.fast_reader import ReadError, compile_program, compile_reader
 from tests.conftest import hotpath_module
@@ -169,7 +170,7 @@ def test_a_union_index_in_a_longer_varint_reads_as_fastavro_reads_it():
 
 def test_the_compiled_module_numbers_the_program_operations_as_the_program_compiler_does():
     names = ("OP_NULL", "OP_BOOLEAN", "OP_LONG", "OP_FLOAT", "OP_DOUBLE", "OP_STRING", "OP_BYTES", "OP_ENUM",
-             "OP_ARRAY", "OP_RECORD", "OP_UNION")
+             "OP_ARRAY", "OP_RECORD", "OP_UNION", "OP_PROJECT_RECORD", "OP_PROJECT_UNION")
     assert hotpath_module("compiled").OPERATIONS == tuple(getattr(fast_reader, name) for name in names)
 
 
@@ -251,3 +252,108 @@ def test_none_is_refused_where_bytes_are_read():
     compiled = hotpath_module("compiled")
     with pytest.raises(TypeError):
         compiled.read_program(compile_program("string"), None, 0)
+
+
+def _field_names(schema, named: dict, found: list) -> list:
+    """Every field name of ``schema`` at any depth, in schema order (once each)."""
+    if isinstance(schema, str):
+        schema = named.get(schema, schema)
+    if isinstance(schema, list):
+        for branch in schema:
+            _field_names(branch, named, found)
+    elif isinstance(schema, dict):
+        if schema.get("type") in ("record", "error"):
+            if schema["name"] in named and named[schema["name"]] is not schema and found:
+                return found
+            named[schema["name"]] = schema
+            for field in schema["fields"]:
+                if field["name"] not in found:
+                    found.append(field["name"])
+                _field_names(field["type"], named, found)
+        elif schema.get("type") == "array":
+            _field_names(schema["items"], named, found)
+    return found
+
+
+def _project_or_refusal(project, data: bytes):
+    try:
+        return repr(project(data))
+    except (ReadError, ValueError, IndexError, struct.error):
+        return "refused"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_compiled_projection_takes_from_any_bytes_what_project_takes_from_the_generated_readers_record(family,
+                                                                                                        data):
+    """project_program on records with up to three bytes changed, cut short or followed by more bytes, some
+    fields named at any depth: the same values and end position as fast_reader.project of the generated
+    reader's record, or both refuse (a field read past is checked as the reader checks it)."""
+    compiled = hotpath_module("compiled")
+    codec, values = _codec_and_strategy(family)
+    encoded = bytearray(codec.encode(data.draw(values)))
+    for _ in range(data.draw(st.integers(0, 3))):
+        encoded[data.draw(st.integers(10, len(encoded) - 1))] = data.draw(st.integers(0, 255))
+    encoded = bytes(encoded[:data.draw(st.integers(10, len(encoded)))] if data.draw(st.booleans()) else encoded)
+    encoded += data.draw(st.binary(max_size=3))
+    schema, names = codec.schema.parsed, codec._override_names
+    fields = _field_names(schema, dict(schema.get("__named_schemas", {})), [])
+    chosen = data.draw(st.lists(st.sampled_from(fields), unique=True, min_size=1))
+    slots = {name: i for i, name in enumerate(chosen)}
+    projection = fast_reader.compile_projection(compile_program(schema, names), slots)
+    generated = compile_reader(schema, names, compiled=False)
+
+    def by_reader(raw):
+        record, end = generated(raw, 10)
+        return fast_reader.project(record, slots), end
+
+    assert _project_or_refusal(lambda raw: compiled.project_program(projection, len(slots), raw, 10),
+                               encoded) == _project_or_refusal(by_reader, encoded)
+
+
+@pytest.mark.parametrize("shape", EDGES)
+def test_a_compiled_projection_refuses_edge_bytes_of_a_field_it_keeps_or_reads_past_as_the_reader_does(shape):
+    compiled = hotpath_module("compiled")
+    inner = fastavro.parse_schema(EDGE_SCHEMAS.get(shape, shape))
+    schema = fastavro.parse_schema({"type": "record", "name": "Outer", "fields": [
+        {"name": "x", "type": EDGE_SCHEMAS.get(shape, shape)}, {"name": "after", "type": "long"}]})
+    generated = compile_reader(schema, compiled=False)
+    assert inner is not None
+    for slots in ({"x": 0, "after": 1}, {"after": 0}):
+        projection = fast_reader.compile_projection(compile_program(schema), slots)
+        for raw in EDGES[shape]:
+            data = b"\x00" * 10 + raw + b"\x02"
+
+            def by_reader(raw_data):
+                record, end = generated(raw_data, 10)
+                return fast_reader.project(record, slots), end
+
+            assert _project_or_refusal(lambda d: compiled.project_program(projection, len(slots), d, 10),
+                                       data) == _project_or_refusal(by_reader, data), (shape, raw, slots)
+
+
+def test_a_projection_names_the_branch_read_and_takes_the_fields_of_that_branch_only():
+    """kv_event's ``event`` union: the slot of ``event`` gets the branch's full name, the body's fields their
+    slots, and a field of another branch stays None."""
+    compiled = hotpath_module("compiled")
+    codec = AvroCodec("kv_event")
+    record = {"instance_id": "e1", "data_parallel_rank": 2, "worker_rank": None, "world_size": None,
+              "aggregation": None, "publisher_epoch": 1, "seq": 5, "batch_index": 0, "ts": 1.5, "block_hash": b"h",
+              "hash_encoding": "UINT64", "block_index": 0, "block_count": 1, "tier": "GPU",
+              "event": ("kvstream.v1.BlockRemoved", {"medium": "GPU", "group_idx": None, "locality": None,
+                                                      "ownership": "kvcr"})}
+    slots = {"event": 0, "seq": 1, "ownership": 2, "parent_block_hash": 3, "tier": 4}
+    expected = ["kvstream.v1.BlockRemoved", 5, "kvcr", None, "GPU"]
+    decoded = codec.decode(codec.encode(record))
+    assert fast_reader.project(decoded, slots) == expected
+    projection = fast_reader.compile_projection(compile_program(codec.schema.parsed), slots)
+    encoded = codec.encode(record)
+    assert compiled.project_program(projection, 5, encoded, 10) == (expected, len(encoded))
+    project_own = codec.own_version_projection(slots)  # None where the compiled module is not used
+    assert (project_own is None) == (compiled_module.HOTPATH is None)
+    if project_own is not None:
+        assert project_own(encoded) == expected
+        assert project_own(encoded[:-1]) is None and project_own(b"\x00" + encoded[1:]) is None
+    with pytest.raises(IndexError):  # a list too short for the slots
+        compiled.project_program(projection, 4, encoded, 10)
