@@ -28,6 +28,7 @@ from typing import NamedTuple
 from schemas import BLOCK_REMOVED, BLOCK_STORED, BLOCK_STORED_OR_REUSED, FULL_REPORT_MODE
 from schemas.avro_writers import avro_long, avro_optional, avro_string
 from schemas.content_hash import stored_content_hash
+from schemas.fast_reader import project
 from schemas.tiers import TIERS
 
 #: The layout of ``KeyedEvent.block`` before the parent and block hashes, field by field: (name, ``struct`` code),
@@ -62,6 +63,33 @@ _TIER_INDEX = {tier: i for i, tier in enumerate(TIERS)}
 _PARENT_KNOWN_INDEX = {None: 0, False: 1, True: 2}
 #: Largest index a u16 table reference can hold (0 is null).
 _MAX_TABLE = 0xFFFF - 1
+
+
+#: The ``kv_event`` fields a block event's key and block fields are made of, at any depth (``event`` is the
+#: event's kind: the name of its union branch), in the order of :func:`block_route`'s list. The repartition
+#: stage reads them from the record's bytes into that list with the compiled projection
+#: (:meth:`schemas.codec.AvroCodec.own_version_projection`), or takes them from a decoded record.
+ROUTE_FIELDS = ("event", "instance_id", "data_parallel_rank", "worker_rank", "world_size", "aggregation",
+                "publisher_epoch", "seq", "batch_index", "block_index", "ts", "block_hash", "tier", "medium",
+                "locality", "group_idx", "ownership", "parent_known", "parent_block_hash", "content_hash",
+                "report_mode")
+#: :data:`ROUTE_FIELDS` by name -> position in the list.
+ROUTE_SLOTS = {name: i for i, name in enumerate(ROUTE_FIELDS)}
+(R_KIND, R_INSTANCE, R_DP_RANK, R_WORKER_RANK, R_WORLD_SIZE, R_AGGREGATION, R_EPOCH, R_SEQ, R_BATCH_INDEX,
+ R_BLOCK_INDEX, R_TS, R_BLOCK_HASH, R_TIER, R_MEDIUM, R_LOCALITY, R_GROUP_IDX, R_OWNERSHIP, R_PARENT_KNOWN, R_PARENT,
+ R_CONTENT_HASH, R_REPORT_MODE) = range(len(ROUTE_FIELDS))
+
+
+def block_route(record: dict) -> list:
+    """The :data:`ROUTE_FIELDS` of a decoded BlockStored or BlockRemoved ``kv_event`` record, a store's content
+    hash resolved by :func:`store_content_hash` (so one an older producer wrote without it gets one): what
+    :meth:`BlockFieldsWriter.block_of` writes. The projection read from the bytes gives the same list for a
+    record that carries its content hash (or is a removal)."""
+    route = project(record, ROUTE_SLOTS)
+    kind, body = record["event"]
+    if kind == BLOCK_STORED and route[R_CONTENT_HASH] is None:
+        route[R_CONTENT_HASH] = store_content_hash(body)
+    return route
 
 
 class Source(NamedTuple):
@@ -176,25 +204,25 @@ class BlockFieldsWriter:
         return index
 
     def block(self, record: dict, content: int | None = None) -> bytes | None:
-        """``KeyedEvent.block`` of a decoded BlockStored/BlockRemoved record with its block hash and tier
-        set; None when a field does not fit the layout (the record is then decoded by the reader).
+        """``KeyedEvent.block`` of a decoded BlockStored/BlockRemoved record with its block hash and tier set:
+        :meth:`block_of` its :func:`block_route`."""
+        return self.block_of(block_route(record), content)
 
-        A store's parent hash and content hash go in too; a store an older producer wrote without content hash
-        gets the one its tokens give (:func:`store_content_hash`), so the agent finds one for every store with
-        tokens."""
-        kind, body = record["event"]
+    def block_of(self, route: list, content: int | None = None) -> bytes | None:
+        """``KeyedEvent.block`` of a block event's :data:`ROUTE_FIELDS` (block hash and tier set); None when a
+        field does not fit the layout (the record is then decoded by the reader).
+
+        A store's parent hash and content hash go in too (:func:`block_route` gives one for every store with
+        tokens, so the agent finds one for every such store)."""
+        kind = route[R_KIND]
         if kind == BLOCK_STORED:
-            if body.get("report_mode") == FULL_REPORT_MODE:
+            if route[R_REPORT_MODE] == FULL_REPORT_MODE:
                 kind = BLOCK_STORED_OR_REUSED
-            parent = body["parent_block_hash"]
-            content_hash = body.get("content_hash")
-            if content_hash is None and body["token_ids"]:
-                content_hash = stored_content_hash(body)
+            parent, content_hash = route[R_PARENT], route[R_CONTENT_HASH]
         else:
             parent = content_hash = None
-        source = (record["instance_id"], record["data_parallel_rank"], record["worker_rank"], record["world_size"],
-                  record["aggregation"])
-        group = body["group_idx"]
+        source = (route[R_INSTANCE], route[R_DP_RANK], route[R_WORKER_RANK], route[R_WORLD_SIZE], route[R_AGGREGATION])
+        group = route[R_GROUP_IDX]
         if group is not None and group < 0:  # 0 in the layout is null
             return None
         try:
@@ -206,16 +234,16 @@ class BlockFieldsWriter:
                 # ints and unions: at most 40
                 self.table_bytes += len(avro_string(source[0])) + len(source[4] or "") + 40
             fields = BLOCK_FIELDS.pack(
-                _KIND_INDEX[kind], index, record["publisher_epoch"], record["seq"], record["batch_index"],
-                record["block_index"], record["ts"], _TIER_INDEX[record["tier"]], self._string(body["medium"]),
-                self._string(body["locality"]), 0 if group is None else group + 1, self._string(body["ownership"]),
-                _PARENT_KNOWN_INDEX[body.get("parent_known")], content is not None, content or 0,
+                _KIND_INDEX[kind], index, route[R_EPOCH], route[R_SEQ], route[R_BATCH_INDEX], route[R_BLOCK_INDEX],
+                route[R_TS], _TIER_INDEX[route[R_TIER]], self._string(route[R_MEDIUM]), self._string(route[R_LOCALITY]),
+                0 if group is None else group + 1, self._string(route[R_OWNERSHIP]),
+                _PARENT_KNOWN_INDEX[route[R_PARENT_KNOWN]], content is not None, content or 0,
                 0 if parent is None else len(parent) + 1, content_hash is not None, content_hash or 0)
         except (OverflowError, struct.error):
             return None
         if parent is None:
-            return fields + record["block_hash"]
-        return b"".join((fields, parent, record["block_hash"]))
+            return fields + route[R_BLOCK_HASH]
+        return b"".join((fields, parent, route[R_BLOCK_HASH]))
 
     def tables(self) -> bytes:
         """The message's ``sources`` and ``strings`` fields in Avro binary (they precede ``events``)."""

@@ -29,16 +29,17 @@ class PartitionBatch:
         self._items: list[bytes] = []
         self._size = 0
 
-    def add(self, key: str, mark: bytes, value: bytes, record: dict | None = None,
+    def add(self, key: str, mark: bytes, value: bytes, route: list | None = None,
             content: int | None = None) -> None:
-        """One item: ``record`` (a decoded block event) gives its block fields; None, an item without them."""
+        """One item: ``route`` (a block event's :data:`schemas.block_event.ROUTE_FIELDS`) gives its block
+        fields; None, an item without them."""
         # What the item can add, at most: itself (key, mark, event, block fields with the block hash, framing),
         # and table entries for strings and a source that all appear in the event's bytes too
         if self._items and (self._size + self._writer.table_bytes + 2 * len(value) + len(key) + len(mark)
                             + _ITEM_OVERHEAD > MAX_BATCH_BYTES):
             self._done.append((self._writer.tables(), self._items))
             self._start()
-        item = encode_keyed_event(key, mark, value, None if record is None else self._writer.block(record, content))
+        item = encode_keyed_event(key, mark, value, None if route is None else self._writer.block_of(route, content))
         self._items.append(item)
         self._size += len(item)
 

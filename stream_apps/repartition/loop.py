@@ -14,14 +14,36 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 from kafka_io.config import client_config, producer_config
 from kafka_io.produce import produce_waiting
 from kafka_io.schema_registry import reader_codec
-from schemas import ALL_BLOCKS_CLEARED, BLOCK_STORED, SOURCE_WIDE_EVENTS, AvroCodec, DecodeError
+from schemas import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED, SOURCE_WIDE_EVENTS, AvroCodec, DecodeError
 from schemas.avro_writers import encode_clear_mark, encode_ownership_batch
+from schemas.block_event import (
+    R_AGGREGATION,
+    R_BLOCK_HASH,
+    R_CONTENT_HASH,
+    R_DP_RANK,
+    R_INSTANCE,
+    R_KIND,
+    R_OWNERSHIP,
+    R_TIER,
+    R_WORKER_RANK,
+    R_WORLD_SIZE,
+    ROUTE_SLOTS,
+    block_route,
+)
 from schemas.clear_position import NO_CLEAR
+from schemas.content_hash import stored_content_hash
 from schemas.topics import ERROR_HEADER, SOURCE_HEADER, TopicNames
 from stream_apps.checkpoint import Checkpoint
 from stream_apps.repartition.batches import PartitionBatch
 from stream_apps.repartition.clear_history import ClearHistory
-from stream_apps.residency import content_digest, key_partition, needs_content, residency_key, source_aggregation
+from stream_apps.residency import (
+    AGREEMENT_FIELDS,
+    content_digest,
+    key_partition,
+    needs_content,
+    residency_key,
+    source_aggregation,
+)
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +56,11 @@ AGENT_CHECK_S = 0.002
 #: librdkafka's message timeout (``message.timeout.ms``, 300 s by default), every record is either acknowledged
 #: or refused, so this bound only ends the wait of a producer that hangs. This process has no event loop to block.
 FLUSH_TIMEOUT_S = 330.0
+#: The kinds whose events are re-keyed by block hash (the others are source-wide: :meth:`Repartitioner._source_wide`).
+_BLOCK_KINDS = frozenset((BLOCK_STORED, BLOCK_REMOVED))
+#: A store's fields its content digest is made of (:func:`stream_apps.residency.content_digest`), by name -> position
+#: in the list the second projection reads them into.
+AGREEMENT_SLOTS = {name: i for i, name in enumerate(AGREEMENT_FIELDS)}
 
 
 def repartition_group(app_id: str) -> str:
@@ -92,6 +119,10 @@ class Repartitioner:
         self._batch_codec = AvroCodec("ownership_batch")
         self._clears_codec = AvroCodec("source_clears")
         self._read_own_version = self._event_codec.own_version_reader()
+        #: The compiled read of a block event's route fields from its bytes (None without the compiled module):
+        #: most events need no more, and those that do are decoded (:meth:`_decoded`).
+        self._project = self._event_codec.own_version_projection(ROUTE_SLOTS)
+        self._project_agreement = self._event_codec.own_version_projection(AGREEMENT_SLOTS)
         #: Instance -> configured (world_size, mode) of the worker (``--aggregation``): a store of a REPLICATED
         #: source gets its content digest here (stream_apps.residency.needs_content).
         self.aggregation = dict(aggregation or {})
@@ -309,8 +340,7 @@ class Repartitioner:
         outgoing: dict[int, PartitionBatch] = defaultdict(PartitionBatch)
         changed_histories: dict[tuple[int, str, int], ClearHistory] = {}
         next_offsets: dict[int, int] = {}
-        read_own, decode = self._read_own_version, self._event_codec.decode
-        histories, partitions, aggregation = self._histories, self.partitions, self.aggregation
+        project, histories, partitions, aggregation = self._project, self._histories, self.partitions, self.aggregation
         for message in messages:
             if message.error():
                 if message.error().code() != KafkaError._PARTITION_EOF:
@@ -319,26 +349,22 @@ class Repartitioner:
             partition, offset, value = message.partition(), message.offset(), message.value()
             next_offsets[partition] = offset + 1
             try:
-                record = (value and read_own(value, 0, len(value))) or decode(value)
-                kind, body = record["event"]
-                instance = record["instance_id"]
-                source = (partition, instance, record["data_parallel_rank"])
-                history = histories.get(source)
-                if kind in SOURCE_WIDE_EVENTS:
-                    self._source_wide(message, record, kind, source, history, outgoing, changed_histories)
-                    continue
-                block_hash = record["block_hash"]
-                if block_hash is None or record["tier"] is None:
-                    raise DecodeError(f"{kind.rsplit('.', 1)[-1]} without block_hash or tier")
-                key = residency_key(body["ownership"], block_hash)
-                mark = b"\x00" if history is None else history.encoded_mark_before(offset)
+                route = project(value) if project is not None and value else None
                 content = None
-                if kind == BLOCK_STORED and (record["world_size"] or instance in aggregation):  # else: not replicated
-                    resolved = source_aggregation((instance, source[2], record["worker_rank"], record["world_size"],
-                                                   record["aggregation"]), aggregation.get(instance))
-                    if needs_content(kind, resolved):
-                        content = content_digest(body)
-                outgoing[key_partition(key, partitions)].add(key, mark, value, record, content)
+                settled = (route is not None and route[R_KIND] in _BLOCK_KINDS and route[R_BLOCK_HASH] is not None
+                           and route[R_TIER] is not None)
+                if settled and route[R_KIND] == BLOCK_STORED and (
+                        route[R_CONTENT_HASH] is None or route[R_WORLD_SIZE] or route[R_INSTANCE] in aggregation):
+                    settled, content = self._settle_store(route, value)
+                if not settled:
+                    decoded = self._decoded(message, value, outgoing, changed_histories)
+                    if decoded is None:
+                        continue
+                    route, content = decoded
+                history = histories.get((partition, route[R_INSTANCE], route[R_DP_RANK]))
+                key = residency_key(route[R_OWNERSHIP], route[R_BLOCK_HASH])
+                mark = b"\x00" if history is None else history.encoded_mark_before(offset)
+                outgoing[key_partition(key, partitions)].add(key, mark, value, route, content)
             except DecodeError as exc:
                 self._dead_letter(message, str(exc))
         self._outgoing, self._changed = outgoing, changed_histories
@@ -347,6 +373,53 @@ class Repartitioner:
         checkpoint.commit()
         self.counters["repartitioned"] += len(messages)
         return next_offsets
+
+    def _settle_store(self, route: list, value: bytes) -> tuple[bool, int | None]:
+        """For a store read by the projection that has no content hash or whose source may be replicated: whether
+        the projection settles it, and its content digest (None where its source needs none:
+        :func:`needs_content`). A second projection reads the store's :data:`AGREEMENT_SLOTS`, from which the
+        digest and a missing content hash (:func:`schemas.content_hash.stored_content_hash`, into ``route``)
+        are computed as from the decoded record."""
+        needs_digest = (route[R_WORLD_SIZE] or route[R_INSTANCE] in self.aggregation) and needs_content(
+            BLOCK_STORED, source_aggregation((route[R_INSTANCE], route[R_DP_RANK], route[R_WORKER_RANK],
+                                              route[R_WORLD_SIZE], route[R_AGGREGATION]),
+                                             self.aggregation.get(route[R_INSTANCE])))
+        if route[R_CONTENT_HASH] is not None and not needs_digest:
+            return True, None
+        values = self._project_agreement(value)
+        if values is None:
+            return False, None
+        body = dict(zip(AGREEMENT_FIELDS, values))
+        if route[R_CONTENT_HASH] is None:
+            route[R_CONTENT_HASH] = stored_content_hash(body)
+        return True, content_digest(body) if needs_digest else None
+
+    def _decoded(self, message, value: bytes | None, outgoing: dict[int, PartitionBatch],
+                 changed: dict[tuple[int, str, int], ClearHistory]) -> tuple[list, int | None] | None:
+        """A record the projection left to the decoder: another version's, a source-wide event's (handled here:
+        None), or a block event's whose store has no content hash or may be replicated, whose
+        :func:`schemas.block_event.block_route` and replica content digest (or None) it gives.
+
+        Raises:
+            DecodeError: the record cannot be decoded, or is a block event without block hash or tier.
+        """
+        record = (value and self._read_own_version(value, 0, len(value))) or self._event_codec.decode(value)
+        kind, body = record["event"]
+        instance = record["instance_id"]
+        source = (message.partition(), instance, record["data_parallel_rank"])
+        if kind in SOURCE_WIDE_EVENTS:
+            self._source_wide(message, record, kind, source, self._histories.get(source), outgoing, changed)
+            return None
+        if record["block_hash"] is None or record["tier"] is None:
+            raise DecodeError(f"{kind.rsplit('.', 1)[-1]} without block_hash or tier")
+        content = None
+        aggregation = self.aggregation
+        if kind == BLOCK_STORED and (record["world_size"] or instance in aggregation):  # else: not replicated
+            resolved = source_aggregation((instance, source[2], record["worker_rank"], record["world_size"],
+                                           record["aggregation"]), aggregation.get(instance))
+            if needs_content(kind, resolved):
+                content = content_digest(body)
+        return block_route(record), content
 
     def _source_wide(self, message, record: dict, kind: str, source: tuple[int, str, int],
                      history: ClearHistory | None, outgoing: dict[int, PartitionBatch],
