@@ -44,7 +44,8 @@ STAGE_RULES = [
 REPARTITION_RULES = [
     ("repartition: consume (librdkafka)", r"^consume \("),
     ("repartition: flush + commit", r"^flush \(|^commit \("),
-    ("repartition: kv_event decode", r"<avro reader of [\w.]*KvBlockEvent>|read_own_version|^decode \(.*codec\.py"),
+    ("repartition: kv_event decode or projection",
+     r"<avro reader of [\w.]*KvBlockEvent>|read_own_version|project_own_version|^decode \(.*codec\.py"),
     ("repartition: block fields", r"block_event\.py"),
     ("repartition: encode batches", r"encode_ownership_batch|encode_keyed_event|encode_clear_mark"),
     ("repartition: produce", r"^produce |_send \("),
