@@ -181,6 +181,17 @@ def _read_or_refusal(read, data: bytes):
         return "refused"
 
 
+def _damaged_record(family: str, data) -> tuple[AvroCodec, bytes]:
+    """A codec of ``family`` and one of its records with up to three bytes changed, maybe cut short, and followed
+    by up to three more bytes."""
+    codec, values = _codec_and_strategy(family)
+    encoded = bytearray(codec.encode(data.draw(values)))
+    for _ in range(data.draw(st.integers(0, 3))):
+        encoded[data.draw(st.integers(10, len(encoded) - 1))] = data.draw(st.integers(0, 255))
+    encoded = bytes(encoded[:data.draw(st.integers(10, len(encoded)))] if data.draw(st.booleans()) else encoded)
+    return codec, encoded + data.draw(st.binary(max_size=3))
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
@@ -188,12 +199,7 @@ def test_the_compiled_program_reads_any_bytes_exactly_as_the_generated_reader(fa
     """read_program alone (no fallback to the generated reader) on records with up to three bytes changed,
     cut short or followed by more bytes: the same value and end position, or both refuse."""
     compiled = hotpath_module("compiled")
-    codec, values = _codec_and_strategy(family)
-    encoded = bytearray(codec.encode(data.draw(values)))
-    for _ in range(data.draw(st.integers(0, 3))):
-        encoded[data.draw(st.integers(10, len(encoded) - 1))] = data.draw(st.integers(0, 255))
-    encoded = bytes(encoded[:data.draw(st.integers(10, len(encoded)))] if data.draw(st.booleans()) else encoded)
-    encoded += data.draw(st.binary(max_size=3))
+    codec, encoded = _damaged_record(family, data)
     schema, names = codec.schema.parsed, codec._override_names
     program = compile_program(schema, names)
     generated = compile_reader(schema, names, compiled=False)
@@ -291,12 +297,7 @@ def test_a_compiled_projection_takes_from_any_bytes_what_project_takes_from_the_
     fields named at any depth: the same values and end position as fast_reader.project of the generated
     reader's record, or both refuse (a field read past is checked as the reader checks it)."""
     compiled = hotpath_module("compiled")
-    codec, values = _codec_and_strategy(family)
-    encoded = bytearray(codec.encode(data.draw(values)))
-    for _ in range(data.draw(st.integers(0, 3))):
-        encoded[data.draw(st.integers(10, len(encoded) - 1))] = data.draw(st.integers(0, 255))
-    encoded = bytes(encoded[:data.draw(st.integers(10, len(encoded)))] if data.draw(st.booleans()) else encoded)
-    encoded += data.draw(st.binary(max_size=3))
+    codec, encoded = _damaged_record(family, data)
     schema, names = codec.schema.parsed, codec._override_names
     fields = _field_names(schema, dict(schema.get("__named_schemas", {})), [])
     chosen = data.draw(st.lists(st.sampled_from(fields), unique=True, min_size=1))
