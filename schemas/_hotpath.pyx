@@ -406,8 +406,7 @@ cdef int _project(tuple program, Cursor* c, list out) except -1:
         if op == OP_PROJECT_RECORD:
             _project(field, c, out)
         elif op == OP_PROJECT_UNION:
-            slot = field[1]
-            branches = <tuple?>field[2]
+            branches = <tuple?>field[1]
             index = _read_long(c)
             if not 0 <= index < len(branches):
                 raise ValueError(f"union branch {index} at {c.pos}")

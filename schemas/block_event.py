@@ -85,7 +85,7 @@ def block_route(record: dict) -> list:
     hash resolved by :func:`store_content_hash` (so one an older producer wrote without it gets one): what
     :meth:`BlockFieldsWriter.block_of` writes. The projection read from the bytes gives the same list for a
     record that carries its content hash (or is a removal)."""
-    route = project(record, ROUTE_SLOTS)
+    route = project(record, ROUTE_SLOTS, [None] * len(ROUTE_FIELDS))
     kind, body = record["event"]
     if kind == BLOCK_STORED and route[R_CONTENT_HASH] is None:
         route[R_CONTENT_HASH] = store_content_hash(body)

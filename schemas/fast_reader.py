@@ -270,8 +270,9 @@ def compile_projection(program: tuple, slots: Mapping[str, int]) -> tuple:
     in the union field's slot; another branch's value goes there as a field's would. Fields not named are read
     past, checked as the reader checks them, and not kept.
 
-    Shapes: ``(OP_PROJECT_RECORD, slot of each field or -1, field programs)``, and ``(OP_PROJECT_UNION, slot or -1,
-    ((branch program, full name or None), ...))``; a field program that is neither reads the field's value.
+    Shapes: ``(OP_PROJECT_RECORD, slot of each field or -1, field programs)``, and ``(OP_PROJECT_UNION,
+    ((branch program, full name or None), ...))``, whose slot is its field's; a field program that is neither
+    reads the field's value.
 
     Raises:
         ValueError: ``program`` does not read a record.
@@ -284,15 +285,15 @@ def compile_projection(program: tuple, slots: Mapping[str, int]) -> tuple:
 def _project_record(program: tuple, slots: Mapping[str, int]) -> tuple:
     names, fields = program[1], program[2]
     return (OP_PROJECT_RECORD, tuple(slots.get(name, -1) for name in names),
-            tuple(_project_field(field, slots.get(name, -1), slots) for name, field in zip(names, fields)))
+            tuple(_project_field(field, slots) for field in fields))
 
 
-def _project_field(program: tuple, slot: int, slots: Mapping[str, int]) -> tuple:
+def _project_field(program: tuple, slots: Mapping[str, int]) -> tuple:
     if program[0] == OP_RECORD:
         return _project_record(program, slots)
     if program[0] == OP_UNION and any(branch[0] == OP_RECORD for branch, _ in program[1]):
-        return (OP_PROJECT_UNION, slot, tuple((_project_record(branch, slots) if branch[0] == OP_RECORD else branch,
-                                               name) for branch, name in program[1]))
+        return (OP_PROJECT_UNION, tuple((_project_record(branch, slots) if branch[0] == OP_RECORD else branch, name)
+                                        for branch, name in program[1]))
     return program
 
 
@@ -304,11 +305,11 @@ def project(record: dict, slots: Mapping[str, int], out: list | None = None) -> 
     for name, value in record.items():
         slot = slots.get(name, -1)
         if type(value) is dict:
-            _ = project(value, slots, out)
+            project(value, slots, out)
         elif type(value) is tuple and len(value) == 2 and type(value[1]) is dict:  # a record branch: (name, record)
             if slot >= 0:
                 out[slot] = value[0]
-            _ = project(value[1], slots, out)
+            project(value[1], slots, out)
         elif slot >= 0:
             out[slot] = value
     return out

@@ -380,10 +380,8 @@ class Repartitioner:
         :func:`needs_content`). A second projection reads the store's :data:`AGREEMENT_SLOTS`, from which the
         digest and a missing content hash (:func:`schemas.content_hash.stored_content_hash`, into ``route``)
         are computed as from the decoded record."""
-        needs_digest = (route[R_WORLD_SIZE] or route[R_INSTANCE] in self.aggregation) and needs_content(
-            BLOCK_STORED, source_aggregation((route[R_INSTANCE], route[R_DP_RANK], route[R_WORKER_RANK],
-                                              route[R_WORLD_SIZE], route[R_AGGREGATION]),
-                                             self.aggregation.get(route[R_INSTANCE])))
+        needs_digest = self._needs_digest(BLOCK_STORED, (route[R_INSTANCE], route[R_DP_RANK], route[R_WORKER_RANK],
+                                                         route[R_WORLD_SIZE], route[R_AGGREGATION]))
         if route[R_CONTENT_HASH] is not None and not needs_digest:
             return True, None
         values = self._project_agreement(value)
@@ -412,14 +410,18 @@ class Repartitioner:
             return None
         if record["block_hash"] is None or record["tier"] is None:
             raise DecodeError(f"{kind.rsplit('.', 1)[-1]} without block_hash or tier")
-        content = None
-        aggregation = self.aggregation
-        if kind == BLOCK_STORED and (record["world_size"] or instance in aggregation):  # else: not replicated
-            resolved = source_aggregation((instance, source[2], record["worker_rank"], record["world_size"],
-                                           record["aggregation"]), aggregation.get(instance))
-            if needs_content(kind, resolved):
-                content = content_digest(body)
-        return block_route(record), content
+        digest = self._needs_digest(kind, (instance, source[2], record["worker_rank"], record["world_size"],
+                                           record["aggregation"]))
+        return block_route(record), content_digest(body) if digest else None
+
+    def _needs_digest(self, kind: str, source: tuple) -> bool:
+        """Whether a ``kind`` event of ``source`` (instance, dp rank, worker rank, world size, aggregation mode, as
+        ``kv_event`` carries them) needs its content digest: a store of a replicated source
+        (:func:`needs_content`), with the worker's ``--aggregation`` for a source that declares none."""
+        instance = source[0]
+        if kind != BLOCK_STORED or not (source[3] or instance in self.aggregation):  # not replicated
+            return False
+        return needs_content(kind, source_aggregation(source, self.aggregation.get(instance)))
 
     def _source_wide(self, message, record: dict, kind: str, source: tuple[int, str, int],
                      history: ClearHistory | None, outgoing: dict[int, PartitionBatch],

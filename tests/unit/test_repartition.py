@@ -244,8 +244,10 @@ def test_the_compiled_projection_rekeys_every_record_exactly_as_decoding_it_does
     from types import SimpleNamespace
 
     from producers.split import Publisher, split_event
-    from schemas.block_event import R_KIND, ROUTE_SLOTS
+    from schemas.block_event import R_KIND, ROUTE_SLOTS, BlockEvent
+    from schemas.ownership_batch import OwnershipBatchReader
     from schemas.topics import TopicNames
+    from stream_apps.residency import needs_content, source_aggregation
     from tests.conftest import hotpath_module
     from tests.unit.test_ownership_batch_reader import _records
 
@@ -292,3 +294,11 @@ def test_the_compiled_projection_rekeys_every_record_exactly_as_decoding_it_does
     topics = TopicNames("unit")
     assert sum(topic == topics.dead_letter for topic, *_ in decoded) == 4  # the four values that are no record
     assert {topic for topic, *_ in decoded} == {topics.by_ownership, topics.source_clears, topics.dead_letter}
+    # the stores of replicated sources carry their content digest, and nothing else does
+    reader = OwnershipBatchReader(events)
+    read = [BlockEvent._make(event) for topic, value, *_ in with_projection if topic == topics.by_ownership
+            for *_, event in reader.read(value) if type(event) is tuple]
+    replicated = [e for e in read if e.kind != "kvstream.v1.BlockRemoved" and needs_content(
+        e.kind, source_aggregation(e.source, {"engine-é7": (4, "REPLICATED")}.get(e.source.instance_id)))]
+    assert replicated and all(e.content is not None for e in replicated)
+    assert all(e.content is None for e in read if e not in replicated)
