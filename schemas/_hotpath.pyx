@@ -2,6 +2,8 @@
 """The compiled hot path: the worker's codecs that cost the most per event in Python.
 
 - :func:`walk_items`: the item loop of :meth:`schemas.ownership_batch.OwnershipBatchReader._walk`;
+- :func:`block_key` and :class:`BlockItemEncoder`: the repartition process's write of the items that walk reads
+  (``stream_apps.residency.keys.block_key``, :meth:`schemas.block_event.BlockFieldsWriter.keyed_item`);
 - :func:`read_program`: any schema's generated reader (:func:`schemas.fast_reader.compile_reader`): the codecs'
   decode of their own version's records (``kv_event`` in the repartition process, the batch messages' tables,
   residency entries where they are dicts);
@@ -28,7 +30,7 @@ built by schemas.fast_reader.
 cimport cython
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
-from cpython.unicode cimport PyUnicode_DecodeUTF8
+from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
 from libc.stdint cimport INT64_MIN, int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memchr, memcmp, memcpy
 
@@ -238,6 +240,274 @@ def walk_items(bytes data not None, Py_ssize_t pos, list items not None, list so
                 parent_known[known], content if p[off[F_HAS_CONTENT]] else None, parent,
                 content_hash if p[off[F_HAS_CONTENT_HASH]] else None)))
     return c.pos
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The repartition stage's keyed items (the write side of the walk above)
+
+
+cdef uint32_t _murmur2(const uint8_t* data, Py_ssize_t length) noexcept:
+    """Kafka's murmur2 (``org.apache.kafka.common.utils.Utils.murmur2``, seed 0x9747b28c): what Kafka's default
+    partitioner and Faust's router hash a key with."""
+    cdef uint32_t m = 0x5BD1E995
+    cdef uint32_t h = 0x9747B28C
+    cdef uint32_t k
+    cdef Py_ssize_t i, whole = length & ~(<Py_ssize_t>3)
+    h ^= <uint32_t>length
+    for i in range(0, whole, 4):
+        k = data[i] | (<uint32_t>data[i + 1] << 8) | (<uint32_t>data[i + 2] << 16) | (<uint32_t>data[i + 3] << 24)
+        k *= m
+        k ^= k >> 24
+        k *= m
+        h *= m
+        h ^= k
+    i = length & 3
+    if i == 3:
+        h ^= <uint32_t>data[whole + 2] << 16
+    if i >= 2:
+        h ^= <uint32_t>data[whole + 1] << 8
+    if i >= 1:
+        h ^= data[whole]
+        h *= m
+    h ^= h >> 13
+    h *= m
+    h ^= h >> 15
+    return h
+
+
+cdef const char* _HEX = b"0123456789abcdef"
+
+
+def block_key(ownership, bytes block_hash not None, Py_ssize_t partitions):
+    """``(partition, key)`` of a block event, as ``stream_apps.residency.keys.block_key`` gives them: the residency
+    key ``<ownership or 'primary'>/<block hash hex>`` in UTF-8 and its partition of ``partitions`` by Kafka's
+    murmur2 (positive, then modulo).
+
+    Raises:
+        TypeError: ``ownership`` is neither None nor a str. ValueError: ``partitions`` is not positive.
+    """
+    cdef const char* prefix = b"primary"
+    cdef Py_ssize_t prefix_size = 7
+    cdef Py_ssize_t hash_size = PyBytes_GET_SIZE(block_hash)
+    cdef Py_ssize_t i
+    cdef const uint8_t* raw = <const uint8_t*>PyBytes_AS_STRING(block_hash)
+    cdef char* out
+    if partitions <= 0:
+        raise ValueError("partitions must be positive")
+    if ownership is not None:
+        if type(ownership) is not str:
+            raise TypeError(f"ownership is {type(ownership).__name__}, not str")
+        if ownership:  # the empty string is the framework's own, as None (``ownership or 'primary'``)
+            prefix = PyUnicode_AsUTF8AndSize(ownership, &prefix_size)
+    key = PyBytes_FromStringAndSize(NULL, prefix_size + 1 + 2 * hash_size)
+    out = PyBytes_AS_STRING(key)
+    memcpy(out, prefix, prefix_size)
+    out[prefix_size] = b"/"
+    out += prefix_size + 1
+    for i in range(hash_size):
+        out[2 * i] = _HEX[raw[i] >> 4]
+        out[2 * i + 1] = _HEX[raw[i] & 15]
+    return (_murmur2(<const uint8_t*>PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key)) & 0x7FFFFFFF) % partitions, key
+
+
+cdef inline Py_ssize_t _long_size(int64_t value) noexcept:
+    """Bytes of an Avro long (zig-zag varint)."""
+    cdef uint64_t n = (<uint64_t>value << 1) ^ <uint64_t>(value >> 63)
+    cdef Py_ssize_t size = 1
+    while n > 0x7F:
+        n >>= 7
+        size += 1
+    return size
+
+
+cdef inline char* _write_long(char* p, int64_t value) noexcept:
+    cdef uint64_t n = (<uint64_t>value << 1) ^ <uint64_t>(value >> 63)
+    while n > 0x7F:
+        p[0] = <char>((n & 0x7F) | 0x80)
+        p += 1
+        n >>= 7
+    p[0] = <char>n
+    return p + 1
+
+
+cdef inline void _write_le(char* p, uint64_t value, int size) noexcept:
+    cdef int i
+    for i in range(size):
+        p[i] = <char>((value >> (8 * i)) & 0xFF)
+
+
+#: Route fields the encoder reads (schemas.block_event.ROUTE_FIELDS' order; checked by BlockItemEncoder).
+cdef enum:
+    R_KIND, R_INSTANCE, R_DP_RANK, R_WORKER_RANK, R_WORLD_SIZE, R_AGGREGATION, R_EPOCH, R_SEQ, R_BATCH_INDEX, \
+        R_BLOCK_INDEX, R_TS, R_BLOCK_HASH, R_TIER, R_MEDIUM, R_LOCALITY, R_GROUP_IDX, R_OWNERSHIP, R_PARENT_KNOWN, \
+        R_PARENT, R_CONTENT_HASH, R_REPORT_MODE, R_COUNT
+
+_ROUTE_NAMES = ("event", "instance_id", "data_parallel_rank", "worker_rank", "world_size", "aggregation",
+                "publisher_epoch", "seq", "batch_index", "block_index", "ts", "block_hash", "tier", "medium",
+                "locality", "group_idx", "ownership", "parent_known", "parent_block_hash", "content_hash",
+                "report_mode")
+
+
+cdef inline bint _is_long(object value) noexcept:
+    return type(value) is int and -0x8000000000000000 <= value <= 0x7FFFFFFFFFFFFFFF
+
+
+cdef inline bint _is_int32(object value) noexcept:
+    return type(value) is int and -0x80000000 <= value <= 0x7FFFFFFF
+
+
+cdef class BlockItemEncoder:
+    """The compiled twin of ``schemas.block_event.BlockFieldsWriter.keyed_item``: one ``KeyedEvent`` with its block
+    fields in ``layout`` (``schemas.block_event.BLOCK_LAYOUT``, the walk's), the message's tables kept in the
+    writer's dicts exactly as the Python writer keeps them.
+
+    Args:
+        layout: ``BLOCK_LAYOUT`` (its offsets are taken as :func:`walk_items` takes them).
+        route_fields: ``schemas.block_event.ROUTE_FIELDS``, checked against the order this encoder reads.
+        kind_index, tier_index: kind -> layout kind byte, tier -> tier byte (``schemas.block_event``).
+        stored, stored_or_reused, full_report_mode: ``schemas.BLOCK_STORED``, ``BLOCK_STORED_OR_REUSED`` and
+            ``FULL_REPORT_MODE`` (a store in full report mode is written as ``stored_or_reused``).
+        max_table: the largest index a table reference holds.
+
+    Raises:
+        ValueError: the layout or the route fields are not those this module was built for.
+    """
+
+    cdef Py_ssize_t offsets[F_COUNT]
+    cdef Py_ssize_t fields_size
+    cdef dict kind_index, tier_index
+    cdef object stored, stored_or_reused, full_report_mode
+    cdef Py_ssize_t max_table
+
+    def __init__(self, tuple layout not None, tuple route_fields not None, dict kind_index not None,
+                 dict tier_index not None, stored, stored_or_reused, full_report_mode, Py_ssize_t max_table):
+        cdef int i
+        if route_fields != _ROUTE_NAMES:
+            raise ValueError("the route fields are not those schemas/_hotpath.pyx reads: rebuild it")
+        _use_layout(layout)
+        for i in range(F_COUNT):
+            self.offsets[i] = _offsets[i]
+        self.fields_size = _fields_size
+        self.kind_index, self.tier_index = kind_index, tier_index
+        self.stored, self.stored_or_reused, self.full_report_mode = stored, stored_or_reused, full_report_mode
+        self.max_table = max_table
+
+    def item(self, dict sources not None, dict strings not None, bytes key not None, bytes mark not None,
+             bytes value not None, list route not None, content):
+        """``(item, table bytes added)``: the ``KeyedEvent`` (Avro binary) of a block event's ``route`` (a list of
+        the route fields) with key ``key`` (UTF-8), clear mark ``mark`` and record ``value``, and its block fields,
+        having added its source and strings to ``sources`` and ``strings`` as ``BlockFieldsWriter.block_of``
+        does. None, with nothing added: a value this encoder leaves to the Python writer (a type or a range the
+        layout does not hold, a table nearly full), whose answer is then the item."""
+        cdef Py_ssize_t medium_index, locality_index, ownership_index, source_index, added = 0
+        cdef Py_ssize_t parent_size = 0, hash_size, block_size, n, item_size
+        cdef char* p
+        cdef char* fields
+        cdef const Py_ssize_t* off = self.offsets
+        cdef double ts
+        cdef uint64_t ts_bits
+        if len(route) != R_COUNT:
+            return None
+        kind = route[R_KIND]
+        if kind == self.stored:
+            if route[R_REPORT_MODE] == self.full_report_mode:
+                kind = self.stored_or_reused
+            parent, content_hash = route[R_PARENT], route[R_CONTENT_HASH]
+        else:
+            parent = content_hash = None
+        kind_byte = self.kind_index.get(kind)
+        tier_byte = self.tier_index.get(route[R_TIER])
+        group = route[R_GROUP_IDX]
+        instance, aggregation, block_hash = route[R_INSTANCE], route[R_AGGREGATION], route[R_BLOCK_HASH]
+        medium, locality, ownership = route[R_MEDIUM], route[R_LOCALITY], route[R_OWNERSHIP]
+        known = route[R_PARENT_KNOWN]
+        # Everything the Python writer could refuse or raise on is checked before anything is added
+        if (kind_byte is None or tier_byte is None or type(route[R_TS]) is not float
+                or not (_is_long(route[R_EPOCH]) and _is_long(route[R_SEQ]) and _is_int32(route[R_BATCH_INDEX])
+                        and _is_int32(route[R_BLOCK_INDEX]))
+                or not (group is None or (type(group) is int and 0 <= group <= 0xFFFFFFFE))
+                or not (content is None or _is_long(content))
+                or not (content_hash is None or _is_long(content_hash))
+                or not (parent is None or (type(parent) is bytes and PyBytes_GET_SIZE(parent) <= 254))
+                or type(block_hash) is not bytes or type(instance) is not str
+                or not (aggregation is None or type(aggregation) is str)
+                or not (medium is None or type(medium) is str) or not (locality is None or type(locality) is str)
+                or not (ownership is None or type(ownership) is str)
+                or not (known is None or known is True or known is False)
+                or len(strings) > self.max_table - 3 or len(sources) > self.max_table - 1):
+            return None
+        source = (instance, route[R_DP_RANK], route[R_WORKER_RANK], route[R_WORLD_SIZE], aggregation)
+        found = sources.get(source)
+        if found is None:
+            source_index = len(sources)
+            sources[source] = source_index
+            PyUnicode_AsUTF8AndSize(instance, &n)
+            added += _long_size(n) + n + (0 if aggregation is None else len(<str>aggregation)) + 40
+        else:
+            source_index = found
+        medium_index = self._string(strings, medium, &added)
+        locality_index = self._string(strings, locality, &added)
+        ownership_index = self._string(strings, ownership, &added)
+        if parent is not None:
+            parent_size = PyBytes_GET_SIZE(parent)
+        hash_size = PyBytes_GET_SIZE(block_hash)
+        block_size = self.fields_size + parent_size + hash_size
+        item_size = (_long_size(PyBytes_GET_SIZE(key)) + PyBytes_GET_SIZE(key) + PyBytes_GET_SIZE(mark)
+                     + _long_size(PyBytes_GET_SIZE(value)) + PyBytes_GET_SIZE(value) + 1 + _long_size(block_size)
+                     + block_size)
+        item = PyBytes_FromStringAndSize(NULL, item_size)
+        p = PyBytes_AS_STRING(item)
+        p = _write_long(p, PyBytes_GET_SIZE(key))
+        memcpy(p, PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key))
+        p += PyBytes_GET_SIZE(key)
+        memcpy(p, PyBytes_AS_STRING(mark), PyBytes_GET_SIZE(mark))
+        p += PyBytes_GET_SIZE(mark)
+        p = _write_long(p, PyBytes_GET_SIZE(value))
+        memcpy(p, PyBytes_AS_STRING(value), PyBytes_GET_SIZE(value))
+        p += PyBytes_GET_SIZE(value)
+        p[0] = 2  # the union's second branch: block fields follow
+        p = _write_long(p + 1, block_size)
+        fields = p
+        _write_le(fields + off[F_KIND], <int64_t>kind_byte, 1)
+        _write_le(fields + off[F_SOURCE], source_index, 2)
+        _write_le(fields + off[F_EPOCH], <int64_t>route[R_EPOCH], 8)
+        _write_le(fields + off[F_SEQ], <int64_t>route[R_SEQ], 8)
+        _write_le(fields + off[F_BATCH], <int64_t>route[R_BATCH_INDEX], 4)
+        _write_le(fields + off[F_BLOCK], <int64_t>route[R_BLOCK_INDEX], 4)
+        ts = route[R_TS]
+        memcpy(&ts_bits, &ts, 8)
+        _write_le(fields + off[F_TS], ts_bits, 8)
+        _write_le(fields + off[F_TIER], <int64_t>tier_byte, 1)
+        _write_le(fields + off[F_MEDIUM], medium_index, 2)
+        _write_le(fields + off[F_LOCALITY], locality_index, 2)
+        _write_le(fields + off[F_GROUP], 0 if group is None else <int64_t>group + 1, 4)
+        _write_le(fields + off[F_OWNERSHIP], ownership_index, 2)
+        _write_le(fields + off[F_KNOWN], 0 if known is None else (2 if known else 1), 1)
+        _write_le(fields + off[F_HAS_CONTENT], content is not None, 1)
+        _write_le(fields + off[F_CONTENT], 0 if content is None else <int64_t>content, 8)
+        _write_le(fields + off[F_PARENT_SIZE], 0 if parent is None else parent_size + 1, 1)
+        _write_le(fields + off[F_HAS_CONTENT_HASH], content_hash is not None, 1)
+        _write_le(fields + off[F_CONTENT_HASH], 0 if content_hash is None else <int64_t>content_hash, 8)
+        p = fields + self.fields_size
+        if parent_size:
+            memcpy(p, PyBytes_AS_STRING(parent), parent_size)
+            p += parent_size
+        memcpy(p, PyBytes_AS_STRING(block_hash), hash_size)
+        return item, added
+
+    cdef Py_ssize_t _string(self, dict strings, object value, Py_ssize_t* added) except -1:
+        """``value``'s index in the strings table plus one (0: None), added to it as the Python writer adds it."""
+        cdef Py_ssize_t n, size
+        if value is None:
+            return 0
+        found = strings.get(value)
+        if found is not None:
+            return found
+        n = len(strings) + 1
+        strings[value] = n
+        PyUnicode_AsUTF8AndSize(value, &size)
+        added[0] += _long_size(size) + size
+        return n
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -331,14 +331,15 @@ def encode_clear_mark(mark: tuple[int, int, int]) -> bytes:
     return b"\x02" + avro_long(mark[0]) + avro_long(mark[1]) + avro_long(mark[2])
 
 
-def encode_keyed_event(key: str, mark: bytes, event: bytes, block: bytes | None = None) -> bytes:
-    """One ``KeyedEvent`` of schemas/ownership_batch_v2.avsc in Avro binary (``mark`` from :func:`encode_clear_mark`,
-    ``block`` from :meth:`schemas.block_event.BlockFieldsWriter.block` or None).
+def encode_keyed_event(key: str | bytes, mark: bytes, event: bytes, block: bytes | None = None) -> bytes:
+    """One ``KeyedEvent`` of schemas/ownership_batch_v2.avsc in Avro binary (``key`` as text or its UTF-8 bytes,
+    ``mark`` from :func:`encode_clear_mark`, ``block`` from :meth:`schemas.block_event.BlockFieldsWriter.block` or
+    None).
 
     Written by hand because the repartition process writes one per event and fastavro's generic writer costs several
     times more; tests check the bytes against fastavro's.
     """
-    raw_key = key.encode()
+    raw_key = key.encode() if type(key) is str else key
     if block is None:
         return b"".join((avro_long(len(raw_key)), raw_key, mark, avro_long(len(event)), event, b"\x00"))
     return b"".join((avro_long(len(raw_key)), raw_key, mark, avro_long(len(event)), event, b"\x02",

@@ -26,7 +26,8 @@ import struct
 from typing import NamedTuple
 
 from schemas import BLOCK_REMOVED, BLOCK_STORED, BLOCK_STORED_OR_REUSED, FULL_REPORT_MODE
-from schemas.avro_writers import avro_long, avro_optional, avro_string
+from schemas.avro_writers import avro_long, avro_optional, avro_string, encode_keyed_event
+from schemas.compiled import choose
 from schemas.content_hash import stored_content_hash
 from schemas.fast_reader import project
 from schemas.tiers import TIERS
@@ -183,14 +184,51 @@ def block_event_of(record: dict, content: int | None = None) -> BlockEvent:
                       body.get("parent_block_hash") if stored else None, store_content_hash(body) if stored else None)
 
 
-class BlockFieldsWriter:
-    """The block fields of one ``ownership_batch`` message's items, and the message's tables they index."""
+_ENCODERS: dict = {}
 
-    def __init__(self) -> None:
+
+def _item_encoder(compiled):
+    """The compiled module's ``BlockItemEncoder`` for this module's layout (one per module), or None."""
+    if compiled is None:
+        return None
+    encoder = _ENCODERS.get(compiled)
+    if encoder is None:
+        encoder = _ENCODERS[compiled] = compiled.BlockItemEncoder(
+            BLOCK_LAYOUT, ROUTE_FIELDS, _KIND_INDEX, _TIER_INDEX, BLOCK_STORED, BLOCK_STORED_OR_REUSED,
+            FULL_REPORT_MODE, _MAX_TABLE)
+    return encoder
+
+
+class BlockFieldsWriter:
+    """The block fields of one ``ownership_batch`` message's items, and the message's tables they index.
+
+    Args:
+        compiled: encode items with the compiled twin of :meth:`keyed_item` (``schemas._hotpath.BlockItemEncoder``):
+            None (the default) when it is built (:func:`schemas.compiled.choose`), True or False to choose.
+    """
+
+    def __init__(self, compiled: bool | None = None) -> None:
         self._sources: dict[tuple, int] = {}
         self._strings: dict[str, int] = {}
         #: Bytes of :meth:`tables` so far, or a few more (a message's size counts them).
         self.table_bytes = 2
+        self._encoder = _item_encoder(choose(compiled))
+
+    def keyed_item(self, key: bytes, mark: bytes, value: bytes, route: list, content: int | None = None) -> bytes:
+        """One ``KeyedEvent`` of schemas/ownership_batch_v2.avsc in Avro binary, with block fields: key ``key``
+        (UTF-8), clear mark ``mark`` (:func:`schemas.avro_writers.encode_clear_mark`), the record's bytes
+        ``value``, and :meth:`block_of` ``route`` (a block event's :data:`ROUTE_FIELDS`) and ``content``.
+
+        The compiled encoder writes the same bytes and tables without the ``struct`` and the joins, and leaves to
+        this method what it does not hold (it then adds nothing to the tables)."""
+        encoder = self._encoder
+        if encoder is not None:
+            done = encoder.item(self._sources, self._strings, key, mark, value, route, content)
+            if done is not None:
+                item, added = done
+                self.table_bytes += added
+                return item
+        return encode_keyed_event(key, mark, value, self.block_of(route, content))
 
     def _string(self, value: str | None) -> int:
         if value is None:

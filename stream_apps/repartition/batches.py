@@ -18,28 +18,44 @@ _ITEM_OVERHEAD = 256
 class PartitionBatch:
     """The ``ownership_batch`` messages of one destination partition in one batch: each at most
     :data:`MAX_BATCH_BYTES` with its tables (a message's block fields index its own tables only, so a message
-    starts new ones)."""
+    starts new ones).
 
-    def __init__(self) -> None:
+    Args:
+        compiled: encode block items with the compiled encoder (:class:`schemas.block_event.BlockFieldsWriter`):
+            None (the default) where it is built.
+    """
+
+    def __init__(self, compiled: bool | None = None) -> None:
+        self._compiled = compiled
         self._done: list[tuple[bytes, list[bytes]]] = []
         self._start()
 
     def _start(self) -> None:
-        self._writer = BlockFieldsWriter()
+        self._writer = BlockFieldsWriter(self._compiled)
         self._items: list[bytes] = []
         self._size = 0
 
-    def add(self, key: str, mark: bytes, value: bytes, route: list | None = None,
-            content: int | None = None) -> None:
-        """One item: ``route`` (a block event's :data:`schemas.block_event.ROUTE_FIELDS`) gives its block
-        fields; None, an item without them."""
-        # What the item can add, at most: itself (key, mark, event, block fields with the block hash, framing),
-        # and table entries for strings and a source that all appear in the event's bytes too
+    def _room(self, key: str | bytes, mark: bytes, value: bytes) -> None:
+        """Start a new message unless this one has room for the item: itself (key, mark, event, block fields with
+        the block hash, framing) and the table entries it may add (strings and a source that all appear in the
+        event's bytes too)."""
         if self._items and (self._size + self._writer.table_bytes + 2 * len(value) + len(key) + len(mark)
                             + _ITEM_OVERHEAD > MAX_BATCH_BYTES):
             self._done.append((self._writer.tables(), self._items))
             self._start()
-        item = encode_keyed_event(key, mark, value, None if route is None else self._writer.block_of(route, content))
+
+    def add(self, key: str, mark: bytes, value: bytes) -> None:
+        """One item without block fields (a source-wide event's, or any the agent decodes from its record)."""
+        self._room(key, mark, value)
+        item = encode_keyed_event(key, mark, value)
+        self._items.append(item)
+        self._size += len(item)
+
+    def add_block(self, key: bytes, mark: bytes, value: bytes, route: list, content: int | None = None) -> None:
+        """One block event's item: key ``key`` (UTF-8), block fields from ``route`` (its
+        :data:`schemas.block_event.ROUTE_FIELDS`) and ``content`` (its content digest, or None)."""
+        self._room(key, mark, value)
+        item = self._writer.keyed_item(key, mark, value, route, content)
         self._items.append(item)
         self._size += len(item)
 

@@ -31,19 +31,13 @@ from schemas.block_event import (
     block_route,
 )
 from schemas.clear_position import NO_CLEAR
+from schemas.compiled import choose
 from schemas.content_hash import stored_content_hash
 from schemas.topics import ERROR_HEADER, SOURCE_HEADER, TopicNames
 from stream_apps.checkpoint import Checkpoint
 from stream_apps.repartition.batches import PartitionBatch
 from stream_apps.repartition.clear_history import ClearHistory
-from stream_apps.residency import (
-    AGREEMENT_FIELDS,
-    content_digest,
-    key_partition,
-    needs_content,
-    residency_key,
-    source_aggregation,
-)
+from stream_apps.residency import AGREEMENT_FIELDS, block_key, content_digest, needs_content, source_aggregation
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +117,9 @@ class Repartitioner:
         #: most events need no more, and those that do are decoded (:meth:`_decoded`).
         self._project = self._event_codec.own_version_projection(ROUTE_SLOTS)
         self._project_agreement = self._event_codec.own_version_projection(AGREEMENT_SLOTS)
+        compiled = choose(None)
+        #: (partition, UTF-8 key) of a block event: stream_apps.residency.block_key or its compiled twin.
+        self._block_key = block_key if compiled is None else compiled.block_key
         #: Instance -> configured (world_size, mode) of the worker (``--aggregation``): a store of a REPLICATED
         #: source gets its content digest here (stream_apps.residency.needs_content).
         self.aggregation = dict(aggregation or {})
@@ -341,6 +338,7 @@ class Repartitioner:
         changed_histories: dict[tuple[int, str, int], ClearHistory] = {}
         next_offsets: dict[int, int] = {}
         project, histories, partitions, aggregation = self._project, self._histories, self.partitions, self.aggregation
+        key_of = self._block_key
         for message in messages:
             if message.error():
                 if message.error().code() != KafkaError._PARTITION_EOF:
@@ -362,9 +360,9 @@ class Repartitioner:
                         continue
                     route, content = decoded
                 history = histories.get((partition, route[R_INSTANCE], route[R_DP_RANK]))
-                key = residency_key(route[R_OWNERSHIP], route[R_BLOCK_HASH])
+                destination, key = key_of(route[R_OWNERSHIP], route[R_BLOCK_HASH], partitions)
                 mark = b"\x00" if history is None else history.encoded_mark_before(offset)
-                outgoing[key_partition(key, partitions)].add(key, mark, value, route, content)
+                outgoing[destination].add_block(key, mark, value, route, content)
             except DecodeError as exc:
                 self._dead_letter(message, str(exc))
         self._outgoing, self._changed = outgoing, changed_histories

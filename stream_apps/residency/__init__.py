@@ -9,7 +9,7 @@ The names below are the package's API; the materializing agent (:mod:`stream_app
 stage, the views and the tests import them from here.
 """
 
-from stream_apps.residency.keys import KAFKA_MURMUR2_SEED, PRIMARY, key_partition, residency_key
+from stream_apps.residency.keys import KAFKA_MURMUR2_SEED, PRIMARY, block_key, key_partition, residency_key
 from stream_apps.residency.rules import (
     AGREEMENT_FIELDS,
     ApplyStats,
@@ -46,6 +46,7 @@ __all__ = [
     "apply_clear",
     "apply_unregister",
     "content_digest",
+    "block_key",
     "key_partition",
     "needs_content",
     "parse_tier_weights",

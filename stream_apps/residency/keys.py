@@ -27,3 +27,11 @@ def key_partition(key: str, partitions: int) -> int:
     test vectors and against aiokafka's on random keys.
     """
     return (murmurhash2(key.encode(), KAFKA_MURMUR2_SEED) & 0x7FFFFFFF) % partitions
+
+
+def block_key(ownership: str | None, block_hash: bytes, partitions: int) -> tuple[int, bytes]:
+    """``(partition, key)`` of a block event in the repartition stage: its :func:`residency_key` in UTF-8 and
+    that key's :func:`key_partition`. ``schemas._hotpath.block_key`` is the compiled twin (same results; the
+    repartition stage uses it where it is built)."""
+    key = residency_key(ownership, block_hash).encode()
+    return (murmurhash2(key, KAFKA_MURMUR2_SEED) & 0x7FFFFFFF) % partitions, key

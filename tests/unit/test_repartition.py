@@ -188,7 +188,7 @@ def test_each_rekeyed_message_stays_under_the_size_limit_with_the_tables_its_ite
                  "locality": f"{n:04d}" * 1024}
         value = events.encode(split_event(Publisher(f"e{n % 3}"), n, 1.0, 0, event)[0])
         records.append(events.decode(value))
-        outgoing.add(f"primary/{n:016x}", encode_clear_mark(NO_CLEAR), value, block_route(records[-1]))
+        outgoing.add_block(f"primary/{n:016x}".encode(), encode_clear_mark(NO_CLEAR), value, block_route(records[-1]))
     messages = [encode_ownership_batch(BATCH.header, items, tables) for tables, items in outgoing.messages()]
     assert len(messages) > 1 and all(len(m) <= MAX_BATCH_BYTES for m in messages)
     read = [event for m in messages for *_, event in OwnershipBatchReader(events).read(m)]

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import random
+
+import pytest
 
 from producers.split import Publisher, split_event
 from schemas.clear_position import NO_CLEAR
@@ -259,6 +262,25 @@ def test_key_partition_is_kafkas_murmur2_partition():
         key = "".join(rng.choice("0123456789abcdef/kvcrprimaéß") for _ in range(rng.randrange(0, 80)))
         for partitions in (1, 3, 8, 12):
             assert key_partition(key, partitions) == (murmur2(key.encode()) & 0x7FFFFFFF) % partitions
+
+
+@pytest.mark.parametrize("implementation", ["python", "compiled"])
+def test_block_key_is_the_residency_key_and_its_partition(implementation):
+    """The repartition stage's (partition, key) of a block event, by the Python twin and the compiled one
+    (schemas._hotpath.block_key): the UTF-8 residency key and its murmur2 partition, for every ownership (the
+    empty one is the framework's own, as None) and block hashes of every length (murmur2's tail cases)."""
+    from stream_apps.residency import block_key, key_partition
+    from tests.conftest import hotpath_module
+
+    key_of = block_key if implementation == "python" else hotpath_module("compiled").block_key
+    rng = random.Random(3)
+    for _ in range(3000):
+        ownership = rng.choice([None, "", "kvcr", "ö-tier", "x" * 40])
+        block_hash = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 41)))
+        partitions = rng.choice([1, 3, 8, 2**31 - 1])
+        key = residency_key(ownership, block_hash)
+        assert key_of(ownership, block_hash, partitions) == (key_partition(key, partitions), key.encode())
+    assert key_of("", b"\x01\x02", 8)[1] == b"primary/0102"
 
 
 def test_source_settings_parse_clear_scopes_and_aggregation_per_instance():
