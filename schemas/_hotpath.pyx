@@ -719,6 +719,58 @@ def project_program(tuple program not None, Py_ssize_t size, bytes data not None
     return out, c.pos
 
 
+cdef class FramedProjection:
+    """``projection(data)``: :func:`project_program`'s values of a whole framed record, or None when it is not a
+    whole valid record of the program's version: what ``schemas.codec.AvroCodec.own_version_projection`` returns,
+    with the framing checked here for the single-object headers.
+
+    Args:
+        program, size: as :func:`project_program` takes them.
+        headers: the single-object headers (10 bytes each) whose records the program reads; their body starts
+            after them.
+        body_of: ``body_of(data)`` for a record with none of them: where its body starts (a registry-framed
+            record's, once its id is resolved), or 0 for a record of another version.
+    """
+
+    cdef tuple program
+    cdef Py_ssize_t size
+    cdef tuple headers
+    cdef object body_of
+
+    def __init__(self, tuple program not None, Py_ssize_t size, headers, body_of):
+        if program[0] != OP_PROJECT_RECORD:
+            raise ValueError("not a projection program")
+        self.headers = tuple(headers)
+        for header in self.headers:
+            if type(header) is not bytes or PyBytes_GET_SIZE(header) != 10:
+                raise ValueError("a single-object header is 10 bytes")
+        self.program, self.size, self.body_of = program, size, body_of
+
+    def __call__(self, bytes data not None):
+        cdef Cursor cursor
+        cdef Cursor* c = &cursor
+        cdef Py_ssize_t body = 0
+        cdef const char* raw = PyBytes_AS_STRING(data)
+        if PyBytes_GET_SIZE(data) >= 10:
+            for header in self.headers:
+                if memcmp(raw, PyBytes_AS_STRING(<bytes>header), 10) == 0:
+                    body = 10
+                    break
+        if not body:
+            body = self.body_of(data)
+            if not (0 < body <= PyBytes_GET_SIZE(data)):
+                return None
+        c.data = <const uint8_t*>raw
+        c.size = PyBytes_GET_SIZE(data)
+        c.pos = body
+        out = [None] * self.size
+        try:
+            _project(self.program, c, out)
+        except (ValueError, IndexError):  # UnicodeDecodeError is a ValueError
+            return None
+        return out if c.pos == c.size else None
+
+
 #: The operation numbers above, in order, for the test that compares them with schemas.fast_reader's.
 OPERATIONS = (OP_NULL, OP_BOOLEAN, OP_LONG, OP_FLOAT, OP_DOUBLE, OP_STRING, OP_BYTES, OP_ENUM, OP_ARRAY, OP_RECORD,
               OP_UNION, OP_PROJECT_RECORD, OP_PROJECT_UNION)

@@ -362,20 +362,10 @@ class AvroCodec:
         if hotpath is None:
             return None
         program = compile_projection(compile_program(self.schema.parsed, self._override_names), slots)
-        size = max(slots.values()) + 1
-        project_program, body_of = hotpath.project_program, self._own_version_body()
-
-        def project_own_version(data: bytes) -> list | None:
-            body = body_of(data)
-            if not body:
-                return None
-            try:
-                values, end = project_program(program, size, data, body)
-            except (ValueError, IndexError):  # UnicodeDecodeError is a ValueError
-                return None
-            return values if end == len(data) else None
-
-        return project_own_version
+        # The framing is checked in the compiled module for the single-object headers (most records); a
+        # registry-framed record's body is found by the same rule as the reader's
+        return hotpath.FramedProjection(program, max(slots.values()) + 1, self.own_version_headers(),
+                                        self._own_version_body())
 
     def _own_version_body(self) -> Callable[[bytes], int]:
         """``body_of(data)``: where the body of a framed record of this codec's own version starts in ``data``

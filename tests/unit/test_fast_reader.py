@@ -356,5 +356,13 @@ def test_a_projection_names_the_branch_read_and_takes_the_fields_of_that_branch_
     if project_own is not None:
         assert project_own(encoded) == expected
         assert project_own(encoded[:-1]) is None and project_own(b"\x00" + encoded[1:]) is None
+        # another version's record, too short a frame, and a registry-framed one before and after its id is known
+        older = AvroCodec("kv_event", 3).encode({k: v for k, v in record.items()
+                                                 if k not in ("worker_rank", "world_size", "aggregation")})
+        assert project_own(older) is None and project_own(b"") is None and project_own(encoded[:9]) is None
+        framed = b"\x00" + (41).to_bytes(4, "big") + encoded[10:]
+        assert project_own(framed) is None
+        codec._registry_ids[41] = codec.schema.parsed
+        assert project_own(framed) == expected and project_own(framed + b"\x00") is None
     with pytest.raises(IndexError):  # a list too short for the slots
         compiled.project_program(projection, 4, encoded, 10)
