@@ -121,8 +121,11 @@ class Repartitioner:
         #: (partition, UTF-8 key) of a block event: stream_apps.residency.block_key or its compiled twin.
         self._block_key = block_key if compiled is None else compiled.block_key
         #: Instance -> configured (world_size, mode) of the worker (``--aggregation``): a store of a REPLICATED
-        #: source gets its content digest here (stream_apps.residency.needs_content).
+        #: source gets its content digest here (stream_apps.residency.needs_content). Fixed for the process.
         self.aggregation = dict(aggregation or {})
+        #: Source (as :meth:`_needs_digest` takes it) -> whether its stores need their content digest: a fleet has
+        #: few sources, and the answer is asked for every store.
+        self._digest_needed: dict[tuple, bool] = {}
         #: (kv-events partition, instance, dp rank) -> clear history, for the assigned partitions.
         self._histories: dict[tuple[int, str, int], ClearHistory] = {}
         #: kv-events partitions assigned to this consumer now (the rebalance callbacks keep it), and how many
@@ -416,10 +419,14 @@ class Repartitioner:
         """Whether a ``kind`` event of ``source`` (instance, dp rank, worker rank, world size, aggregation mode, as
         ``kv_event`` carries them) needs its content digest: a store of a replicated source
         (:func:`needs_content`), with the worker's ``--aggregation`` for a source that declares none."""
-        instance = source[0]
-        if kind != BLOCK_STORED or not (source[3] or instance in self.aggregation):  # not replicated
+        if kind != BLOCK_STORED:
             return False
-        return needs_content(kind, source_aggregation(source, self.aggregation.get(instance)))
+        needed = self._digest_needed.get(source)
+        if needed is None:
+            instance = source[0]
+            needed = self._digest_needed[source] = bool(source[3] or instance in self.aggregation) and needs_content(
+                kind, source_aggregation(source, self.aggregation.get(instance)))
+        return needed
 
     def _source_wide(self, message, record: dict, kind: str, source: tuple[int, str, int],
                      history: ClearHistory | None, outgoing: dict[int, PartitionBatch],

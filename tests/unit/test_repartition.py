@@ -69,7 +69,7 @@ class _Consumer:
         return 0, self.high.get(partition.partition, -1)
 
 
-def _repartitioner(consumer, batch_size=10, agent_progress=None, producer=None, counters=None):
+def _repartitioner(consumer, batch_size=10, agent_progress=None, producer=None, counters=None, aggregation=None):
     from types import SimpleNamespace
 
     from schemas.topics import TopicNames
@@ -78,7 +78,7 @@ def _repartitioner(consumer, batch_size=10, agent_progress=None, producer=None, 
     return Repartitioner("unused:0", TopicNames("unit"), 4, {} if counters is None else counters,
                          batch_size=batch_size, within_s=60.0, linger_s=0.02,
                          stop_event=SimpleNamespace(is_set=lambda: False), agent_progress=agent_progress,
-                         consumer=consumer, producer=producer)
+                         consumer=consumer, producer=producer, aggregation=aggregation)
 
 
 def test_a_backlogged_read_waits_for_a_whole_batch():
@@ -281,8 +281,8 @@ def test_the_compiled_projection_rekeys_every_record_exactly_as_decoding_it_does
         producer = SimpleNamespace(produce=lambda topic, value, key=None, **kwargs: produced.append(
             (topic, value, key, kwargs.get("partition"), kwargs.get("headers"))), flush=lambda *args: 0)
         r = _repartitioner(SimpleNamespace(commit=lambda **kwargs: None), producer=producer,
-                           counters={"repartitioned": 0, "dead_lettered": 0})
-        r.aggregation = {"engine-é7": (4, "REPLICATED")}
+                           counters={"repartitioned": 0, "dead_lettered": 0},
+                           aggregation={"engine-é7": (4, "REPLICATED")})
         assert (r._project is not None) is True
         if not project:
             r._project = None
