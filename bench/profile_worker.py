@@ -42,15 +42,17 @@ STAGE_RULES = [
     ("GC (collection)", r"^<gc>|gc_collect"),
 ]
 REPARTITION_RULES = [
-    ("repartition: consume (librdkafka)", r"^consume \("),
+    ("repartition: consume (librdkafka)", r"^consume \(|^_read \(.*loop\.py"),
     ("repartition: flush + commit", r"^flush \(|^commit \("),
     ("repartition: kv_event decode or projection",
-     r"<avro reader of [\w.]*KvBlockEvent>|read_own_version|project_own_version|^decode \(.*codec\.py"),
-    ("repartition: block fields", r"block_event\.py"),
+     r"<avro reader of [\w.]*KvBlockEvent>|read_own_version|project_own_version|^decode \(.*codec\.py|_decoded \("),
+    ("repartition: block fields", r"block_event\.py|batches\.py"),
     ("repartition: encode batches", r"encode_ownership_batch|encode_keyed_event|encode_clear_mark"),
     ("repartition: produce", r"^produce |_send \("),
-    ("repartition: route (key, murmur2, content digest)", r"residency_key|key_partition|needs_content|content_digest"),
-    ("repartition: process (rest)", r"^process \(.*repartition\.py"),
+    ("repartition: route (key, murmur2, content digest)",
+     r"residency_key|key_partition|block_key|needs_content|content_digest|_settle_store|_needs_digest|body_of"),
+    # the compiled loop (projection, key, block fields, item) runs under these frames: py-spy does not see C
+    ("repartition: loop (compiled or Python)", r"^process \(.*loop\.py|^_rekey_one \(|rekey_one \("),
 ]
 
 

@@ -4,6 +4,9 @@
 - :func:`walk_items`: the item loop of :meth:`schemas.ownership_batch.OwnershipBatchReader._walk`;
 - :func:`block_key` and :class:`BlockItemEncoder`: the repartition process's write of the items that walk reads
   (``stream_apps.residency.keys.block_key``, :meth:`schemas.block_event.BlockFieldsWriter.keyed_item`);
+- :func:`rekey_block_events` and :class:`BlockBatch`: the repartition process's loop over a batch for the common
+  block events, and the batches it writes them to (``stream_apps.repartition.Repartitioner._rekey_one``,
+  ``stream_apps.repartition.batches.PartitionBatch``);
 - :func:`read_program`: any schema's generated reader (:func:`schemas.fast_reader.compile_reader`): the codecs'
   decode of their own version's records (``kv_event`` in the repartition process, the batch messages' tables,
   residency entries where they are dicts);
@@ -279,6 +282,11 @@ cdef const char* _HEX = b"0123456789abcdef"
 
 
 def block_key(ownership, bytes block_hash not None, Py_ssize_t partitions):
+    """:func:`_block_key` (the Python name)."""
+    return _block_key(ownership, block_hash, partitions)
+
+
+cdef tuple _block_key(object ownership, bytes block_hash, Py_ssize_t partitions):
     """``(partition, key)`` of a block event, as ``stream_apps.residency.keys.block_key`` gives them: the residency
     key ``<ownership or 'primary'>/<block hash hex>`` in UTF-8 and its partition of ``partitions`` by Kafka's
     murmur2 (positive, then modulo).
@@ -394,6 +402,10 @@ cdef class BlockItemEncoder:
 
     def item(self, dict sources not None, dict strings not None, bytes key not None, bytes mark not None,
              bytes value not None, list route not None, content):
+        """:meth:`encode` (the Python name)."""
+        return self.encode(sources, strings, key, mark, value, route, content)
+
+    cdef tuple encode(self, dict sources, dict strings, bytes key, bytes mark, bytes value, list route, content):
         """``(item, table bytes added)``: the ``KeyedEvent`` (Avro binary) of a block event's ``route`` (a list of
         the route fields) with key ``key`` (UTF-8), clear mark ``mark`` and record ``value``, and its block fields,
         having added its source and strings to ``sources`` and ``strings`` as ``BlockFieldsWriter.block_of``
@@ -747,6 +759,9 @@ cdef class FramedProjection:
         self.program, self.size, self.body_of = program, size, body_of
 
     def __call__(self, bytes data not None):
+        return self.read(data)
+
+    cdef list read(self, bytes data):
         cdef Cursor cursor
         cdef Cursor* c = &cursor
         cdef Py_ssize_t body = 0
@@ -774,6 +789,130 @@ cdef class FramedProjection:
 #: The operation numbers above, in order, for the test that compares them with schemas.fast_reader's.
 OPERATIONS = (OP_NULL, OP_BOOLEAN, OP_LONG, OP_FLOAT, OP_DOUBLE, OP_STRING, OP_BYTES, OP_ENUM, OP_ARRAY, OP_RECORD,
               OP_UNION, OP_PROJECT_RECORD, OP_PROJECT_UNION)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The repartition process's loop over a batch of kv-events messages
+
+
+cdef class BlockBatch:
+    """The compiled twin of ``stream_apps.repartition.batches.PartitionBatch`` (same methods, same messages): the
+    ``ownership_batch`` messages of one destination partition in one batch, each at most ``max_bytes``.
+
+    Args:
+        writer_type: ``schemas.block_event.BlockFieldsWriter``: one per message, which keeps the message's tables
+            and answers for the items the encoder leaves to Python.
+        encoder: the :class:`BlockItemEncoder` of the items.
+        encode_item: ``schemas.avro_writers.encode_keyed_event`` (items without block fields).
+        max_bytes, item_overhead: ``MAX_BATCH_BYTES`` and ``_ITEM_OVERHEAD`` of the Python batch.
+    """
+
+    cdef object writer_type, writer, encode_item
+    cdef BlockItemEncoder encoder
+    cdef dict sources, strings
+    cdef list done, items
+    cdef Py_ssize_t size, max_bytes, item_overhead
+
+    def __init__(self, writer_type, BlockItemEncoder encoder not None, encode_item, Py_ssize_t max_bytes,
+                 Py_ssize_t item_overhead):
+        self.writer_type, self.encoder, self.encode_item = writer_type, encoder, encode_item
+        self.max_bytes, self.item_overhead = max_bytes, item_overhead
+        self.done = []
+        self._start()
+
+    cdef int _start(self) except -1:
+        self.writer = self.writer_type(False)  # the Python writer: the encoder here is this batch's
+        self.sources, self.strings = self.writer._sources, self.writer._strings
+        self.items = []
+        self.size = 0
+        return 0
+
+    cdef int _room(self, Py_ssize_t extra) except -1:
+        """As ``PartitionBatch._room``: a new message unless this one holds ``extra`` more bytes and its tables."""
+        cdef Py_ssize_t table_bytes
+        if self.items:
+            table_bytes = self.writer.table_bytes
+            if self.size + table_bytes + extra + self.item_overhead > self.max_bytes:
+                self.done.append((self.writer.tables(), self.items))
+                self._start()
+        return 0
+
+    def add(self, key, bytes mark not None, bytes value not None):
+        """One item without block fields (``PartitionBatch.add``)."""
+        self._room(2 * PyBytes_GET_SIZE(value) + len(key) + PyBytes_GET_SIZE(mark))
+        item = self.encode_item(key, mark, value)
+        self.items.append(item)
+        self.size += len(item)
+
+    def add_block(self, bytes key not None, bytes mark not None, bytes value not None, list route not None,
+                  content=None):
+        """One block event's item (``PartitionBatch.add_block``)."""
+        self._add_block(key, mark, value, route, content)
+
+    cdef int _add_block(self, bytes key, bytes mark, bytes value, list route, content) except -1:
+        self._room(2 * PyBytes_GET_SIZE(value) + PyBytes_GET_SIZE(key) + PyBytes_GET_SIZE(mark))
+        done = self.encoder.encode(self.sources, self.strings, key, mark, value, route, content)
+        if done is None:
+            item = self.writer.keyed_item(key, mark, value, route, content)
+        else:
+            item = done[0]
+            self.writer.table_bytes += done[1]
+        self.items.append(item)
+        self.size += PyBytes_GET_SIZE(item)
+        return 0
+
+    def messages(self):
+        """``(tables, encoded items)`` of each message, in order (``PartitionBatch.messages``)."""
+        return [*self.done, (self.writer.tables(), self.items)] if self.items else self.done
+
+
+def rekey_block_events(list messages not None, FramedProjection project not None, dict histories not None,
+                       Py_ssize_t partitions, aggregation, outgoing, dict next_offsets not None, settle_store,
+                       rekey_one, removed, stored):
+    """Re-key a batch of ``kv-events`` messages as ``stream_apps.repartition.Repartitioner`` does one by one
+    (``_rekey_one``, the reference), in C for the common case: a block event of the projection's version, which
+    ``project`` reads whole, with its block hash and tier, and whose store ``settle_store`` settles.
+
+    Every other message (an error, another version, a source-wide event, what the projection refuses) goes to
+    ``rekey_one(message)`` whole, which then does everything for it, as it does for every message without the
+    compiled module. ``outgoing`` maps a destination partition to its :class:`BlockBatch` (a ``defaultdict``);
+    ``next_offsets`` gets each kv-events partition's offset after its last message; ``removed`` and ``stored``
+    are ``schemas.BLOCK_REMOVED`` and ``schemas.BLOCK_STORED``.
+    """
+    cdef list route
+    cdef BlockBatch batch
+    if project.size < R_COUNT:
+        raise ValueError("not the projection of the route fields")
+    for message in messages:
+        if message.error():
+            rekey_one(message)
+            continue
+        value = message.value()
+        route = project.read(value) if type(value) is bytes and value else None
+        if route is None:
+            rekey_one(message)
+            continue
+        kind = route[R_KIND]
+        if not (kind == stored or kind == removed) or route[R_BLOCK_HASH] is None or route[R_TIER] is None:
+            rekey_one(message)
+            continue
+        content = None
+        if kind == stored and (route[R_CONTENT_HASH] is None or route[R_WORLD_SIZE]
+                               or route[R_INSTANCE] in aggregation):
+            try:
+                settled, content = settle_store(route, value)
+            except Exception:  # rekey_one does it again, and answers for it as without this loop
+                settled = False
+            if not settled:
+                rekey_one(message)
+                continue
+        partition, offset = message.partition(), message.offset()
+        next_offsets[partition] = offset + 1
+        history = histories.get((partition, route[R_INSTANCE], route[R_DP_RANK]))
+        destination, key = _block_key(route[R_OWNERSHIP], route[R_BLOCK_HASH], partitions)
+        mark = b"\x00" if history is None else history.encoded_mark_before(offset)
+        batch = outgoing[destination]
+        batch._add_block(key, mark, value, route, content)
 
 
 # ---------------------------------------------------------------------------------------------------------

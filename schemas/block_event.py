@@ -187,7 +187,7 @@ def block_event_of(record: dict, content: int | None = None) -> BlockEvent:
 _ENCODERS: dict = {}
 
 
-def _item_encoder(compiled):
+def item_encoder(compiled):
     """The compiled module's ``BlockItemEncoder`` for this module's layout (one per module), or None."""
     if compiled is None:
         return None
@@ -212,7 +212,7 @@ class BlockFieldsWriter:
         self._strings: dict[str, int] = {}
         #: Bytes of :meth:`tables` so far, or a few more (a message's size counts them).
         self.table_bytes = 2
-        self._encoder = _item_encoder(choose(compiled))
+        self._encoder = item_encoder(choose(compiled))
 
     def keyed_item(self, key: bytes, mark: bytes, value: bytes, route: list, content: int | None = None) -> bytes:
         """One ``KeyedEvent`` of schemas/ownership_batch_v2.avsc in Avro binary, with block fields: key ``key``

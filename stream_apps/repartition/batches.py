@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
+from functools import partial
+
 from schemas.avro_writers import encode_keyed_event
-from schemas.block_event import BlockFieldsWriter
+from schemas.block_event import BlockFieldsWriter, item_encoder
+from schemas.compiled import choose
 
 #: Upper bound of one ownership_batch message's payload; the re-keyed topic allows 8 MiB messages.
 MAX_BATCH_BYTES = 1 << 20
@@ -62,3 +66,14 @@ class PartitionBatch:
     def messages(self) -> list[tuple[bytes, list[bytes]]]:
         """``(tables, encoded items)`` of each message, in order."""
         return [*self._done, (self._writer.tables(), self._items)] if self._items else self._done
+
+
+def partition_batches(compiled: bool | None = None) -> defaultdict:
+    """Destination partition -> its batch, made on first use: a :class:`PartitionBatch`, or where the compiled
+    module is built (:func:`schemas.compiled.choose`) its twin ``schemas._hotpath.BlockBatch``, which the
+    compiled loop of the repartition process (``rekey_block_events``) adds to without a Python call."""
+    module = choose(compiled)
+    if module is None:
+        return defaultdict(PartitionBatch)
+    return defaultdict(partial(module.BlockBatch, BlockFieldsWriter, item_encoder(module), encode_keyed_event,
+                               MAX_BATCH_BYTES, _ITEM_OVERHEAD))

@@ -7,7 +7,7 @@ import gc
 import logging
 import os
 import time
-from collections import defaultdict
+from functools import partial
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
@@ -35,7 +35,7 @@ from schemas.compiled import choose
 from schemas.content_hash import stored_content_hash
 from schemas.topics import ERROR_HEADER, SOURCE_HEADER, TopicNames
 from stream_apps.checkpoint import Checkpoint
-from stream_apps.repartition.batches import PartitionBatch
+from stream_apps.repartition.batches import PartitionBatch, partition_batches
 from stream_apps.repartition.clear_history import ClearHistory
 from stream_apps.residency import AGREEMENT_FIELDS, block_key, content_digest, needs_content, source_aggregation
 
@@ -120,6 +120,10 @@ class Repartitioner:
         compiled = choose(None)
         #: (partition, UTF-8 key) of a block event: stream_apps.residency.block_key or its compiled twin.
         self._block_key = block_key if compiled is None else compiled.block_key
+        #: The compiled loop over a batch (None: every message goes through :meth:`_rekey_one`), and the batches
+        #: it adds to: stream_apps.repartition.batches.partition_batches of the same implementation.
+        self._rekey_block_events = None if compiled is None else compiled.rekey_block_events
+        self._new_batches = partial(partition_batches, compiled is not None)
         #: Instance -> configured (world_size, mode) of the worker (``--aggregation``): a store of a REPLICATED
         #: source gets its content digest here (stream_apps.residency.needs_content). Fixed for the process.
         self.aggregation = dict(aggregation or {})
@@ -337,43 +341,60 @@ class Repartitioner:
             stream_apps.checkpoint.CheckpointError: the broker did not acknowledge every output (the offsets are not
                 committed, so the batch is read again after the worker restarts).
         """
-        outgoing: dict[int, PartitionBatch] = defaultdict(PartitionBatch)
+        outgoing = self._new_batches()
         changed_histories: dict[tuple[int, str, int], ClearHistory] = {}
         next_offsets: dict[int, int] = {}
-        project, histories, partitions, aggregation = self._project, self._histories, self.partitions, self.aggregation
-        key_of = self._block_key
-        for message in messages:
-            if message.error():
-                if message.error().code() != KafkaError._PARTITION_EOF:
-                    log.warning("kv-events read error: %s", message.error())
-                continue
-            partition, offset, value = message.partition(), message.offset(), message.value()
-            next_offsets[partition] = offset + 1
-            try:
-                route = project(value) if project is not None and value else None
-                content = None
-                settled = (route is not None and route[R_KIND] in _BLOCK_KINDS and route[R_BLOCK_HASH] is not None
-                           and route[R_TIER] is not None)
-                if settled and route[R_KIND] == BLOCK_STORED and (
-                        route[R_CONTENT_HASH] is None or route[R_WORLD_SIZE] or route[R_INSTANCE] in aggregation):
-                    settled, content = self._settle_store(route, value)
-                if not settled:
-                    decoded = self._decoded(message, value, outgoing, changed_histories)
-                    if decoded is None:
-                        continue
-                    route, content = decoded
-                history = histories.get((partition, route[R_INSTANCE], route[R_DP_RANK]))
-                destination, key = key_of(route[R_OWNERSHIP], route[R_BLOCK_HASH], partitions)
-                mark = b"\x00" if history is None else history.encoded_mark_before(offset)
-                outgoing[destination].add_block(key, mark, value, route, content)
-            except DecodeError as exc:
-                self._dead_letter(message, str(exc))
+
+        def rekey_one(message) -> None:
+            self._rekey_one(message, outgoing, changed_histories, next_offsets)
+
+        if self._rekey_block_events is not None and self._project is not None:
+            self._rekey_block_events(messages, self._project, self._histories, self.partitions, self.aggregation,
+                                     outgoing, next_offsets, self._settle_store, rekey_one, BLOCK_REMOVED,
+                                     BLOCK_STORED)
+        else:
+            for message in messages:
+                rekey_one(message)
         self._outgoing, self._changed = outgoing, changed_histories
         checkpoint = self.checkpoint
         checkpoint.store_offsets(next_offsets)
         checkpoint.commit()
         self.counters["repartitioned"] += len(messages)
         return next_offsets
+
+    def _rekey_one(self, message, outgoing: dict, changed: dict[tuple[int, str, int], ClearHistory],
+                   next_offsets: dict[int, int]) -> None:
+        """Re-key one ``kv-events`` message into ``outgoing`` (destination partition -> its batch), a clear's
+        history into ``changed``, its offset into ``next_offsets``; a record that cannot be re-keyed goes to
+        the dead-letter topic. The reference for every message: the compiled loop
+        (``schemas._hotpath.rekey_block_events``) does the same for the common block events, and hands every
+        other message here."""
+        if message.error():
+            if message.error().code() != KafkaError._PARTITION_EOF:
+                log.warning("kv-events read error: %s", message.error())
+            return
+        partition, offset, value = message.partition(), message.offset(), message.value()
+        next_offsets[partition] = offset + 1
+        try:
+            project = self._project
+            route = project(value) if project is not None and value else None
+            content = None
+            settled = (route is not None and route[R_KIND] in _BLOCK_KINDS and route[R_BLOCK_HASH] is not None
+                       and route[R_TIER] is not None)
+            if settled and route[R_KIND] == BLOCK_STORED and (
+                    route[R_CONTENT_HASH] is None or route[R_WORLD_SIZE] or route[R_INSTANCE] in self.aggregation):
+                settled, content = self._settle_store(route, value)
+            if not settled:
+                decoded = self._decoded(message, value, outgoing, changed)
+                if decoded is None:
+                    return
+                route, content = decoded
+            history = self._histories.get((partition, route[R_INSTANCE], route[R_DP_RANK]))
+            destination, key = self._block_key(route[R_OWNERSHIP], route[R_BLOCK_HASH], self.partitions)
+            mark = b"\x00" if history is None else history.encoded_mark_before(offset)
+            outgoing[destination].add_block(key, mark, value, route, content)
+        except DecodeError as exc:
+            self._dead_letter(message, str(exc))
 
     def _settle_store(self, route: list, value: bytes) -> tuple[bool, int | None]:
         """For a store read by the projection that has no content hash or whose source may be replicated: whether

@@ -171,17 +171,22 @@ def test_agent_progress_follows_finished_messages_and_the_assignment():
     assert list(progress) == [NOT_READ_HERE, 41, -1]
 
 
-def test_each_rekeyed_message_stays_under_the_size_limit_with_the_tables_its_items_index():
+@pytest.mark.parametrize("implementation", ["python", "compiled"])
+def test_each_rekeyed_message_stays_under_the_size_limit_with_the_tables_its_items_index(implementation):
     """A message's block fields index its own sources and strings, and those tables count towards its size:
     2,000 events with distinct 4 KiB localities once made every message repeat the whole batch's tables."""
     from producers.split import Publisher, split_event
     from schemas.avro_writers import encode_clear_mark, encode_ownership_batch
     from schemas.block_event import block_event_of, block_route
     from schemas.ownership_batch import OwnershipBatchReader
-    from stream_apps.repartition import MAX_BATCH_BYTES, PartitionBatch
+    from stream_apps.repartition import MAX_BATCH_BYTES
+    from stream_apps.repartition.batches import partition_batches
+    from tests.conftest import hotpath_module
 
+    if implementation == "compiled":
+        hotpath_module("compiled")
     events = AvroCodec("kv_event")
-    records, outgoing = [], PartitionBatch()
+    records, outgoing = [], partition_batches(implementation == "compiled")[0]
     for n in range(2000):
         event = {"type": "BlockStored", "block_hashes": [n], "parent_block_hash": None, "token_ids": [],
                  "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None,
@@ -194,6 +199,36 @@ def test_each_rekeyed_message_stays_under_the_size_limit_with_the_tables_its_ite
     read = [event for m in messages for *_, event in OwnershipBatchReader(events).read(m)]
     assert read == [block_event_of(r) for r in records]
     assert all(type(event) is tuple for event in read)  # every item came with its block fields
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_compiled_batch_writes_the_messages_the_python_batch_writes(seed):
+    """schemas._hotpath.BlockBatch, the compiled loop's batch, against PartitionBatch: random block items and
+    items without block fields, some large enough to start new messages, give the same messages and tables."""
+    from schemas.block_event import R_GROUP_IDX, block_route
+    from stream_apps.repartition.batches import partition_batches
+    from tests.conftest import hotpath_module
+    from tests.unit.test_ownership_batch_reader import _records
+
+    hotpath_module("compiled")
+    rng = random.Random(seed)
+    compiled, python = partition_batches(True)[0], partition_batches(False)[0]
+    assert type(compiled).__name__ == "BlockBatch" and type(python).__name__ == "PartitionBatch"
+    for n, record in enumerate(_records(rng, 400)):
+        value = bytes(rng.choice([10, 100, 300_000]))
+        mark = rng.choice([b"\x00", b"\x02\x04\x06\x08"])
+        if rng.random() < 0.1:
+            for batch in (compiled, python):
+                batch.add(f"clear/e{n}/0", mark, value)
+            continue
+        route = block_route(record)
+        if rng.random() < 0.05:
+            route[R_GROUP_IDX] = -1  # no block fields: the item carries the record only
+        content = rng.choice([None, 5])
+        for batch in (compiled, python):
+            batch.add_block(f"primary/{n:x}".encode(), mark, value, list(route), content)
+    assert len(python.messages()) > 3
+    assert compiled.messages() == python.messages()
 
 
 def test_a_store_without_content_hash_gets_one_in_the_repartition_process_and_others_keep_theirs():
@@ -236,11 +271,12 @@ def test_a_store_without_content_hash_gets_one_in_the_repartition_process_and_ot
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_the_compiled_projection_rekeys_every_record_exactly_as_decoding_it_does(seed, monkeypatch):
-    """The repartition stage reads most block events with the compiled projection (route fields only) and decodes
-    the rest. On random block events of every kind of field (stores of replicated sources, stores without
-    content hash, full report mode), clears, another version's records and bytes that are no record, the
-    messages, clear histories and dead letters it produces are byte for byte those of decoding every record."""
+def test_the_compiled_loop_rekeys_every_record_exactly_as_the_python_loop_does(seed, monkeypatch):
+    """The repartition stage re-keys most block events in the compiled loop, read by the compiled projection
+    (route fields only), and hands the rest to the Python loop's step, which decodes them. On random block
+    events of every kind of field (stores of replicated sources, stores without content hash, full report
+    mode), clears, another version's records and bytes that are no record, the messages, clear histories and
+    dead letters it produces are byte for byte those of decoding every record, and of the pure-Python path."""
     from types import SimpleNamespace
 
     from producers.split import Publisher, split_event
@@ -251,7 +287,8 @@ def test_the_compiled_projection_rekeys_every_record_exactly_as_decoding_it_does
     from tests.conftest import hotpath_module
     from tests.unit.test_ownership_batch_reader import _records
 
-    monkeypatch.setattr("schemas.compiled.HOTPATH", hotpath_module("compiled"))
+    compiled = hotpath_module("compiled")
+    monkeypatch.setattr("schemas.compiled.HOTPATH", compiled)
     rng = random.Random(seed)
     events, v3 = AvroCodec("kv_event"), AvroCodec("kv_event", 3)
     values = [events.encode(record) for record in _records(rng, 300)]
@@ -273,24 +310,25 @@ def test_the_compiled_projection_rekeys_every_record_exactly_as_decoding_it_does
     assert sum(p is not None and p[R_KIND] in ("kvstream.v1.BlockStored", "kvstream.v1.BlockRemoved")
                for p in projected) > 100  # most go the projection's way
 
-    def rekeyed(project: bool) -> list:
+    def rekeyed(implementation: str) -> list:
         messages = [SimpleNamespace(error=lambda: None, partition=lambda n=n: n % 2, offset=lambda n=n: n,
                                     value=lambda v=v: v, key=lambda: None, topic=lambda: "kv-events")
                     for n, v in enumerate(values)]
         produced = []
         producer = SimpleNamespace(produce=lambda topic, value, key=None, **kwargs: produced.append(
             (topic, value, key, kwargs.get("partition"), kwargs.get("headers"))), flush=lambda *args: 0)
+        monkeypatch.setattr("schemas.compiled.HOTPATH", None if implementation == "python" else compiled)
         r = _repartitioner(SimpleNamespace(commit=lambda **kwargs: None), producer=producer,
                            counters={"repartitioned": 0, "dead_lettered": 0},
                            aggregation={"engine-é7": (4, "REPLICATED")})
-        assert (r._project is not None) is True
-        if not project:
+        assert (r._project is not None) is (implementation != "python")
+        if implementation == "decoded":  # the compiled batches, every record decoded by the Python loop
             r._project = None
         r.process(messages)
         return produced
 
-    with_projection, decoded = rekeyed(True), rekeyed(False)
-    assert with_projection == decoded
+    with_projection, decoded, python = rekeyed("compiled"), rekeyed("decoded"), rekeyed("python")
+    assert with_projection == decoded == python
     topics = TopicNames("unit")
     assert sum(topic == topics.dead_letter for topic, *_ in decoded) == 4  # the four values that are no record
     assert {topic for topic, *_ in decoded} == {topics.by_ownership, topics.source_clears, topics.dead_letter}
