@@ -32,13 +32,16 @@ built by schemas.fast_reader.
 
 cimport cython
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.long cimport PyLong_AsLongLongAndOverflow
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
 from libc.stdint cimport INT64_MIN, int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memchr, memcmp, memcpy
 
 from schemas._avro cimport (
+    Buffer,
     Cursor,
+    _put,
     _le,
     _read_branch,
     _read_bytes,
@@ -913,6 +916,88 @@ def rekey_block_events(list messages not None, FramedProjection project not None
         mark = b"\x00" if history is None else history.encoded_mark_before(offset)
         batch = outgoing[destination]
         batch._add_block(key, mark, value, route, content)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The replica content digest's text
+
+
+cdef int _put_repr(Buffer* out, object value) except -1:
+    """``repr(value)`` in UTF-8, as ``str.encode`` gives it."""
+    cdef Py_ssize_t n
+    cdef const char* utf8
+    text = repr(value)
+    utf8 = PyUnicode_AsUTF8AndSize(text, &n)
+    _put(out, utf8, n)
+    return 0
+
+
+cdef int _put_int_list_repr(Buffer* out, list values) except -1:
+    """``repr(values)`` of a list, each int of 64 bits written here in decimal (any other item by ``repr``)."""
+    cdef Py_ssize_t i = 0
+    cdef int64_t number
+    cdef uint64_t magnitude
+    cdef char digits[20]
+    cdef int count
+    cdef int overflow
+    _put(out, "[", 1)
+    while i < len(values):  # checked each time: an item's repr could change the list
+        if i:
+            _put(out, ", ", 2)
+        item = values[i]
+        i += 1
+        if type(item) is not int:
+            _put_repr(out, item)
+            continue
+        number = PyLong_AsLongLongAndOverflow(item, &overflow)
+        if overflow:
+            _put_repr(out, item)
+            continue
+        if number < 0:
+            _put(out, "-", 1)
+            magnitude = <uint64_t>0 - <uint64_t>number
+        else:
+            magnitude = <uint64_t>number
+        count = 0
+        while True:
+            digits[19 - count] = <char>(48 + magnitude % 10)
+            count += 1
+            magnitude //= 10
+            if magnitude == 0:
+                break
+        _put(out, digits + 20 - count, count)
+    _put(out, "]", 1)
+    return 0
+
+
+def repr_utf8(tuple values not None):
+    """``repr(values).encode()`` of a tuple, its lists written without a Python string per int: the text of
+    ``stream_apps.residency.content_digest`` (a store's token ids are a list of 16 to 512 ints, whose ``repr``
+    was most of the digest's cost). Any item that is not a list, and any list item that is not an int of 64 bits,
+    is written by ``repr`` itself."""
+    cdef Buffer out
+    cdef Py_ssize_t i, n = len(values)
+    out.data = <char*>PyMem_Malloc(1024)
+    if out.data == NULL:
+        raise MemoryError()
+    out.size = 0
+    out.capacity = 1024
+    try:
+        _put(&out, "(", 1)
+        for i in range(n):
+            if i:
+                _put(&out, ", ", 2)
+            item = values[i]
+            if type(item) is list:
+                _put_int_list_repr(&out, <list>item)
+            else:
+                _put_repr(&out, item)
+        if n == 1:
+            _put(&out, ",", 1)
+        _put(&out, ")", 1)
+        return PyBytes_FromStringAndSize(out.data, out.size)
+    finally:
+        PyMem_Free(out.data)
 
 
 # ---------------------------------------------------------------------------------------------------------

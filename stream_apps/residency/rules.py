@@ -41,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from hashlib import blake2b
 
+import schemas.compiled
 from schemas import BLOCK_STORED_OR_REUSED, STORE_KINDS
 from schemas.block_event import block_event_of
 from schemas.clear_position import ClearPosition, clear_mark_record
@@ -57,6 +58,10 @@ AGREEMENT_FIELDS = ("parent_block_hash", "token_ids", "block_size", "lora_id", "
                     "cache_salt", "token_id_width", "content_hash")
 
 
+#: What the digest is made of whatever the content hash: every agreement field but the content hash.
+_DIGEST_FIELDS = AGREEMENT_FIELDS[:-1]
+
+
 def content_digest(body: dict) -> int:
     """Digest of a BlockStored body's :data:`AGREEMENT_FIELDS`: a signed 64-bit int (Avro long).
 
@@ -69,11 +74,14 @@ def content_digest(body: dict) -> int:
     they say, and leaving it out keeps the digest of such a store the one workers before kv_event v4 wrote to
     the changelog, so replicas whose stores straddle an upgrade still agree.
     """
-    values = tuple(body.get(name) for name in AGREEMENT_FIELDS[:-1])
+    values = tuple(map(body.get, _DIGEST_FIELDS))
     given = body.get("content_hash")
     if given is not None and given != stored_content_hash(body):
         values += (given,)
-    return int.from_bytes(blake2b(repr(values).encode(), digest_size=8).digest(), "big", signed=True)
+    # The same text from the compiled module, which writes the token ids' ints without a Python string each
+    hotpath = schemas.compiled.HOTPATH
+    text = repr(values).encode() if hotpath is None else hotpath.repr_utf8(values)
+    return int.from_bytes(blake2b(text, digest_size=8).digest(), "big", signed=True)
 
 
 @dataclass

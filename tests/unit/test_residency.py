@@ -423,6 +423,31 @@ def test_a_record_of_an_older_producer_gets_its_content_hash_from_its_tokens():
     assert _content_keys(_apply(None, [old])) == (None, content_hash([9, 8, 7]))
 
 
+def test_the_compiled_text_of_a_content_digest_is_the_repr_it_stands_for():
+    """schemas._hotpath.repr_utf8, the text content_digest hashes: ``repr(values).encode()`` byte for byte, on
+    tuples of every value an agreement field holds and of what it does not (big ints, bools and floats in a
+    list, nested lists, one-tuples), so the digest stays the one every worker version wrote."""
+    from tests.conftest import hotpath_module
+
+    repr_utf8 = hotpath_module("compiled").repr_utf8
+    rng = random.Random(9)
+    ints = [0, 1, -1, 9, 10, 2**63 - 1, -2**63, 2**63, -2**63 - 1, 2**80, 123456789]
+    atoms = [None, True, 0.5, float("nan"), "", "it's", 'q"uote', "é\n\x00\ud800", b"", b"\x00'\xff", b'"',
+             *ints]
+
+    def value(depth=0):
+        if depth < 2 and rng.random() < 0.4:
+            return [rng.choice(ints) if rng.random() < 0.8 else value(depth + 1)
+                    for _ in range(rng.choice([0, 1, 3, 512]))]
+        return rng.choice(atoms)
+
+    cases = [(), (None,), ([],), ([1, 2],), tuple(range(13))]
+    cases += [tuple(value() for _ in range(rng.randrange(0, 15))) for _ in range(300)]
+    for values in cases:
+        assert repr_utf8(values) == repr(values).encode(), values
+
+
+@pytest.mark.usefixtures("hotpath")
 def test_the_content_digest_of_a_store_is_the_one_workers_wrote_before_kv_event_v4():
     """Replicated workers compare digests kept in the changelog: a content hash its tokens give adds nothing, and
     leaves the digest what an older worker computed, so replicas whose stores straddle an upgrade still agree.
