@@ -15,7 +15,7 @@ error then names the field.
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
-from cpython.mem cimport PyMem_Realloc
+from cpython.mem cimport PyMem_Malloc, PyMem_Realloc
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
 from libc.stdint cimport INT64_MIN, int64_t, uint8_t, uint64_t
 from libc.string cimport memcpy
@@ -149,6 +149,16 @@ cdef struct Buffer:
     char* data
     Py_ssize_t size
     Py_ssize_t capacity
+
+
+cdef inline int _open_buffer(Buffer* out, Py_ssize_t capacity) except -1:
+    """Room for ``capacity`` bytes in an empty ``out``; the caller frees ``out.data`` (``PyMem_Free``) when done."""
+    out.data = <char*>PyMem_Malloc(capacity)
+    if out.data == NULL:
+        raise MemoryError()
+    out.size = 0
+    out.capacity = capacity
+    return 0
 
 
 cdef inline int _reserve(Buffer* out, Py_ssize_t extra) except -1:

@@ -41,8 +41,9 @@ from libc.string cimport memchr, memcmp, memcpy
 from schemas._avro cimport (
     Buffer,
     Cursor,
-    _put,
     _le,
+    _open_buffer,
+    _put,
     _read_branch,
     _read_bytes,
     _read_count,
@@ -977,11 +978,7 @@ def repr_utf8(tuple values not None):
     is written by ``repr`` itself."""
     cdef Buffer out
     cdef Py_ssize_t i, n = len(values)
-    out.data = <char*>PyMem_Malloc(1024)
-    if out.data == NULL:
-        raise MemoryError()
-    out.size = 0
-    out.capacity = 1024
+    _open_buffer(&out, 1024)
     try:
         _put(&out, "(", 1)
         for i in range(n):

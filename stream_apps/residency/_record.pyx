@@ -31,13 +31,14 @@ reads as :func:`schemas.clear_position.clear_mark_record` gives it. Built by set
 
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.float cimport PyFloat_AS_DOUBLE
-from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from cpython.mem cimport PyMem_Free
 from libc.stdint cimport INT32_MAX, INT32_MIN, int64_t, uint8_t
 
 from schemas._avro cimport (
     Buffer,
     Cursor,
     _long_of,
+    _open_buffer,
     _put,
     _put_branch,
     _put_byte,
@@ -791,11 +792,7 @@ def encode_entry(ResidencyEntry entry not None, bytes header not None, dict tier
     ``.aggregation``).
     """
     cdef Buffer out
-    out.data = <char*>PyMem_Malloc(256)
-    if out.data == NULL:
-        raise MemoryError()
-    out.size = 0
-    out.capacity = 256
+    _open_buffer(&out, 256)
     try:
         _put(&out, <const char*>header, len(header))
         _put_entry(&out, entry, tiers, aggregations)
