@@ -73,7 +73,7 @@ def partition_batches(compiled: bool | None = None) -> defaultdict:
     module is built (:func:`schemas.compiled.choose`) its twin ``schemas._hotpath.BlockBatch``, which the
     compiled loop of the repartition process (``rekey_block_events``) adds to without a Python call."""
     module = choose(compiled)
-    if module is None:
-        return defaultdict(PartitionBatch)
+    if module is None:  # and so the Python writer too
+        return defaultdict(partial(PartitionBatch, False))
     return defaultdict(partial(module.BlockBatch, BlockFieldsWriter, item_encoder(module), encode_keyed_event,
                                MAX_BATCH_BYTES, _ITEM_OVERHEAD))
