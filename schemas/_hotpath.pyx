@@ -854,6 +854,8 @@ cdef class BlockBatch:
         self._add_block(key, mark, value, route, content)
 
     cdef int _add_block(self, bytes key, bytes mark, bytes value, list route, content) except -1:
+        if self.encoder is None:  # a batch whose __init__ did not run: its cdef calls below would crash
+            raise TypeError("BlockBatch is not initialised")
         self._room(2 * PyBytes_GET_SIZE(value) + PyBytes_GET_SIZE(key) + PyBytes_GET_SIZE(mark))
         done = self.encoder.encode(self.sources, self.strings, key, mark, value, route, content)
         if done is None:
@@ -975,7 +977,8 @@ def repr_utf8(tuple values not None):
     """``repr(values).encode()`` of a tuple, its lists written without a Python string per int: the text of
     ``stream_apps.residency.content_digest`` (a store's token ids are a list of 16 to 512 ints, whose ``repr``
     was most of the digest's cost). Any item that is not a list, and any list item that is not an int of 64 bits,
-    is written by ``repr`` itself."""
+    is written by ``repr`` itself. A list that holds itself is written one level deeper than ``repr`` writes it
+    (no agreement field holds one)."""
     cdef Buffer out
     cdef Py_ssize_t i, n = len(values)
     _open_buffer(&out, 1024)
