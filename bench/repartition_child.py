@@ -13,6 +13,8 @@ import argparse
 import time
 from types import SimpleNamespace
 
+from kvstream.options import positive_int
+
 
 class _Message:
     """What the loop reads of a confluent-kafka message."""
@@ -43,13 +45,13 @@ class _Message:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.repartition_child", description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=None, metavar="N",
+    p.add_argument("--requests", type=positive_int, default=None, metavar="N",
                    help="trace requests to simulate (default: the whole trace, about 1.2 million events)")
-    p.add_argument("--batch", type=int, default=10_000, metavar="N",
+    p.add_argument("--batch", type=positive_int, default=10_000, metavar="N",
                    help="messages per batch, as --repartition-batch (default: %(default)s)")
-    p.add_argument("--partitions", type=int, default=8, metavar="N",
+    p.add_argument("--partitions", type=positive_int, default=8, metavar="N",
                    help="partitions of kv-events and of the re-keyed topic (default: %(default)s)")
-    p.add_argument("--runs", type=int, default=5, metavar="N",
+    p.add_argument("--runs", type=positive_int, default=5, metavar="N",
                    help="passes over the events; the best is printed (default: %(default)s)")
     args = p.parse_args(argv)
 
