@@ -11,8 +11,9 @@
 - :mod:`stream_apps.checkpoint`: the commit protocol;
 - :mod:`stream_apps.views`, :mod:`stream_apps.fleet`, :mod:`stream_apps.health`, :mod:`stream_apps.metrics`:
   the HTTP views, the fleet-wide views they share, readiness and Prometheus metrics;
-- :mod:`stream_apps.consumer_fixes`: three corrections to faust-streaming (two in its aiokafka driver, one in
-  mode's flow control) and the agent consumer's fetch wait, a setting Faust does not expose.
+- :mod:`stream_apps.consumer_fixes`: four corrections to faust-streaming (two in its aiokafka driver, one in
+  its offset commit, one in mode's flow control) and the agent consumer's fetch wait, a setting Faust does
+  not expose.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """The corrections of stream_apps.consumer_fixes, each on the real objects it corrects.
 
+The commit correction runs on a worker app's Faust consumer, set to the state a restarted worker showed.
+
 The flow-control correction runs on mode's own ``FlowControlEvent`` and ``FlowControlQueue``. The driver's run on
 a started Faust ``AIOKafkaConsumerThread`` of a worker app (its own aiokafka consumer, in its own thread and
 loop) reading the session's broker: partitions are assigned, not subscribed, so no rebalance decides what the
@@ -42,6 +44,54 @@ def test_resuming_an_active_flow_keeps_the_messages_an_agent_has_not_taken_yet()
         return kept, queue.qsize()
 
     assert asyncio.run(scenario()) == (1, 0)
+
+
+def _consumer_after_a_recovery_seek():
+    """A worker app's Faust consumer (never started) in the state a worker restarted by ``make chaos``'s crash
+    scenario showed on a partition of the re-keyed topic: offsets 84-140 applied and acknowledged, 84
+    committed, and the gap 85-129 that the recovery's seek made Faust record. Returns ``(consumer, tp)``."""
+    consumer_fixes.install()
+    app = faust.App(f"kvstream-test-fixes-{uuid.uuid4().hex}", broker="kafka://127.0.0.1:9")
+    consumer = app.consumer
+    tp = TopicPartition("kv-events-by-ownership", 2)
+    consumer._committed_offset[tp] = 84
+    consumer._acked[tp].extend(range(84, 141))
+    consumer._acked_index[tp].update(range(84, 141))
+    consumer._gap[tp].addi(85, 130)  # an interval excludes its end: offsets 85-129
+    return consumer, tp
+
+
+def test_a_commit_after_a_recovery_seek_takes_every_acknowledged_offset_at_once():
+    consumer, tp = _consumer_after_a_recovery_seek()
+    assert consumer._new_offset(tp) == 141
+    consumer._committed_offset[tp] = 141
+    assert (consumer._acked[tp], consumer._acked_index[tp], len(consumer._gap[tp])) == ([], set(), 0)
+    assert consumer._new_offset(tp) is None  # nothing left to commit
+
+
+def test_faust_own_commit_after_a_recovery_seek_moves_one_offset_per_commit():
+    # why _new_offset is replaced: the gap's offsets, counted a second time, end every run after two offsets
+    consumer, tp = _consumer_after_a_recovery_seek()
+    commits = []
+    for _ in range(3):
+        commits.append(consumer_fixes._original_new_offset(consumer, tp))
+        consumer._committed_offset[tp] = commits[-1]  # what Faust's commit does once the broker took it
+    assert commits == [86, 87, 88]
+
+
+def test_a_commit_keeps_faust_rules_for_gaps_and_missing_offsets():
+    consumer_fixes.install()
+    consumer = faust.App(f"kvstream-test-fixes-{uuid.uuid4().hex}", broker="kafka://127.0.0.1:9").consumer
+    tp = TopicPartition("kv-events-by-ownership", 0)
+    consumer._committed_offset[tp] = 10
+    consumer._acked[tp].extend([13, 14])  # 10-12 not acknowledged: nothing may be committed
+    assert consumer._new_offset(tp) is None
+    consumer._gap[tp].addi(10, 13)  # offsets 10-12 will never come (compacted away): they count as done
+    assert consumer._new_offset(tp) == 15
+    consumer._committed_offset[tp] = 15
+    consumer._acked[tp].extend([15, 16, 18])  # a hole at 17: the commit stops before it
+    assert consumer._new_offset(tp) == 17
+    assert consumer._acked[tp] == [18]
 
 
 # -- the driver's corrections, on the session's broker ---------------------------------------------------------
