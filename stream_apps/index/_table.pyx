@@ -54,7 +54,10 @@ from cpython.list cimport PyList_New, PyList_SET_ITEM
 
 import xxhash
 
-from stream_apps.index.table_keys import residency_key_block as _residency_key_block
+#: A content hash (a signed 64-bit Avro long) as the table's u64: ``content & _U64_MASK``.
+_U64_MASK = (1 << 64) - 1
+
+from stream_apps.index.table_keys import block_key as _block_key, residency_key_block as _residency_key_block
 
 cdef extern from *:
     """
@@ -460,27 +463,50 @@ cdef inline int _hex_digit(unsigned char c) noexcept nogil:
     return -1
 
 
-def residency_key_block(bytes key not None):
-    """``table.residency_key_block(key)``: ``(ownership or None, block key)`` of a residency table key, the 16
-    hex digits of an 8-byte hash read in C (the feed parses one per changelog record). Anything else (another
-    hash length, spaces ``bytes.fromhex`` allows) goes to the Python reference, so results and errors are
-    its."""
+cdef object _key_block(bytes key, uint64_t* block):
+    """:func:`residency_key_block` without the block key's Python int: returns the ownership (None for
+    ``primary``) and stores the block key in ``block``. Same results and errors."""
     cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(key)
     cdef Py_ssize_t n = PyBytes_GET_SIZE(key), slash = n - 1, i
     cdef uint64_t v = 0
     cdef int d
     while slash >= 0 and p[slash] != 47:  # '/'
         slash -= 1
-    if n - slash - 1 != 16:
-        return _residency_key_block(key)
-    for i in range(slash + 1, n):
-        d = _hex_digit(p[i])
-        if d < 0:
-            return _residency_key_block(key)
-        v = (v << 4) | <uint64_t>d
-    text = key.decode()  # the whole key, as the reference decodes it (the same error for bytes that are not UTF-8)
-    ownership = text[:-17] if slash >= 0 else ""  # what precedes "/" and the 16 ASCII digits
-    return (None if ownership == "primary" else ownership), PyLong_FromUnsignedLongLong(v)
+    if n - slash - 1 == 16:
+        for i in range(slash + 1, n):
+            d = _hex_digit(p[i])
+            if d < 0:
+                break
+            v = (v << 4) | <uint64_t>d
+        else:
+            text = key.decode()  # the whole key, as the reference decodes it (its error for bytes not UTF-8)
+            ownership = text[:len(text) - 17] if slash >= 0 else ""  # before "/" and the 16 ASCII digits
+            block[0] = v
+            return None if ownership == "primary" else ownership
+    ownership, reference = _residency_key_block(key)
+    block[0] = _u64(reference)
+    return ownership
+
+
+def residency_key_block(bytes key not None):
+    """``table.residency_key_block(key)``: ``(ownership or None, block key)`` of a residency table key, the 16
+    hex digits of an 8-byte hash read in C (the feed parses one per changelog record). Anything else (another
+    hash length, spaces ``bytes.fromhex`` allows) goes to the Python reference, so results and errors are
+    its."""
+    cdef uint64_t block = 0
+    ownership = _key_block(key, &block)
+    return ownership, PyLong_FromUnsignedLongLong(block)
+
+
+cdef inline uint64_t _hash_block_key(object canonical_hash) except? 0xFFFFFFFFFFFFFFFFULL:
+    """``table_keys.block_key(canonical_hash)``: an 8-byte ``bytes`` read in C, anything else by the
+    reference."""
+    cdef const unsigned char* p
+    if type(canonical_hash) is bytes and PyBytes_GET_SIZE(canonical_hash) == 8:
+        p = <const unsigned char*>PyBytes_AS_STRING(canonical_hash)
+        return ((<uint64_t>p[0] << 56) | (<uint64_t>p[1] << 48) | (<uint64_t>p[2] << 40) | (<uint64_t>p[3] << 32)
+                | (<uint64_t>p[4] << 24) | (<uint64_t>p[5] << 16) | (<uint64_t>p[6] << 8) | <uint64_t>p[7])
+    return _u64(_block_key(canonical_hash))
 
 
 cdef class BlockTable:
@@ -787,14 +813,18 @@ cdef class BlockTable:
 
     cdef Py_ssize_t _load_holders(self, holders) except -1:
         """``holders`` into ``_hbuf``, sorted, repeats dropped; returns how many."""
-        cdef Py_ssize_t i = 0, j, m
+        cdef Py_ssize_t i = 0
         if type(holders) is not list and type(holders) is not tuple:
             holders = list(holders)
         _reserve(<void**>&self._hbuf, &self._hbuf_cap, len(holders), sizeof(uint32_t), 64)
         for h in holders:
             self._hbuf[i] = _u32(h)
             i += 1
-        m = i
+        return self._sorted_holders(i)
+
+    cdef Py_ssize_t _sorted_holders(self, Py_ssize_t m) except -1:
+        """The first ``m`` ids of ``_hbuf`` sorted, repeats dropped; returns how many are left."""
+        cdef Py_ssize_t i, j
         for j in range(1, m):
             if self._hbuf[j] <= self._hbuf[j - 1]:
                 break
@@ -979,6 +1009,81 @@ cdef class BlockTable:
         if flags & F_CONTENT:
             _ht_put(&self._content, _rec_content_tag(rec), r)
         return 0
+
+    def apply_messages(self, messages, dict positions not None, read, dict scopes not None,
+                       dict row_holders not None, new_scope, new_holder):
+        """The fleet index's feed step over one ``consume()`` of the residency changelog, in C: what
+        ``FleetIndex._apply_messages_python`` does with the same arguments, with the same results and errors
+        (the tests compare the two). ``FleetIndex.apply_messages`` documents the step; this method is its loop,
+        given the index's own look-ups.
+
+        Args:
+            messages: confluent-kafka ``Message`` objects (or any with its ``error``, ``partition``, ``offset``,
+                ``key`` and ``value`` methods).
+            positions: partition -> next offset, set for every message without an error.
+            read: ``value -> (rows, parent, content)`` (``IndexEntryReader.read_index_entry``).
+            scopes: ownership -> scope id; ``new_scope(ownership)`` gives one it lacks (and stores it).
+            row_holders: ownership -> {(instance_id, data_parallel_rank, tier): holder id}; the inner dict is
+                made here when missing, and ``new_holder(ownership, row)`` gives an id it lacks (and stores it).
+
+        Returns:
+            ``(applied, failures, errors)``: how many records were applied, ``(message, error)`` of each record
+            refused (ValueError, KeyError, TypeError, OverflowError), and the messages that carry an error.
+        """
+        cdef list failures = [], errors = []
+        cdef Py_ssize_t applied = 0, i, m
+        cdef uint64_t block = 0, par = 0, con = 0
+        cdef uint32_t scope
+        cdef bint set_par, set_con
+        cdef dict known
+        for message in messages:
+            if message.error() is not None:
+                errors.append(message)
+                continue
+            positions[message.partition()] = message.offset() + 1
+            key = message.key()
+            if key is None:
+                continue
+            try:
+                if type(key) is bytes:
+                    ownership = _key_block(key, &block)
+                else:  # not what confluent-kafka gives: the reference's errors
+                    ownership, reference = _residency_key_block(key)
+                    block = _u64(reference)
+                value = message.value()
+                if value:
+                    rows, parent, content = read(value)
+                else:
+                    rows = None
+                found = scopes.get(ownership)
+                scope = _u32(new_scope(ownership) if found is None else found)
+                if rows is None:
+                    self._replace(block, scope, 0, False, 0, False, 0)
+                    applied += 1
+                    continue
+                known = row_holders.get(ownership)
+                if known is None:
+                    known = row_holders[ownership] = {}
+                if type(rows) is not list and type(rows) is not tuple:
+                    rows = list(rows)
+                _reserve(<void**>&self._hbuf, &self._hbuf_cap, len(rows), sizeof(uint32_t), 64)
+                i = 0
+                for row in rows:
+                    holder = known.get(row)
+                    self._hbuf[i] = _u32(new_holder(ownership, row) if holder is None else holder)
+                    i += 1
+                m = self._sorted_holders(i)
+                set_par = parent is not None
+                if set_par:
+                    par = _hash_block_key(parent)
+                set_con = content is not None
+                if set_con:
+                    con = _u64(content & _U64_MASK)
+                self._replace(block, scope, <size_t>m, set_par, par, set_con, con)
+                applied += 1
+            except (ValueError, KeyError, TypeError, OverflowError) as exc:  # DecodeError is a ValueError
+                failures.append((message, exc))
+        return applied, failures, errors
 
     def remove_holder(self, holder):
         """Drops ``holder`` from every block; see ``PyBlockTable.remove_holder``. O(blocks + links): one pass

@@ -52,7 +52,7 @@ class ChangelogFeed:
 
     Values are read with an :class:`~stream_apps.index.entry_reader.IndexEntryReader` over ``codec`` (only the
     rows' holders and the entry's parent and content hash, what :meth:`FleetIndex.apply_rows` takes) and applied
-    a batch at a time with ``index.apply_changelog``; an index without that method (a wrapper offering only
+    a batch at a time with ``index.apply_messages``; an index without that method (a wrapper offering only
     ``apply_entry``) is given the codec's decoded entries.
     """
 
@@ -161,35 +161,17 @@ class ChangelogFeed:
         messages = self._consumer.consume(POLL_BATCH, timeout_s)
         if not messages:
             return 0
-        index = self.index
-        positions = self._positions
-        applied = []  # the records' messages, in order
-        for message in messages:
-            error = message.error()
-            if error is not None:
-                if error.code() != KafkaError._PARTITION_EOF:
-                    log.warning("index: reading %s: %s", self.topic, error)
-                continue
-            positions[message.partition()] = message.offset() + 1
-            if message.key() is not None:
-                applied.append(message)
-        apply_changelog = getattr(index, "apply_changelog", None)
-        if apply_changelog is not None:
+        apply_messages = getattr(self.index, "apply_messages", None)
+        if apply_messages is not None:
             # the lean path: the index reads only what it keeps (no dict per entry, row and worker: most of a
-            # catch-up's time went to building them), in one call for the batch
-            failures = apply_changelog([(m.key(), m.value()) for m in applied], self._read_entry)
+            # catch-up's time went to building them), the whole batch in one call
+            failures, errors = apply_messages(messages, self._positions, self._read_entry)
         else:  # an index that only has apply_entry: the codec's decoded entries
-            failures = []
-            decode = self._codec.decode
-            with index.lock:
-                for position, message in enumerate(applied):
-                    value = message.value()
-                    try:
-                        index.apply_entry(message.key().decode(), decode(value) if value else None)
-                    except (DecodeError, ValueError, KeyError, TypeError) as exc:
-                        failures.append((position, exc))
-        for position, exc in failures:
-            message = applied[position]
+            failures, errors = self._apply_entries(messages)
+        for message in errors:
+            if message.error().code() != KafkaError._PARTITION_EOF:
+                log.warning("index: reading %s: %s", self.topic, message.error())
+        for message, exc in failures:
             self.undecodable += 1
             log.error("index: skipped record %s of %s[%d]@%d: %s", message.key()[:80], self.topic,
                       message.partition(), message.offset(), exc)
@@ -197,6 +179,26 @@ class ChangelogFeed:
         if self._caught_up_at is None:
             self._check_caught_up()
         return len(messages)
+
+    def _apply_entries(self, messages: list) -> tuple[list, list]:
+        """:meth:`poll`'s step for an index that has only ``apply_entry``: the codec's decoded entries, one by
+        one. Returns ``(failures, errors)`` as ``FleetIndex.apply_messages``."""
+        index, positions, decode = self.index, self._positions, self._codec.decode
+        failures, errors = [], []
+        with index.lock:
+            for message in messages:
+                if message.error() is not None:
+                    errors.append(message)
+                    continue
+                positions[message.partition()] = message.offset() + 1
+                if message.key() is None:
+                    continue
+                value = message.value()
+                try:
+                    index.apply_entry(message.key().decode(), decode(value) if value else None)
+                except (DecodeError, ValueError, KeyError, TypeError) as exc:
+                    failures.append((message, exc))
+        return failures, errors
 
     async def run(self, idle_sleep_s: float = 0.01) -> None:
         """Read forever in the running event loop (a worker's, or ``kvstream index``'s): never blocks it for

@@ -152,10 +152,60 @@ class FleetIndex:
             self._table.replace(block, scope, holders, None if parent is None else block_key(parent),
                                 None if content is None else content & _U64)
 
+    def apply_messages(self, messages: Sequence, positions: dict[int, int],
+                       read: Callable[[bytes], tuple]) -> tuple[list[tuple[object, Exception]], list]:
+        """The feed's step (:class:`~stream_apps.index.feed.ChangelogFeed`) over one ``consume()`` of the
+        residency changelog, under one hold of the lock: every message without an error moves its partition's
+        position, and every one with a key is applied as :meth:`apply_changelog` applies a record.
+
+        A worker's feed reads back every record its agent writes, on the agent's event loop, so the compiled
+        table runs this loop in C (``BlockTable.apply_messages``); :meth:`_apply_messages_python` is the
+        reference, for the pure-Python table, and the tests compare the two.
+
+        Args:
+            messages: confluent-kafka ``Message`` objects, in the order consumed.
+            positions: partition -> next offset to read; updated.
+            read: the value reader, as :meth:`apply_changelog` takes it.
+
+        Returns:
+            ``(failures, errors)``: ``(message, error)`` of each record not applied (a key that is not
+            ``<ownership>/<block hash hex>``, a value ``read`` refused), and the messages that carry an error
+            (``message.error()``: the caller logs them; partition EOF among them).
+        """
+        compiled = getattr(self._table, "apply_messages", None)
+        with self.lock:
+            if compiled is None:
+                applied, failures, errors = self._apply_messages_python(messages, positions, read)
+            else:
+                applied, failures, errors = compiled(messages, positions, read, self._scopes, self._row_holders,
+                                                     self._scope, self._new_row_holder)
+            self.counters.entries_applied += applied
+        return failures, errors
+
+    def _apply_messages_python(self, messages: Sequence, positions: dict[int, int],
+                               read: Callable[[bytes], tuple]) -> tuple[int, list, list]:
+        """:meth:`apply_messages`'s loop in Python (the lock held): ``(applied, failures, errors)``."""
+        errors, keyed = [], []
+        for message in messages:
+            if message.error() is not None:
+                errors.append(message)
+                continue
+            positions[message.partition()] = message.offset() + 1
+            if message.key() is not None:
+                keyed.append(message)
+        applied, failures = self._apply_records([(m.key(), m.value()) for m in keyed], read)
+        return applied, [(keyed[position], exc) for position, exc in failures], errors
+
+    def _new_row_holder(self, ownership: str | None, row: tuple[str, int, str]) -> int:
+        """The holder id of ``row`` of ``ownership``'s entries, made and remembered (the compiled feed loop's
+        call for a row it has no id for)."""
+        self._row_holders[ownership][row] = holder = self._holder_id(HolderInfo(*row, ownership))
+        return holder
+
     def apply_changelog(self, records: Iterable[tuple[bytes, bytes | None]],
                         read: Callable[[bytes], tuple]) -> list[tuple[int, Exception]]:
-        """Apply residency changelog records in order, as :meth:`apply_rows` applies each one: the feed's loop
-        (:class:`~stream_apps.index.feed.ChangelogFeed`), in one call and under one hold of the lock.
+        """Apply residency changelog records in order, as :meth:`apply_rows` applies each one, in one call and
+        under one hold of the lock.
 
         The same steps as :meth:`apply_rows`, written out in the loop: a Python call per record and step cost
         about a third of what the feed spends per record, and a worker's feed reads every record its agent writes.
@@ -169,39 +219,45 @@ class FleetIndex:
             ``(position in records, error)`` of each record not applied (a key that is not ``<ownership>/<block
             hash hex>``, or a value ``read`` refused); the others are applied.
         """
+        with self.lock:
+            applied, failures = self._apply_records(records, read)
+            self.counters.entries_applied += applied
+        return failures
+
+    def _apply_records(self, records: Iterable[tuple[bytes, bytes | None]],
+                       read: Callable[[bytes], tuple]) -> tuple[int, list[tuple[int, Exception]]]:
+        """:meth:`apply_changelog`'s loop (the lock held): ``(applied, failures)``."""
         failures = []
         replace, key_block = self._table.replace, residency_key_block
         row_holders, scopes = self._row_holders, self._scopes
         applied = 0
-        with self.lock:
-            for position, (key, value) in enumerate(records):
-                try:
-                    ownership, block = key_block(key)
-                    rows, parent, content = read(value) if value else (None, None, None)
-                    scope = scopes.get(ownership)
-                    if scope is None:
-                        scope = self._scope(ownership)
-                    if rows is None:
-                        replace(block, scope, (), None, None)
-                        applied += 1
-                        continue
-                    known = row_holders.get(ownership)
-                    if known is None:
-                        known = row_holders[ownership] = {}
-                    try:
-                        holders = [known[row] for row in rows]
-                    except KeyError:  # a holder not seen before
-                        for row in rows:
-                            if row not in known:
-                                known[row] = self._holder_id(HolderInfo(*row, ownership))
-                        holders = [known[row] for row in rows]
-                    replace(block, scope, holders, None if parent is None else block_key(parent),
-                            None if content is None else content & _U64)
+        for position, (key, value) in enumerate(records):
+            try:
+                ownership, block = key_block(key)
+                rows, parent, content = read(value) if value else (None, None, None)
+                scope = scopes.get(ownership)
+                if scope is None:
+                    scope = self._scope(ownership)
+                if rows is None:
+                    replace(block, scope, (), None, None)
                     applied += 1
-                except (ValueError, KeyError, TypeError, OverflowError) as exc:  # DecodeError is a ValueError
-                    failures.append((position, exc))
-            self.counters.entries_applied += applied
-        return failures
+                    continue
+                known = row_holders.get(ownership)
+                if known is None:
+                    known = row_holders[ownership] = {}
+                try:
+                    holders = [known[row] for row in rows]
+                except KeyError:  # a holder not seen before
+                    for row in rows:
+                        if row not in known:
+                            known[row] = self._holder_id(HolderInfo(*row, ownership))
+                    holders = [known[row] for row in rows]
+                replace(block, scope, holders, None if parent is None else block_key(parent),
+                        None if content is None else content & _U64)
+                applied += 1
+            except (ValueError, KeyError, TypeError, OverflowError) as exc:  # DecodeError is a ValueError
+                failures.append((position, exc))
+        return applied, failures
 
     def apply_registration(self, instance_id: str, info: SourceInfo | None) -> None:
         """Apply one record of ``kv-instances`` (:mod:`stream_apps.index.registrations`): ``info`` becomes the

@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from confluent_kafka import TopicPartition
+from confluent_kafka import KafkaError, TopicPartition
 from confluent_kafka.admin import ClusterMetadata, PartitionMetadata, TopicMetadata
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -20,7 +20,7 @@ from stream_apps.index.entry_reader import LAYOUT_FINGERPRINT, IndexEntryReader,
 from stream_apps.index.feed import ChangelogFeed
 from stream_apps.index.fleet_index import FleetIndex
 from stream_apps.index.table import PyBlockTable
-from tests.conftest import hotpath_module
+from tests.conftest import compiled_module, hotpath_module
 from tests.unit.test_fast_reader import _values
 
 pytestmark = pytest.mark.usefixtures("hotpath")
@@ -361,11 +361,14 @@ def test_apply_changelog_of_a_batch_builds_the_index_apply_rows_builds_and_names
 
 
 class _Message:
-    def __init__(self, key: bytes | None, value: bytes | None, offset: int) -> None:
-        self._key, self._value, self._offset = key, value, offset
+    """A consumed message as confluent-kafka's ``Message`` shows it to the feed; ``error`` one it carries."""
+
+    def __init__(self, key: bytes | None, value: bytes | None, offset: int, partition: int = 0,
+                 error: KafkaError | None = None) -> None:
+        self._key, self._value, self._offset, self._partition, self._error = key, value, offset, partition, error
 
     def error(self):
-        return None
+        return self._error
 
     def key(self):
         return self._key
@@ -374,10 +377,65 @@ class _Message:
         return self._value
 
     def partition(self):
-        return 0
+        return self._partition
 
     def offset(self):
         return self._offset
+
+
+def _compiled_table():
+    table = compiled_module("stream_apps.index._table", "stream_apps/index/_table.pyx")
+    return table.BlockTable()
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_the_compiled_feed_loop_applies_a_consume_as_the_python_loop_does(data):
+    """``BlockTable.apply_messages`` (C) against ``FleetIndex._apply_messages_python`` on one consume of
+    random messages: entries (lean and v2, which the codec resolves), tombstones (None and empty), keys that
+    are not residency keys (or not UTF-8), values the reader refuses, messages with no key or with an error,
+    over three partitions."""
+    entries = _index_entries([bytes([b]) * 8 for b in range(1, 6)] + [bytes([7]) * 32])
+    kinds = st.one_of(entries.map(lambda e: ("entry", e)), entries.map(lambda e: ("v2", e)),
+                      entries.map(lambda e: ("tombstone", e)), entries.map(lambda e: ("refused", e)),
+                      st.sampled_from([b"primary/zz", b"kvcr/01g2", b"\xff/00", b"primary/" + b"0" * 15 + b"g",
+                                       "primary/0101010101010101".encode("utf-16")]).map(lambda k: ("bad key", k)),
+                      st.just(("no key", None)), st.just(("error", None)))
+    drawn = data.draw(st.lists(st.tuples(kinds, st.integers(0, 2)), max_size=40))
+    messages = []
+    for offset, ((kind, item), partition) in enumerate(drawn):
+        if kind == "bad key":
+            message = _Message(item, b"x", offset, partition)
+        elif kind == "no key":
+            message = _Message(None, b"", offset, partition)
+        elif kind == "error":
+            message = _Message(None, None, offset, partition, KafkaError(KafkaError._PARTITION_EOF))
+        else:
+            key = _key(item).encode()
+            value = {"entry": lambda e: CODEC.encode(_complete(e)), "tombstone": lambda e: None if offset % 2 else b"",
+                     "v2": lambda e: V2.encode(_complete(e, version=2)), "refused": lambda e: BROKEN[offset % 2]}[kind]
+            message = _Message(key, value(item), offset, partition)
+        messages.append(message)
+    read = IndexEntryReader(CODEC).read_index_entry
+    answers = []
+    for table in (PyBlockTable(), _compiled_table()):
+        index, positions = FleetIndex(table=table), {}
+        failures, errors = index.apply_messages(messages, positions, read)
+        dump, stats, workers, holders = _state(index)
+        stats.pop("memory_bytes")  # each table's own layout
+        answers.append(((dump, stats, workers, holders), positions, index.counters.entries_applied,
+                        [(message._offset, type(exc), str(exc)) for message, exc in failures],
+                        [message._offset for message in errors]))
+    assert answers[0] == answers[1]
+
+
+def _complete(entry: dict, version: int = 3) -> dict:
+    """An entry of :func:`_index_entries` with every other field of ``residency`` v``version`` filled in."""
+    rows = [{"medium": None, "locality": None, "group_idx": None, "world_size": 1, "aggregation": "REPLICATED",
+             "workers": [], "since": None, "last_ts": 1.0, "clear_mark": None, **row} for row in entry["rows"]]
+    if version == 2:
+        return {"block_hash": entry["block_hash"], "ownership": entry["ownership"], "rows": rows}
+    return {**entry, "rows": rows}
 
 
 class _Consumer:
