@@ -77,6 +77,7 @@ class FleetFaults:
                 raise ProduceError(live.error)
             produced += live.stats.acked
             consumed_s = _consume(env, worker, o.timeout_s)
+            self.log(f"      the restarted worker committed everything {consumed_s:.1f}s after the producer ended")
             final = worker.stats() or {}
             check = check_residency(env.bootstrap, app_id, w.ground_truth)
             _explain(worker, check)

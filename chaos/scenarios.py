@@ -101,6 +101,10 @@ DEFINITIONS = {
             "the worker runs) sent when it comes, what the worker's /stats/ showed at its last poll before the "
             "kill, seconds since the worker started, whether the live producer was still producing, and the "
             "offsets of kv-events the group had committed",
+    "restart_consumed_s": "crash: seconds from the live producer's end until the restarted worker's groups had "
+                          "committed all of kv-events and of the re-keyed topic. Correct runs can still be slow "
+                          "here: a commit that lagged what the worker had applied (Faust's, before "
+                          "stream_apps/consumer_fixes.py counted each offset once) took 140-200 s",
     "differences_by_source": "differing rows per <instance>/<tier>/<missing|extra|below|above>",
     "worker_view": "in 'differences': the copies the (restarted or surviving) worker itself answers for the row "
                    "over GET /residency/{hex}/ (its local table) while the changelog says 'actual'",
