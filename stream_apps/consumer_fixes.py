@@ -1,6 +1,7 @@
 """Three corrections to faust-streaming 0.15.3 (its aiokafka driver, and mode's flow control) that keep a
 rebalance from skipping messages, one to its offset commit that keeps a restart from committing one offset
-per commit interval, and one setting of its consumer that Faust does not expose.
+per commit interval or past messages not yet applied, and one setting of its consumer that Faust does not
+expose.
 
 The two sequences below, which the corrections close, were found by ``make chaos``'s rebalance scenario, which
 lost rows about once in six runs, with or without standby replicas (docs/operations.md, "Standby replicas"). The
@@ -30,8 +31,8 @@ The corrections:
 - :func:`_seek_to_committed` (the same class): a stream partition with no committed offset goes to its
   beginning (what ``consumer_auto_offset_reset="earliest"`` means); the events read again are ignored as
   duplicates;
-- :func:`_new_offset` (Faust's ``Consumer``): the offset to commit, with every acknowledged or gap offset
-  counted once (see "The commit" below);
+- :func:`_new_offset` (Faust's ``Consumer``): the offset to commit, with every offset counted once and no gap
+  counted past the highest acknowledged offset (see "The commit" below);
 - :func:`_resume_flow_control` (mode's ``FlowControlEvent.resume``): empty the queues only when flow was
   suspended. Stale events of a previous assignment are still dropped: Faust clears the queues when
   partitions are revoked, the first resume after a suspend clears them, and streams skip messages of
@@ -42,12 +43,18 @@ it will never see: compacted away, transaction markers), and commits the first r
 after filling the gaps into the list. Its gap check trips on its own seek too: at the end of a recovery it
 seeks the stream partitions to their committed offsets while the fetcher keeps delivering, and the reset of
 its read offset makes the next message delivered look like a jump past every message delivered meanwhile. It
-records those as a gap; they have been acknowledged too, and filling the gap puts each of them in the list a
-second time. Faust's run of consecutive offsets then stops at the first duplicate, so every commit moved the
-partition one offset further: ``make chaos``'s crash run on seed 5 waited 140-200 s, 55 offsets at one per
-``broker_commit_interval`` (2.8 s), for a restarted worker to commit what it had applied in seconds. Nothing
-was lost or applied twice, but a crash in that window replays all of it, and the consumer lag it reports is
-false. :func:`_new_offset` is Faust's with each offset counted once.
+records those as a gap (the new message included), and drops their redelivery after the seek. Two faults
+followed:
+
+- The gap's messages are acknowledged too, so filling the gap put each of them in the list a second time, and
+  Faust's run of consecutive offsets stopped at the first duplicate: every commit moved the partition one
+  offset further. ``make chaos``'s crash run on seed 5 waited 140-200 s, 55 offsets at one per
+  ``broker_commit_interval`` (2.8 s), for a restarted worker to commit what it had applied in seconds.
+- Filling the whole gap counts as done the messages still queued for the agent; a crash after such a commit
+  would lose them. The crawl above made that window rare.
+
+:func:`_new_offset` is Faust's with each offset counted once, and a gap filled only up to the highest
+acknowledged offset.
 
 The setting: Faust builds its aiokafka consumer with ``fetch_max_wait_ms=1500``. aiokafka sends one fetch
 request per broker at a time, for the partitions that have no fetched records waiting, so a request for
@@ -67,6 +74,7 @@ from importlib.metadata import version
 
 from faust.transport import consumer as faust_consumer
 from faust.transport.drivers import aiokafka as driver
+from faust.types.tuples import ack_lock
 from mode.utils.queues import FlowControlEvent
 
 log = logging.getLogger(__name__)
@@ -115,36 +123,45 @@ def _resume_flow_control(self) -> None:
 
 def _new_offset(self, tp):
     """The next offset to commit for ``tp``, or None: Faust's ``Consumer._new_offset`` with each offset counted
-    once.
+    once, and a gap counted as done only up to the highest acknowledged offset.
 
-    As Faust's: the gaps up to the highest acknowledged offset join the acknowledged ones; if the lowest is
-    more than one past the committed offset, nothing is committed (Faust's own tolerance of one, which its
-    read-offset bookkeeping needs); otherwise the first run of consecutive offsets is taken off the list and
-    its last + 1 returned. Unlike Faust's, an offset both acknowledged and filled from a gap is one entry, so
-    the run goes on past it.
+    As Faust's: gaps join the acknowledged offsets; if the lowest is more than one past the committed offset,
+    nothing is committed (Faust's rule, kept as it is); otherwise the first run of consecutive offsets is taken
+    off the list and its last + 1 returned. Unlike Faust's:
+
+    - an offset both acknowledged and filled from a gap is one entry, so the run goes on past it;
+    - the part of a gap above the highest acknowledged offset stays a gap until acknowledgements pass it.
+      Faust filled the whole gap, and its gap includes the message whose arrival recorded it: after a
+      recovery's seek, the messages queued for the agent but not yet applied. Faust's one-offset-per-commit
+      crawl used to hide that; committing at once past them would lose them at a crash. The agent's one stream
+      acknowledges in offset order, so every gap offset below the highest acknowledged one was delivered and
+      applied (or is a real hole: compacted away, a transaction marker), and a real hole is filled entirely
+      once the message after it is acknowledged.
+
+    Held under Faust's ``ack_lock``, as its ``ack`` is: the list is rebuilt here, and an acknowledgement from
+    another thread in between would be lost.
     """
-    acked = self._acked[tp]
-    if not acked:
-        return None
-    gaps = self._gap[tp]
-    if gaps:
-        highest = max(acked)
-        filled = sorted(gaps.overlap(0, highest), key=lambda interval: interval.begin)
-        if filled:
-            for interval in filled:
-                acked.extend(range(interval.begin, interval.end))
-            gaps.chop(0, max(filled[-1].end - 1, highest + 1))  # Faust's bounds: its intervals exclude the end
-    acked[:] = sorted(set(acked))
-    committed = self._committed_offset[tp]
-    if committed and acked[0] - committed > 1:
-        return None
-    run = 1
-    while run < len(acked) and acked[run] == acked[run - 1] + 1:
-        run += 1
-    batch = acked[:run]
-    del acked[:run]
-    self._acked_index[tp].difference_update(batch)
-    return batch[-1] + 1
+    with ack_lock:
+        acked = self._acked[tp]
+        if not acked:
+            return None
+        gaps = self._gap[tp]
+        if gaps:
+            highest = max(acked)
+            for interval in gaps.overlap(0, highest + 1):
+                acked.extend(range(interval.begin, min(interval.end, highest + 1)))
+            gaps.chop(0, highest + 1)
+        acked[:] = sorted(set(acked))
+        committed = self._committed_offset[tp]
+        if committed and acked[0] - committed > 1:
+            return None
+        run = 1
+        while run < len(acked) and acked[run] == acked[run - 1] + 1:
+            run += 1
+        batch = acked[:run]
+        del acked[:run]
+        self._acked_index[tp].difference_update(batch)
+        return batch[-1] + 1
 
 
 _original_create_worker_consumer = driver.AIOKafkaConsumerThread._create_worker_consumer

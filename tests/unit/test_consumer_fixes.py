@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import uuid
 
 import faust
@@ -46,32 +47,35 @@ def test_resuming_an_active_flow_keeps_the_messages_an_agent_has_not_taken_yet()
     assert asyncio.run(scenario()) == (1, 0)
 
 
-def _consumer_after_a_recovery_seek():
-    """A worker app's Faust consumer (never started) in the state a worker restarted by ``make chaos``'s crash
-    scenario showed on a partition of the re-keyed topic: offsets 84-140 applied and acknowledged, 84
-    committed, and the gap 85-129 that the recovery's seek made Faust record. Returns ``(consumer, tp)``."""
+def _worker_consumer():
+    """A worker app's Faust consumer, never started, with the corrections installed."""
     consumer_fixes.install()
-    app = faust.App(f"kvstream-test-fixes-{uuid.uuid4().hex}", broker="kafka://127.0.0.1:9")
-    consumer = app.consumer
+    return faust.App(f"kvstream-test-fixes-{uuid.uuid4().hex}", broker="kafka://127.0.0.1:9").consumer
+
+
+def _after_a_recovery_seek(applied_to: int = 140):
+    """A worker's consumer in the state a worker restarted by ``make chaos``'s crash scenario showed on a
+    partition of the re-keyed topic: 84 committed, offsets 84 to ``applied_to`` applied and acknowledged, and
+    the gap Faust recorded when message 129 arrived just after the recovery's seek had reset its read offset to
+    84 (``_add_gap(tp, 85, 129)``: 85-129, the new message included). Returns ``(consumer, tp)``."""
+    consumer = _worker_consumer()
     tp = TopicPartition("kv-events-by-ownership", 2)
     consumer._committed_offset[tp] = 84
-    consumer._acked[tp].extend(range(84, 141))
-    consumer._acked_index[tp].update(range(84, 141))
-    consumer._gap[tp].addi(85, 130)  # an interval excludes its end: offsets 85-129
+    consumer._acked[tp].extend(range(84, applied_to + 1))
+    consumer._acked_index[tp].update(range(84, applied_to + 1))
+    asyncio.run(consumer._add_gap(tp, 85, 129))
     return consumer, tp
 
 
 def test_a_commit_after_a_recovery_seek_takes_every_acknowledged_offset_at_once():
-    consumer, tp = _consumer_after_a_recovery_seek()
+    consumer, tp = _after_a_recovery_seek()
     assert consumer._new_offset(tp) == 141
-    consumer._committed_offset[tp] = 141
     assert (consumer._acked[tp], consumer._acked_index[tp], len(consumer._gap[tp])) == ([], set(), 0)
-    assert consumer._new_offset(tp) is None  # nothing left to commit
 
 
 def test_faust_own_commit_after_a_recovery_seek_moves_one_offset_per_commit():
     # why _new_offset is replaced: the gap's offsets, counted a second time, end every run after two offsets
-    consumer, tp = _consumer_after_a_recovery_seek()
+    consumer, tp = _after_a_recovery_seek()
     commits = []
     for _ in range(3):
         commits.append(consumer_fixes._original_new_offset(consumer, tp))
@@ -79,19 +83,63 @@ def test_faust_own_commit_after_a_recovery_seek_moves_one_offset_per_commit():
     assert commits == [86, 87, 88]
 
 
-def test_a_commit_keeps_faust_rules_for_gaps_and_missing_offsets():
-    consumer_fixes.install()
-    consumer = faust.App(f"kvstream-test-fixes-{uuid.uuid4().hex}", broker="kafka://127.0.0.1:9").consumer
+def test_a_gap_counts_as_done_only_up_to_the_highest_acknowledged_offset():
+    # 101-129 were delivered to the agent's queue before the seek, and not applied yet
+    faust_consumer, faust_tp = _after_a_recovery_seek(applied_to=100)
+    commits = []
+    for _ in range(40):  # Faust crawls through its duplicates, then commits past what was not applied
+        commits.append(consumer_fixes._original_new_offset(faust_consumer, faust_tp))
+        faust_consumer._committed_offset[faust_tp] = commits[-1] or faust_consumer._committed_offset[faust_tp]
+    assert commits[:3] == [86, 87, 88] and max(c or 0 for c in commits) == 130
+    consumer, tp = _after_a_recovery_seek(applied_to=100)
+    assert consumer._new_offset(tp) == 101
+    consumer._committed_offset[tp] = 101
+    assert sorted((i.begin, i.end) for i in consumer._gap[tp]) == [(101, 130)]  # the rest waits
+    consumer._acked[tp].extend(range(101, 116))  # the agent applies 101-115
+    assert consumer._new_offset(tp) == 116
+    consumer._committed_offset[tp] = 116
+    consumer._acked[tp].extend(range(116, 131))
+    assert consumer._new_offset(tp) == 131
+    assert len(consumer._gap[tp]) == 0
+
+
+def test_a_hole_in_the_topic_counts_as_done_once_the_message_after_it_is_acknowledged():
+    consumer = _worker_consumer()
     tp = TopicPartition("kv-events-by-ownership", 0)
     consumer._committed_offset[tp] = 10
-    consumer._acked[tp].extend([13, 14])  # 10-12 not acknowledged: nothing may be committed
-    assert consumer._new_offset(tp) is None
-    consumer._gap[tp].addi(10, 13)  # offsets 10-12 will never come (compacted away): they count as done
-    assert consumer._new_offset(tp) == 15
-    consumer._committed_offset[tp] = 15
-    consumer._acked[tp].extend([15, 16, 18])  # a hole at 17: the commit stops before it
-    assert consumer._new_offset(tp) == 17
+    asyncio.run(consumer._add_gap(tp, 11, 13))  # read offset 10, then message 13: 11-12 were compacted away
+    assert consumer._new_offset(tp) is None  # nothing acknowledged yet: 13 is being applied
+    consumer._acked[tp].append(13)
+    assert consumer._new_offset(tp) == 14
+    consumer._committed_offset[tp] = 14
+    consumer._acked[tp].extend([15, 16, 18])  # 14 not acknowledged, 17 neither: Faust's tolerance of one, then
+    assert consumer._new_offset(tp) == 17     # the run stops at the missing 17
     assert consumer._acked[tp] == [18]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_without_duplicates_or_a_gap_past_the_acknowledged_offsets_the_commit_is_faust_own(seed):
+    states = []
+    for _ in range(2):
+        rng_copy = random.Random(seed)
+        consumer = _worker_consumer()
+        tp = TopicPartition("kv-events-by-ownership", 0)
+        committed = rng_copy.randrange(0, 5)
+        consumer._committed_offset[tp] = committed or None
+        offsets = sorted(rng_copy.sample(range(committed, committed + 40), 25))
+        holes = [o for o in range(committed + 1, max(offsets)) if o not in offsets]
+        gap = sorted(rng_copy.sample(holes, min(len(holes), 6)))
+        consumer._acked[tp].extend(rng_copy.sample(offsets, len(offsets)))  # acknowledged in any order
+        consumer._acked_index[tp].update(offsets)
+        for offset in gap:
+            consumer._gap[tp].addi(offset, offset + 1)
+        consumer._gap[tp].merge_overlaps()
+        states.append((consumer, tp))
+    answers = []
+    for (consumer, tp), new_offset in zip(states, (consumer_fixes._original_new_offset, consumer_fixes._new_offset)):
+        answers.append((new_offset(consumer, tp), sorted(consumer._acked[tp]), consumer._acked_index[tp],
+                        sorted((i.begin, i.end) for i in consumer._gap[tp])))
+    assert answers[0] == answers[1]
 
 
 # -- the driver's corrections, on the session's broker ---------------------------------------------------------
