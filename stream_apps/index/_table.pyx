@@ -52,12 +52,10 @@ from cpython.ref cimport Py_INCREF
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.list cimport PyList_New, PyList_SET_ITEM
 
-import xxhash
+from stream_apps.index.table_keys import block_key as _block_key, residency_key_block as _residency_key_block
 
 #: A content hash (a signed 64-bit Avro long) as the table's u64: ``content & _U64_MASK``.
 _U64_MASK = (1 << 64) - 1
-
-from stream_apps.index.table_keys import block_key as _block_key, residency_key_block as _residency_key_block
 
 cdef extern from *:
     """
@@ -396,28 +394,28 @@ cdef void _ht_del_rec(HTab* t, uint32_t tag, uint32_t rec) noexcept nogil:
     _ht_del_at(t, i)
 
 
+cdef inline uint64_t _hash_block_key(object canonical_hash) except? 0xFFFFFFFFFFFFFFFFULL:
+    """``table_keys.block_key(canonical_hash)``: an 8-byte ``bytes`` read in C, anything else by the
+    reference."""
+    cdef const unsigned char* p
+    if type(canonical_hash) is bytes and PyBytes_GET_SIZE(canonical_hash) == 8:
+        p = <const unsigned char*>PyBytes_AS_STRING(canonical_hash)
+        return ((<uint64_t>p[0] << 56) | (<uint64_t>p[1] << 48) | (<uint64_t>p[2] << 40) | (<uint64_t>p[3] << 32)
+                | (<uint64_t>p[4] << 24) | (<uint64_t>p[5] << 16) | (<uint64_t>p[6] << 8) | <uint64_t>p[7])
+    return _u64(_block_key(canonical_hash))
+
+
 def block_keys(hashes):
     """``[table.block_key(h) for h in hashes]``, the 8-byte ``bytes`` read in C (a lookup's chain is 27 of them,
     and the Python loop took several times the walk's own time). Same errors as ``block_key``."""
     cdef Py_ssize_t i, n
-    cdef const unsigned char* p
-    cdef uint64_t v
     cdef list out
     if type(hashes) is not list and type(hashes) is not tuple:
         hashes = list(hashes)
     n = len(hashes)
     out = PyList_New(n)
     for i in range(n):
-        h = hashes[i]
-        if type(h) is bytes and PyBytes_GET_SIZE(h) == 8:
-            p = <const unsigned char*>PyBytes_AS_STRING(h)
-            v = ((<uint64_t>p[0] << 56) | (<uint64_t>p[1] << 48) | (<uint64_t>p[2] << 40) | (<uint64_t>p[3] << 32)
-                 | (<uint64_t>p[4] << 24) | (<uint64_t>p[5] << 16) | (<uint64_t>p[6] << 8) | <uint64_t>p[7])
-            key = PyLong_FromUnsignedLongLong(v)
-        elif len(h) == 8:  # another bytes-like object: as block_key reads it
-            key = int.from_bytes(h, "big")
-        else:
-            key = xxhash.xxh3_64_intdigest(h)
+        key = PyLong_FromUnsignedLongLong(_hash_block_key(hashes[i]))
         Py_INCREF(key)
         PyList_SET_ITEM(out, i, key)
     return out
@@ -496,17 +494,6 @@ def residency_key_block(bytes key not None):
     cdef uint64_t block = 0
     ownership = _key_block(key, &block)
     return ownership, PyLong_FromUnsignedLongLong(block)
-
-
-cdef inline uint64_t _hash_block_key(object canonical_hash) except? 0xFFFFFFFFFFFFFFFFULL:
-    """``table_keys.block_key(canonical_hash)``: an 8-byte ``bytes`` read in C, anything else by the
-    reference."""
-    cdef const unsigned char* p
-    if type(canonical_hash) is bytes and PyBytes_GET_SIZE(canonical_hash) == 8:
-        p = <const unsigned char*>PyBytes_AS_STRING(canonical_hash)
-        return ((<uint64_t>p[0] << 56) | (<uint64_t>p[1] << 48) | (<uint64_t>p[2] << 40) | (<uint64_t>p[3] << 32)
-                | (<uint64_t>p[4] << 24) | (<uint64_t>p[5] << 16) | (<uint64_t>p[6] << 8) | <uint64_t>p[7])
-    return _u64(_block_key(canonical_hash))
 
 
 cdef class BlockTable:
