@@ -71,7 +71,7 @@ OTHER_LEAVES: dict[str, Counter] = defaultdict(Counter)
 def fold(raw: Path) -> dict[str, Counter]:
     """Samples per process ('worker' or 'repartition') and stage, from py-spy's raw (collapsed) output."""
     out: dict[str, Counter] = defaultdict(Counter)
-    for line in raw.read_text().splitlines():
+    for line in raw.read_text(errors="replace").splitlines():  # py-spy prints some frames undecoded
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue  # a frame name with a line break in it (py-spy prints some modules' docstrings): a fragment
