@@ -179,6 +179,7 @@ def _write_path(app: faust.App, settings: WorkerSettings) -> tuple[StreamApp, Ag
     repartition = RepartitionService(app, settings.bootstrap_servers, topics, settings.partitions,
                                      batch_size=settings.repartition_batch, within_s=settings.repartition_within_s,
                                      linger_s=settings.repartition_linger_s,
+                                     nice=settings.repartition_nice,
                                      log_format=settings.log_format,
                                      schema_registry_url=settings.schema_registry_url,
                                      aggregation=settings.sources.aggregation)

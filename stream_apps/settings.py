@@ -80,6 +80,15 @@ class WorkerSettings(BaseSettings):
     repartition_linger_s: float = Field(0.02, ge=0, description="a repartition batch that is not backlogged takes "
                                                                 "what arrived within this many seconds of the "
                                                                 "previous one, seconds")
+    #: Niceness added to the repartition process (``os.nice``): while the input is backlogged the process runs
+    #: ahead of the materializing agent, the stage that limits the worker's rate, and on a host with fewer
+    #: free cores than busy processes an equal share of the CPU made the agent wait for it. A lower priority
+    #: hands that CPU to the agent when both want it and costs nothing when a core is free: the scheduler gives
+    #: an idle core to a niced process as to any other (docs/operations.md, "CPU priority of the stages").
+    #: 0: the worker's own priority.
+    repartition_nice: int = Field(10, ge=0, le=19, description="niceness added to the repartition process, so "
+                                                               "that the agent gets the CPU first when both "
+                                                               "want it; 0: the worker's own priority")
     #: Each table write is buffered, and every this many seconds the latest value of each key written is
     #: produced to the table's changelog (and at every checkpoint). The other workers' copies of the global
     #: tables (their fleet views) and standby replicas follow within it; lower costs more records and CPU

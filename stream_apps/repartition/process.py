@@ -54,11 +54,15 @@ class RepartitionProcess:
         bootstrap_servers, topics, partitions, batch_size, within_s, linger_s, agent_progress, aggregation: as
             :class:`Repartitioner` (``agent_progress`` made by :func:`new_agent_progress`; None: a new one). The child
             inherits the environment (security settings, ``BROKER_SESSION_TIMEOUT``).
+        nice: niceness the child adds to its own at start (``os.nice``, 0 to 19; ``--repartition-nice``): below
+            the worker's priority, it gets the CPU after the agent when both want it. 0: the same priority.
     """
 
     def __init__(self, bootstrap_servers: str, topics: TopicNames, partitions: int, *, batch_size: int = 10_000,
-                 within_s: float = 0.1, linger_s: float = 0.02, log_format: str = "text",
+                 within_s: float = 0.1, linger_s: float = 0.02, nice: int = 0, log_format: str = "text",
                  schema_registry_url: str = "", agent_progress=None, aggregation: dict | None = None) -> None:
+        if not 0 <= nice <= 19:
+            raise ValueError(f"nice={nice!r}: expected 0 to 19 (added to the worker's niceness)")
         context = multiprocessing.get_context("spawn")  # the worker has threads; fork would copy their locks
         self._stop = context.Event()
         #: Re-keyed partition -> offset of the last message this worker's agent finished
@@ -72,7 +76,7 @@ class RepartitionProcess:
             args=(bootstrap_servers, topics, partitions, batch_size, within_s, linger_s, self.agent_progress,
                   self._stop, self._values,
                   os.getpid(), logging.getLevelName(logging.getLogger().getEffectiveLevel()), log_format,
-                  schema_registry_url, dict(aggregation or {})))
+                  schema_registry_url, dict(aggregation or {}), nice))
 
     def start(self) -> None:
         """Spawn the child (it imports the project, then joins its consumer group)."""
@@ -103,9 +107,11 @@ class RepartitionProcess:
 
 def _run_child(bootstrap_servers: str, topics: TopicNames, partitions: int, batch_size: int, within_s: float,
                linger_s: float, agent_progress, stop, values: dict, parent_pid: int, log_level: str, log_format: str,
-               schema_registry_url: str, aggregation: dict) -> None:
+               schema_registry_url: str, aggregation: dict, nice: int) -> None:
     """The child process of :class:`RepartitionProcess`: run the loop until asked to stop."""
     configure_logging(log_level, log_format)
+    if nice:
+        log.info("repartition process at niceness %d (--repartition-nice %d)", os.nice(nice), nice)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
 
@@ -136,14 +142,15 @@ class RepartitionService(mode.Service):
     Args:
         app: the Faust app (its ``crash`` is called when the process exits).
         bootstrap_servers, topics, partitions, batch_size, within_s, linger_s, aggregation: as :class:`Repartitioner`.
+        nice: as :class:`RepartitionProcess`.
     """
 
     def __init__(self, app, bootstrap_servers: str, topics: TopicNames, partitions: int, *, batch_size: int,
-                 within_s: float, linger_s: float = 0.02, log_format: str = "text", schema_registry_url: str = "",
-                 aggregation: dict | None = None, **kwargs) -> None:
+                 within_s: float, linger_s: float = 0.02, nice: int = 0, log_format: str = "text",
+                 schema_registry_url: str = "", aggregation: dict | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
         self.app = app
-        self._arguments = (bootstrap_servers, topics, partitions, batch_size, within_s, linger_s, log_format,
+        self._arguments = (bootstrap_servers, topics, partitions, batch_size, within_s, linger_s, nice, log_format,
                            schema_registry_url, aggregation)
         #: What the worker's agent has finished, for the process (:class:`stream_apps.agent_progress.AgentProgress`).
         self.agent_progress = new_agent_progress(partitions)
@@ -152,10 +159,10 @@ class RepartitionService(mode.Service):
 
     async def on_start(self) -> None:
         # built here, not in __init__: the process takes the log level Faust has configured by now
-        (bootstrap_servers, topics, partitions, batch_size, within_s, linger_s, log_format, registry_url,
+        (bootstrap_servers, topics, partitions, batch_size, within_s, linger_s, nice, log_format, registry_url,
          aggregation) = self._arguments
         self.process = RepartitionProcess(bootstrap_servers, topics, partitions, batch_size=batch_size,
-                                          within_s=within_s, linger_s=linger_s, log_format=log_format,
+                                          within_s=within_s, linger_s=linger_s, nice=nice, log_format=log_format,
                                           agent_progress=self.agent_progress,
                                           schema_registry_url=registry_url, aggregation=aggregation)
         self.process.start()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 import urllib.error
@@ -83,6 +84,12 @@ def test_probes_metrics_json_logs_and_a_clean_stop(kafka_bootstrap, tmp_path):
         assert samples['kvstream_http_requests_total{status="200",view="ready"}'] >= 1
         assert any(name.startswith("kvstream_consumer_lag_messages{") and f'topic="{topics.kv_events}"' in name
                    for name in samples)
+        # the repartition process runs below the worker's priority (--repartition-nice, default 10), and says so
+        child = next(json.loads(line)["process"] for line in (tmp_path / "worker.log").read_text().splitlines()
+                     if line.startswith("{") and "repartition process at niceness" in line)
+        assert child != process.pid
+        assert (os.getpriority(os.PRIO_PROCESS, child) - os.getpriority(os.PRIO_PROCESS, process.pid)
+                == settings.repartition_nice == 10)
         # SIGTERM: the worker leaves its group and exits 0 (wait raises if it is still running at the limit)
         process.send_signal(signal.SIGTERM)
         assert process.wait(STOP_LIMIT_S) == 0

@@ -10,7 +10,9 @@ import pytest
 from schemas import AvroCodec
 from schemas.avro_writers import encode_clear_mark, encode_keyed_event, encode_ownership_batch
 from schemas.clear_position import NO_CLEAR
+from schemas.topics import TopicNames
 from stream_apps.repartition import ClearHistory
+from stream_apps.repartition.process import RepartitionProcess
 
 BATCH = AvroCodec("ownership_batch")
 
@@ -340,3 +342,9 @@ def test_the_compiled_loop_rekeys_every_record_exactly_as_the_python_loop_does(s
         e.kind, source_aggregation(e.source, {"engine-é7": (4, "REPLICATED")}.get(e.source.instance_id)))]
     assert replicated and all(e.content is not None for e in replicated)
     assert all(e.content is None for e in read if e not in replicated)
+
+
+@pytest.mark.parametrize("nice", [-1, 20])
+def test_repartition_process_refuses_a_niceness_outside_0_to_19(nice):
+    with pytest.raises(ValueError, match="expected 0 to 19"):
+        RepartitionProcess("127.0.0.1:9", TopicNames("kvstream"), 8, nice=nice)
