@@ -39,6 +39,8 @@ class CompactedFeed:
         self._bootstrap_servers = bootstrap_servers
         self._group_prefix = group_prefix
         self._consumer: Consumer | None = None
+        #: The consumer that looks for the topic until it exists; it becomes :attr:`_consumer` then.
+        self._looking: Consumer | None = None
         self._next_look = 0.0
 
     def on_record(self, key: str, record: dict, message: Message) -> None:
@@ -51,20 +53,23 @@ class CompactedFeed:
 
     def _open(self) -> bool:
         """Assigns every partition from its beginning; False while the topic does not exist, looked for again at
-        most every :data:`TOPIC_LOOK_S`."""
+        most every :data:`TOPIC_LOOK_S`. The consumer that looks is kept between looks: a new client for each
+        one started threads and connections and asked the broker for its API versions every second, for as
+        long as nobody wrote the topic (a fleet without registrations never does)."""
         if time.monotonic() < self._next_look:
             return False
         self._next_look = time.monotonic() + TOPIC_LOOK_S
-        consumer = Consumer(client_config(self._bootstrap_servers, **{
-            "group.id": f"{self._group_prefix}-{uuid.uuid4().hex}", "enable.auto.commit": False,
-            "auto.offset.reset": "earliest"}))
+        if self._looking is None:
+            self._looking = Consumer(client_config(self._bootstrap_servers, **{
+                "group.id": f"{self._group_prefix}-{uuid.uuid4().hex}", "enable.auto.commit": False,
+                "auto.offset.reset": "earliest"}))
         try:
-            topic = consumer.list_topics(self.topic, timeout=10).topics.get(self.topic)
+            topic = self._looking.list_topics(self.topic, timeout=10).topics.get(self.topic)
         except KafkaException:
             topic = None
         if topic is None or topic.error is not None or not topic.partitions:
-            consumer.close()
             return False
+        consumer, self._looking = self._looking, None
         consumer.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in topic.partitions])
         self._consumer = consumer
         return True
@@ -89,7 +94,8 @@ class CompactedFeed:
         return len(messages)
 
     def close(self) -> None:
-        """Close the consumer."""
-        if self._consumer is not None:
-            self._consumer.close()
-            self._consumer = None
+        """Close the consumer (or the one still looking for the topic)."""
+        for consumer in (self._consumer, self._looking):
+            if consumer is not None:
+                consumer.close()
+        self._consumer = self._looking = None

@@ -256,3 +256,31 @@ def test_paths_without_the_trailing_slash_answer_too(fleet):
         assert status == 200 and answer["matches"][0]["matched_blocks"] == 4
     with urllib.request.urlopen(f"{fleet['workers'][0]}/residency/{chain[0]}", timeout=30) as response:
         assert json.loads(response.read())["rows"][0]["instance_id"] == "plain"
+
+
+def test_a_registrations_feed_waits_for_its_topic_with_one_consumer_and_then_reads_it(kafka_bootstrap, monkeypatch):
+    """Until kv-instances exists the feed looks for it every TOPIC_LOOK_S with the same consumer (a new client per
+    look started threads and connections every second); once it exists that consumer reads it from the start."""
+    from stream_apps.index import compacted_feed
+    from stream_apps.index.registrations import RegistrationsFeed, RegistrationWriter
+    from stream_apps.index.sources import SourceInfo
+
+    monkeypatch.setattr(compacted_feed, "TOPIC_LOOK_S", 0.0)
+    topic = TopicNames(f"look-{int(time.time() * 1000)}").instances
+    applied = []
+    feed = RegistrationsFeed(kafka_bootstrap, topic, lambda key, info: applied.append((key, info)))
+    try:
+        assert feed.poll() == 0 and feed.poll() == 0
+        looking = feed._looking
+        assert looking is not None and feed._consumer is None
+        assert feed.poll() == 0 and feed._looking is looking  # the third look: still the same client
+        writer = RegistrationWriter(kafka_bootstrap, topic)
+        writer.write(SourceInfo("late-engine", model_name="llama-3", block_size=16))
+        writer.close()
+        deadline = time.monotonic() + 30
+        while not applied and time.monotonic() < deadline:
+            feed.poll(0.2)
+        assert feed._consumer is looking and feed._looking is None
+        assert [(key, info.model_name, info.block_size) for key, info in applied] == [("late-engine", "llama-3", 16)]
+    finally:
+        feed.close()
