@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Message, TopicPartition
 
@@ -19,6 +20,57 @@ log = logging.getLogger(__name__)
 TOPIC_LOOK_S = 1.0
 #: Most records one :meth:`CompactedFeed.poll` reads.
 POLL_BATCH = 500
+
+
+class TopicLook:
+    """Looks for ``topic`` at most every ``every_s`` seconds with one consumer, kept from look to look until the
+    topic exists and :meth:`take` hands it on to read it. A new client for each look started threads and
+    connections and asked the broker for its API versions every second, for as long as nobody wrote the topic
+    (a fleet without registrations never writes ``kv-instances``; an index replica may start before any worker
+    created the residency changelog).
+
+    Args:
+        topic: the topic looked for.
+        new_consumer: builds the consumer (with the caller's settings) at the first look, and again after a
+            :meth:`take`.
+        every_s: least seconds between two looks.
+    """
+
+    def __init__(self, topic: str, new_consumer: Callable[[], Consumer], every_s: float) -> None:
+        self.topic = topic
+        self.every_s = every_s
+        #: The consumer that looks (None before the first look and after :meth:`take`).
+        self.consumer: Consumer | None = None
+        self._new_consumer = new_consumer
+        self._next_look = 0.0
+
+    def partitions(self) -> list[int] | None:
+        """The topic's partitions if it exists now; None if it does not, the broker did not answer within 10 s,
+        or the previous look was less than ``every_s`` ago."""
+        now = time.monotonic()
+        if now < self._next_look:
+            return None
+        self._next_look = now + self.every_s
+        if self.consumer is None:
+            self.consumer = self._new_consumer()
+        try:
+            topic = self.consumer.list_topics(self.topic, timeout=10).topics.get(self.topic)
+        except KafkaException:
+            return None
+        if topic is None or topic.error is not None or not topic.partitions:
+            return None
+        return sorted(topic.partitions)
+
+    def take(self) -> Consumer:
+        """The consumer that found the topic, now the caller's to assign and close."""
+        consumer, self.consumer = self.consumer, None
+        return consumer
+
+    def close(self) -> None:
+        """Close the consumer still looking, if any."""
+        if self.consumer is not None:
+            self.consumer.close()
+            self.consumer = None
 
 
 class CompactedFeed:
@@ -36,12 +88,10 @@ class CompactedFeed:
         #: Records read so far, tombstones included.
         self.records = 0
         self._codec = codec
-        self._bootstrap_servers = bootstrap_servers
-        self._group_prefix = group_prefix
         self._consumer: Consumer | None = None
-        #: The consumer that looks for the topic until it exists; it becomes :attr:`_consumer` then.
-        self._looking: Consumer | None = None
-        self._next_look = 0.0
+        self._look = TopicLook(topic, lambda: Consumer(client_config(bootstrap_servers, **{
+            "group.id": f"{group_prefix}-{uuid.uuid4().hex}", "enable.auto.commit": False,
+            "auto.offset.reset": "earliest"})), TOPIC_LOOK_S)
 
     def on_record(self, key: str, record: dict, message: Message) -> None:
         """One decoded value of ``key``."""
@@ -53,25 +103,12 @@ class CompactedFeed:
 
     def _open(self) -> bool:
         """Assigns every partition from its beginning; False while the topic does not exist, looked for again at
-        most every :data:`TOPIC_LOOK_S`. The consumer that looks is kept between looks: a new client for each
-        one started threads and connections and asked the broker for its API versions every second, for as
-        long as nobody wrote the topic (a fleet without registrations never does)."""
-        if time.monotonic() < self._next_look:
+        most every :data:`TOPIC_LOOK_S` (:class:`TopicLook`)."""
+        partitions = self._look.partitions()
+        if partitions is None:
             return False
-        self._next_look = time.monotonic() + TOPIC_LOOK_S
-        if self._looking is None:
-            self._looking = Consumer(client_config(self._bootstrap_servers, **{
-                "group.id": f"{self._group_prefix}-{uuid.uuid4().hex}", "enable.auto.commit": False,
-                "auto.offset.reset": "earliest"}))
-        try:
-            topic = self._looking.list_topics(self.topic, timeout=10).topics.get(self.topic)
-        except KafkaException:
-            topic = None
-        if topic is None or topic.error is not None or not topic.partitions:
-            return False
-        consumer, self._looking = self._looking, None
-        consumer.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in topic.partitions])
-        self._consumer = consumer
+        self._consumer = self._look.take()
+        self._consumer.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in partitions])
         return True
 
     def poll(self, timeout_s: float = 0.0) -> int:
@@ -95,7 +132,7 @@ class CompactedFeed:
 
     def close(self) -> None:
         """Close the consumer (or the one still looking for the topic)."""
-        for consumer in (self._consumer, self._looking):
-            if consumer is not None:
-                consumer.close()
-        self._consumer = self._looking = None
+        self._look.close()
+        if self._consumer is not None:
+            self._consumer.close()
+            self._consumer = None

@@ -24,6 +24,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 
 from kafka_io.config import client_config
 from schemas import AvroCodec, DecodeError
+from stream_apps.index.compacted_feed import TopicLook
 from stream_apps.index.entry_reader import IndexEntryReader
 from stream_apps.index.fleet_index import FleetIndex
 
@@ -62,8 +63,6 @@ class ChangelogFeed:
         self.topic = topic
         self._codec = codec
         self._read_entry = IndexEntryReader(codec).read_index_entry
-        self._bootstrap_servers = bootstrap_servers
-        self._consumer_factory = consumer_factory
         self._consumer: Consumer | None = None
         #: partition -> the offset to read up to before the index counts as caught up (end offsets at start).
         self._targets: dict[int, int] = {}
@@ -71,7 +70,10 @@ class ChangelogFeed:
         self._positions: dict[int, int] = {}
         self._caught_up_at: float | None = None
         self._started = time.monotonic()
-        self._next_topic_look = 0.0
+        self._look = TopicLook(topic, lambda: consumer_factory(client_config(bootstrap_servers, **{
+            "group.id": f"kvstream-index-{uuid.uuid4().hex}", "enable.auto.commit": False,
+            "enable.auto.offset.store": False, "auto.offset.reset": "earliest",
+            "fetch.wait.max.ms": 20, "queued.max.messages.kbytes": 65536})), TOPIC_RETRY_S)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         #: Records read, and values that could not be decoded (logged with their key and reason, then skipped).
@@ -115,30 +117,21 @@ class ChangelogFeed:
 
     def _open(self) -> bool:
         """Assign every partition of the topic from its start and take the catch-up targets; False while the
-        topic does not exist."""
-        now = time.monotonic()
-        if now < self._next_topic_look:
+        topic does not exist (looked for again at most every :data:`TOPIC_RETRY_S`, :class:`TopicLook`)."""
+        partitions = self._look.partitions()
+        if partitions is None:
             return False
-        self._next_topic_look = now + TOPIC_RETRY_S
-        consumer = self._consumer_factory(client_config(self._bootstrap_servers, **{
-            "group.id": f"kvstream-index-{uuid.uuid4().hex}", "enable.auto.commit": False,
-            "enable.auto.offset.store": False, "auto.offset.reset": "earliest",
-            "fetch.wait.max.ms": 20, "queued.max.messages.kbytes": 65536}))
+        targets = {}
         try:
-            metadata = consumer.list_topics(self.topic, timeout=10)
-            topic = metadata.topics.get(self.topic)
-            if topic is None or topic.error is not None or not topic.partitions:
-                consumer.close()
-                return False
-            targets = {}
-            for partition in topic.partitions:
-                low, high = consumer.get_watermark_offsets(TopicPartition(self.topic, partition), timeout=10)
+            for partition in partitions:
+                low, high = self._look.consumer.get_watermark_offsets(TopicPartition(self.topic, partition),
+                                                                      timeout=10)
                 targets[partition] = high
                 self._positions[partition] = low
-        except KafkaException as exc:
-            consumer.close()
+        except KafkaException as exc:  # the looking consumer stays for the next look
             log.warning("index: cannot read %s yet: %s", self.topic, exc)
             return False
+        consumer = self._look.take()
         consumer.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in targets])
         self._targets, self._consumer = targets, consumer
         log.info("index: reading %s (%d partitions, %d records to catch up on)", self.topic, len(targets),
@@ -250,6 +243,7 @@ class ChangelogFeed:
             self._close_consumer()
 
     def _close_consumer(self) -> None:
+        self._look.close()
         if self._consumer is not None:
             try:
                 self._consumer.close()

@@ -271,16 +271,16 @@ def test_a_registrations_feed_waits_for_its_topic_with_one_consumer_and_then_rea
     feed = RegistrationsFeed(kafka_bootstrap, topic, lambda key, info: applied.append((key, info)))
     try:
         assert feed.poll() == 0 and feed.poll() == 0
-        looking = feed._looking
+        looking = feed._look.consumer
         assert looking is not None and feed._consumer is None
-        assert feed.poll() == 0 and feed._looking is looking  # the third look: still the same client
+        assert feed.poll() == 0 and feed._look.consumer is looking  # the third look: still the same client
         writer = RegistrationWriter(kafka_bootstrap, topic)
         writer.write(SourceInfo("late-engine", model_name="llama-3", block_size=16))
         writer.close()
         deadline = time.monotonic() + 30
         while not applied and time.monotonic() < deadline:
             feed.poll(0.2)
-        assert feed._consumer is looking and feed._looking is None
+        assert feed._consumer is looking and feed._look.consumer is None
         assert [(key, info.model_name, info.block_size) for key, info in applied] == [("late-engine", "llama-3", 16)]
     finally:
         feed.close()

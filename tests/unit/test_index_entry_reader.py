@@ -522,3 +522,35 @@ def test_the_feed_reads_a_changelog_into_the_index_the_full_decode_built():
     assert feed.undecodable == old_feed.undecodable == broken + 1
     assert feed.caught_up and lean.stats()["blocks"] > 0
     assert _state(lean) == _state(decoded.index)
+
+
+class _LateTopic(_Consumer):
+    """A changelog that exists only from the third look at it (an index replica started before any worker)."""
+
+    def __init__(self, topic: str, messages: list[_Message]) -> None:
+        super().__init__(topic, messages)
+        self.looks = 0
+
+    def list_topics(self, topic: str, timeout: float) -> ClusterMetadata:
+        self.looks += 1
+        if self.looks < 3:
+            metadata = ClusterMetadata()
+            metadata.topics = {}
+            return metadata
+        return super().list_topics(topic, timeout)
+
+
+def test_the_feed_looks_for_a_missing_changelog_with_one_consumer_then_reads_it():
+    topic = "kvstream-residency-changelog"
+    made = []
+    messages = [_Message(None, b"", 0)]  # a record without a key: read and skipped
+
+    def factory(config):
+        made.append(_LateTopic(topic, messages))
+        return made[-1]
+
+    feed = ChangelogFeed(FleetIndex(), "unused:9092", topic, CODEC, consumer_factory=factory)
+    feed._look.every_s = 0.0  # a look at every poll (TOPIC_RETRY_S apart otherwise)
+    assert feed.poll(0) == 0 and feed.poll(0) == 0 and not feed.caught_up
+    assert feed.poll(0) == 1 and feed.caught_up
+    assert len(made) == 1 and made[0].looks == 3
