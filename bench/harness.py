@@ -162,6 +162,8 @@ class _Workers:
 
         with tqdm(total=total, unit="ev", desc=label, leave=False, disable=None) as bar:
             def show(_progress):
+                if bar.disable:  # no terminal: no HTTP request to the worker being measured
+                    return
                 bar.n = min(self.materialized(), total)
                 bar.refresh()
 

@@ -213,18 +213,21 @@ def print_peers(peers: dict) -> None:
 
 
 def wait_committed(bootstrap: str, group: str, topic: str, timeout_s: float, alive, poll_s: float = 0.25) -> float:
-    """Wait until ``group`` has committed the end of every partition of ``topic``; returns perf_counter then."""
-    from kafka_io.admin import group_progress
+    """Wait until ``group`` has committed the end of every partition of ``topic``; returns perf_counter then.
+    One :class:`~kafka_io.admin.GroupProgressReader` for the whole wait, as the kvstream contestants'
+    (:func:`kvstream.worker.wait_until_consumed`): the poll's own load on the broker is the same for both."""
+    from kafka_io.admin import GroupProgressReader
 
     deadline = time.monotonic() + timeout_s
-    while True:
-        alive()
-        try:
-            progress = group_progress(bootstrap, group, [topic])[topic]
-            if progress.end and progress.lag == 0:
-                return time.perf_counter()
-        except RuntimeError:
-            pass  # the group coordinator is still loading
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"group {group} did not commit the end of {topic} within {timeout_s:.0f}s")
-        time.sleep(poll_s)
+    with GroupProgressReader(bootstrap) as reader:
+        while True:
+            alive()
+            try:
+                progress = reader.group_progress(group, [topic])[topic]
+                if progress.end and progress.lag == 0:
+                    return time.perf_counter()
+            except RuntimeError:
+                pass  # the group coordinator is still loading
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"group {group} did not commit the end of {topic} within {timeout_s:.0f}s")
+            time.sleep(poll_s)

@@ -89,60 +89,132 @@ class GroupProgress:
         return self.end - self.committed
 
 
+class GroupProgressReader:
+    """Reads consumer groups' progress again and again over the same two clients.
+
+    A poll that made its clients anew each time (a librdkafka admin client, an aiokafka admin client with its
+    bootstrap, ApiVersions and Metadata requests) cost the broker about 10-30 ms of CPU per group read, several
+    times a second in a wait loop: on a small host that is CPU the stream app being waited for does not get.
+    Here the clients are made once and kept: the librdkafka one for metadata and offsets, the aiokafka one, started
+    once on an event loop of the reader's own, for the committed offsets (see :meth:`partition_progress`).
+
+    Blocking, and not for concurrent use: one caller at a time (from a coroutine, call it in a thread). Close it
+    when done (or use it as a context manager).
+
+    Args:
+        bootstrap_servers: Kafka bootstrap servers.
+        admin: a librdkafka admin client to use instead of one of its own (kept open by :meth:`close`).
+    """
+
+    def __init__(self, bootstrap_servers: str, admin: AdminClient | None = None) -> None:
+        self.bootstrap_servers = bootstrap_servers
+        self._admin = admin or AdminClient(client_config(bootstrap_servers))
+        self._loop = asyncio.new_event_loop()
+        self._offsets_client: AIOKafkaAdminClient | None = None
+        #: (topic, ...) -> their partitions, once every one of them exists (partitions are only ever added, and a
+        #: wait loop reads the same topics throughout).
+        self._partitions: dict[tuple[str, ...], list[TopicPartition]] = {}
+
+    def __enter__(self) -> GroupProgressReader:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the aiokafka client and the reader's event loop; the reader cannot be used afterwards."""
+        if self._loop.is_closed():
+            return
+        try:
+            if self._offsets_client is not None:
+                self._loop.run_until_complete(self._offsets_client.close())
+        finally:
+            self._offsets_client = None
+            self._loop.close()
+
+    def partition_progress(self, group: str, topics: list[str]) -> dict[tuple[str, int], GroupProgress]:
+        """Per (topic, partition): how far ``group`` has committed, counted from the partition's start offset.
+
+        Committed offsets come from aiokafka's admin client: librdkafka 2.16's ListConsumerGroupOffsets crashes
+        the process (NULL ``rd_kafka_cgrp_op`` in ``rd_kafka_handle_OffsetFetch``) when the group coordinator
+        answers with an error, e.g. while it is still loading. Topics that do not exist are left out.
+
+        Raises:
+            RuntimeError: the broker did not answer, or the group coordinator is not ready yet.
+        """
+        try:
+            partitions = self._topic_partitions(topics)
+            if not partitions:
+                return {}
+            committed = self._loop.run_until_complete(self._committed_offsets(group, partitions))
+            earliest = self._admin.list_offsets({tp: OffsetSpec.earliest() for tp in partitions})
+            latest = self._admin.list_offsets({tp: OffsetSpec.latest() for tp in partitions})
+            progress = {}
+            for tp in partitions:
+                low, high = earliest[tp].result().offset, latest[tp].result().offset
+                done = max(committed.get((tp.topic, tp.partition), 0) - low, 0)
+                progress[(tp.topic, tp.partition)] = GroupProgress(done, high - low)
+            return progress
+        except (KafkaException, KafkaError) as exc:
+            raise RuntimeError(f"could not read consumer group {group}: {exc}") from None
+
+    def group_progress(self, group: str, topics: list[str]) -> dict[str, GroupProgress]:
+        """Per topic: how far ``group`` has committed, against the topic's start and end offsets (the sum of
+        :meth:`partition_progress` over each topic's partitions).
+
+        Raises:
+            RuntimeError: as :meth:`partition_progress`.
+        """
+        progress = {t: GroupProgress(0, 0) for t in topics}
+        for (topic, _), part in self.partition_progress(group, topics).items():
+            progress[topic].committed += part.committed
+            progress[topic].end += part.end
+        return progress
+
+    def _topic_partitions(self, topics: list[str]) -> list[TopicPartition]:
+        """The partitions of those of ``topics`` that exist (a Metadata request until all of them do)."""
+        known = self._partitions.get(tuple(topics))
+        if known is not None:
+            return known
+        metadata = self._admin.list_topics(timeout=10)
+        partitions = [TopicPartition(t, p) for t in topics if t in metadata.topics
+                      for p in metadata.topics[t].partitions]
+        if all(t in metadata.topics and not metadata.topics[t].error for t in topics):
+            self._partitions[tuple(topics)] = partitions
+        return partitions
+
+    async def _committed_offsets(self, group: str, partitions: list[TopicPartition]) -> dict[tuple[str, int], int]:
+        if self._offsets_client is None:
+            client = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap_servers, **aiokafka_security())
+            try:
+                await client.start()
+            except BaseException:
+                await client.close()
+                raise
+            self._offsets_client = client
+        offsets = await self._offsets_client.list_consumer_group_offsets(
+            group, partitions=[AioTopicPartition(tp.topic, tp.partition) for tp in partitions])
+        return {(tp.topic, tp.partition): meta.offset for tp, meta in offsets.items()}
+
+
 def group_progress(bootstrap_servers: str, group: str, topics: list[str],
                    admin: AdminClient | None = None) -> dict[str, GroupProgress]:
-    """Per topic: how far ``group`` has committed, against the topic's start and end offsets (the sum of
-    :func:`partition_progress` over each topic's partitions).
+    """One reading of :meth:`GroupProgressReader.group_progress` (for a loop, keep a :class:`GroupProgressReader`).
 
     Raises:
-        RuntimeError: as :func:`partition_progress`.
+        RuntimeError: as :meth:`GroupProgressReader.partition_progress`.
     """
-    progress = {t: GroupProgress(0, 0) for t in topics}
-    for (topic, _), part in partition_progress(bootstrap_servers, group, topics, admin).items():
-        progress[topic].committed += part.committed
-        progress[topic].end += part.end
-    return progress
+    with GroupProgressReader(bootstrap_servers, admin) as reader:
+        return reader.group_progress(group, topics)
 
 
 def partition_progress(bootstrap_servers: str, group: str, topics: list[str],
                        admin: AdminClient | None = None) -> dict[tuple[str, int], GroupProgress]:
-    """Per (topic, partition): how far ``group`` has committed, counted from the partition's start offset.
-
-    Committed offsets come from aiokafka's admin client: librdkafka 2.16's ListConsumerGroupOffsets crashes
-    the process (NULL ``rd_kafka_cgrp_op`` in ``rd_kafka_handle_OffsetFetch``) when the group coordinator
-    answers with an error, e.g. while it is still loading. Blocking, with an event loop of its own: from a
-    coroutine, run it in a thread.
+    """One reading of :meth:`GroupProgressReader.partition_progress` (for a loop, keep a
+    :class:`GroupProgressReader`). Blocking, with an event loop of its own: from a coroutine, run it in a thread.
 
     Raises:
-        RuntimeError: the broker did not answer, or the group coordinator is not ready yet.
+        RuntimeError: as :meth:`GroupProgressReader.partition_progress`.
     """
-    admin = admin or AdminClient(client_config(bootstrap_servers))
-    try:
-        metadata = admin.list_topics(timeout=10)
-        partitions = [TopicPartition(t, p) for t in topics if t in metadata.topics
-                      for p in metadata.topics[t].partitions]
-        if not partitions:
-            return {}
-        committed = asyncio.run(_committed_offsets(bootstrap_servers, group, partitions))
-        earliest = admin.list_offsets({tp: OffsetSpec.earliest() for tp in partitions})
-        latest = admin.list_offsets({tp: OffsetSpec.latest() for tp in partitions})
-        progress = {}
-        for tp in partitions:
-            low, high = earliest[tp].result().offset, latest[tp].result().offset
-            done = max(committed.get((tp.topic, tp.partition), 0) - low, 0)
-            progress[(tp.topic, tp.partition)] = GroupProgress(done, high - low)
-        return progress
-    except (KafkaException, KafkaError) as exc:
-        raise RuntimeError(f"could not read consumer group {group}: {exc}") from None
-
-
-async def _committed_offsets(bootstrap_servers: str, group: str,
-                             partitions: list[TopicPartition]) -> dict[tuple[str, int], int]:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers, **aiokafka_security())
-    await admin.start()
-    try:
-        offsets = await admin.list_consumer_group_offsets(
-            group, partitions=[AioTopicPartition(tp.topic, tp.partition) for tp in partitions])
-    finally:
-        await admin.close()
-    return {(tp.topic, tp.partition): meta.offset for tp, meta in offsets.items()}
+    with GroupProgressReader(bootstrap_servers, admin) as reader:
+        return reader.partition_progress(group, topics)

@@ -15,10 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from confluent_kafka.admin import AdminClient
-
-from kafka_io.admin import GroupProgress, ensure_topics
-from kafka_io.config import client_config
+from kafka_io.admin import GroupProgressReader, ensure_topics
 from kafka_io.logs import configure_logging, logging_config
 from kvstream.broker import port_in_use
 from kvstream.options import settings_to_argv
@@ -84,18 +81,6 @@ def stop_worker(process: subprocess.Popen, grace_s: float = 30.0) -> None:
         process.wait()
 
 
-def app_progress(bootstrap_servers: str, app: str | TopicNames,
-                 admin: AdminClient | None = None) -> dict[str, GroupProgress]:
-    """Progress of both consumer groups of an app (an app id, or its :class:`TopicNames` when it has a topic
-    prefix): kv-events (the repartition process's group) and the re-keyed topic (the agent's group).
-
-    Raises:
-        RuntimeError: as :func:`group_progress`.
-    """
-    names = app if isinstance(app, TopicNames) else TopicNames(app)
-    return input_progress(bootstrap_servers, names, admin or AdminClient(client_config(bootstrap_servers)))
-
-
 def wait_until_consumed(bootstrap_servers: str, app: str | TopicNames, process: subprocess.Popen | None, *,
                         timeout_s: float, on_progress=None, poll_s: float = 1.0) -> float:
     """Wait until an app (its id, or its :class:`TopicNames`) has committed everything in kv-events and its
@@ -118,23 +103,23 @@ def wait_until_consumed(bootstrap_servers: str, app: str | TopicNames, process: 
     names = app if isinstance(app, TopicNames) else TopicNames(app)
     group = names.scoped_app_id
     started = time.monotonic()
-    admin = AdminClient(client_config(bootstrap_servers))
-    while True:
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"the stream-app worker exited with code {process.returncode}")
-        try:
-            progress = app_progress(bootstrap_servers, names, admin)
-        except RuntimeError as exc:  # e.g. the group coordinator is still loading: ask again
+    with GroupProgressReader(bootstrap_servers) as reader:  # one set of clients for the whole wait
+        while True:
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(f"the stream-app worker exited with code {process.returncode}")
+            try:
+                progress = input_progress(reader, names)
+            except RuntimeError as exc:  # e.g. the group coordinator is still loading: ask again
+                if time.monotonic() - started > timeout_s:
+                    raise TimeoutError(f"consumer group {group} unreadable after {timeout_s:.0f}s: {exc}") from None
+                time.sleep(poll_s)
+                continue
+            if on_progress:
+                on_progress(progress)
+            upstream = progress[names.kv_events]
+            if upstream.end and all(p.lag == 0 for p in progress.values()):
+                return time.monotonic() - started
             if time.monotonic() - started > timeout_s:
-                raise TimeoutError(f"consumer group {group} unreadable after {timeout_s:.0f}s: {exc}") from None
+                raise TimeoutError(f"consumer group {group} still has {sum(p.lag for p in progress.values())} "
+                                   f"messages to commit after {timeout_s:.0f}s")
             time.sleep(poll_s)
-            continue
-        if on_progress:
-            on_progress(progress)
-        upstream = progress[names.kv_events]
-        if upstream.end and all(p.lag == 0 for p in progress.values()):
-            return time.monotonic() - started
-        if time.monotonic() - started > timeout_s:
-            raise TimeoutError(f"consumer group {group} still has {sum(p.lag for p in progress.values())} "
-                               f"messages to commit after {timeout_s:.0f}s")
-        time.sleep(poll_s)

@@ -15,10 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
 
-from confluent_kafka.admin import AdminClient
-
-from kafka_io.admin import GroupProgress, group_progress
-from kafka_io.config import client_config
+from kafka_io.admin import GroupProgress, GroupProgressReader
 from schemas.topics import TopicNames
 from stream_apps.repartition import repartition_group
 from stream_apps.tables import Tables
@@ -78,16 +75,15 @@ def source_rows(tables: Tables, now: float | None = None) -> list[dict]:
     return rows
 
 
-def input_progress(bootstrap_servers: str, topics: TopicNames,
-                   admin: AdminClient | None = None) -> dict[str, GroupProgress]:
+def input_progress(reader: GroupProgressReader, topics: TopicNames) -> dict[str, GroupProgress]:
     """How far an app's two consumer groups have committed through its input: ``kv-events`` (the repartition
     stage's group ``<app id>-repartition``) and the re-keyed topic (the agent's group, the app id). Blocking.
 
     Raises:
-        RuntimeError: as :func:`kafka_io.admin.group_progress`.
+        RuntimeError: as :meth:`kafka_io.admin.GroupProgressReader.partition_progress`.
     """
-    return {**group_progress(bootstrap_servers, repartition_group(topics.scoped_app_id), [topics.kv_events], admin),
-            **group_progress(bootstrap_servers, topics.scoped_app_id, [topics.by_ownership], admin)}
+    return {**reader.group_progress(repartition_group(topics.scoped_app_id), [topics.kv_events]),
+            **reader.group_progress(topics.scoped_app_id, [topics.by_ownership])}
 
 
 @dataclass(frozen=True)
@@ -134,13 +130,14 @@ class InputLagReader:
 
     @classmethod
     def for_app(cls, bootstrap_servers: str, topics: TopicNames, **kwargs) -> InputLagReader:
-        """The reader of an app's groups, with one admin client (made at the first read, in the executor)."""
-        admin: list[AdminClient] = []
+        """The reader of an app's groups, with one :class:`~kafka_io.admin.GroupProgressReader` for the worker's
+        life (made at the first read, in the executor; :meth:`reading` never runs two reads at once)."""
+        reader: list[GroupProgressReader] = []
 
         def read() -> dict[str, GroupProgress]:
-            if not admin:
-                admin.append(AdminClient(client_config(bootstrap_servers)))
-            return input_progress(bootstrap_servers, topics, admin[0])
+            if not reader:
+                reader.append(GroupProgressReader(bootstrap_servers))
+            return input_progress(reader[0], topics)
 
         return cls(read, **kwargs)
 

@@ -1,0 +1,76 @@
+"""kafka_io.admin.GroupProgressReader against the real broker: one reader, many readings, each exact."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+from kafka_io.admin import GroupProgress, GroupProgressReader, ensure_topics, group_progress, partition_progress
+from kafka_io.config import client_config
+
+
+def _produce(bootstrap: str, topic: str, counts: dict[int, int]) -> None:
+    producer = Producer(client_config(bootstrap))
+    for partition, count in counts.items():
+        for i in range(count):
+            producer.produce(topic, value=b"%d" % i, partition=partition)
+    assert producer.flush(30) == 0
+
+
+def _commit(bootstrap: str, group: str, topic: str, offsets: dict[int, int]) -> None:
+    consumer = Consumer(client_config(bootstrap, **{"group.id": group, "enable.auto.commit": False}))
+    try:
+        consumer.commit(offsets=[TopicPartition(topic, p, o) for p, o in offsets.items()], asynchronous=False)
+    finally:
+        consumer.close()
+
+
+def _first_reading(reader: GroupProgressReader, group: str, topics: list[str]) -> dict[str, GroupProgress]:
+    """The first reading of a group on a fresh broker: its coordinator may still be loading (a RuntimeError that
+    says so, which the reader's callers retry)."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return reader.group_progress(group, topics)
+        except RuntimeError as exc:
+            assert "Coordinator" in str(exc) and time.monotonic() < deadline, exc
+            time.sleep(0.5)
+
+
+def test_one_reader_follows_a_group_through_its_commits(kafka_bootstrap):
+    topic, group = f"progress-{uuid.uuid4().hex[:8]}", f"progress-group-{uuid.uuid4().hex[:8]}"
+    ensure_topics(kafka_bootstrap, {topic: 2})
+    _produce(kafka_bootstrap, topic, {0: 5, 1: 3})
+    with GroupProgressReader(kafka_bootstrap) as reader:
+        assert _first_reading(reader, group, [topic]) == {topic: GroupProgress(0, 8)}  # nothing committed yet
+        _commit(kafka_bootstrap, group, topic, {0: 5, 1: 1})
+        assert reader.partition_progress(group, [topic]) == {(topic, 0): GroupProgress(5, 5),
+                                                             (topic, 1): GroupProgress(1, 3)}
+        assert reader.group_progress(group, [topic])[topic].lag == 2
+        _produce(kafka_bootstrap, topic, {1: 4})  # the end moves too
+        _commit(kafka_bootstrap, group, topic, {1: 7})
+        assert reader.group_progress(group, [topic]) == {topic: GroupProgress(12, 12)}
+    # the one-off functions read the same, each with clients of its own
+    assert group_progress(kafka_bootstrap, group, [topic]) == {topic: GroupProgress(12, 12)}
+    assert partition_progress(kafka_bootstrap, group, [topic])[(topic, 1)] == GroupProgress(7, 7)
+
+
+def test_a_topic_created_while_a_reader_waits_for_it_is_read_once_it_exists(kafka_bootstrap):
+    """The reader keeps a topic list's partitions only once all of them exist: a wait that starts before the
+    stream app created its topics still sees them."""
+    present, later = f"progress-{uuid.uuid4().hex[:8]}", f"progress-later-{uuid.uuid4().hex[:8]}"
+    group = f"progress-group-{uuid.uuid4().hex[:8]}"
+    ensure_topics(kafka_bootstrap, {present: 1})
+    _produce(kafka_bootstrap, present, {0: 2})
+    with GroupProgressReader(kafka_bootstrap) as reader:
+        assert _first_reading(reader, group, [present, later]) == {present: GroupProgress(0, 2),
+                                                                   later: GroupProgress(0, 0)}
+        ensure_topics(kafka_bootstrap, {later: 3})
+        _produce(kafka_bootstrap, later, {0: 1, 2: 2})
+        _commit(kafka_bootstrap, group, later, {2: 2})
+        assert reader.group_progress(group, [present, later]) == {present: GroupProgress(0, 2),
+                                                                  later: GroupProgress(2, 3)}
+        reader.close()
+        reader.close()  # a second close is harmless
