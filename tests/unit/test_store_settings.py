@@ -71,3 +71,57 @@ def test_databases_written_with_fausts_default_filter_read_with_the_new_options(
         assert [db.get(f"primary/{i:016x}".encode()) for i in range(4000, 4100)] == [None] * 100
     finally:
         db.close()
+
+
+_WRITER = """
+import os, sys
+from rocksdict import Rdict, WriteBatch
+from stream_apps.store_settings import ResidencyRocksDBOptions, residency_rocksdb_options, residency_write_options
+
+path, flushed_batches, batches, end = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+db = Rdict(path, options=ResidencyRocksDBOptions(**residency_rocksdb_options()).as_options())
+options = residency_write_options()
+for n in range(batches):
+    batch = WriteBatch(raw_mode=True)
+    for i in range(100):
+        batch.put(b"primary/%016x" % (n * 100 + i), b"v%d" % n)
+    batch.put(b"__offset__", b"%d" % n)  # as persist() does: the changelog offset the batch reaches
+    db.write(batch, options)
+    if n + 1 == flushed_batches:
+        db.flush()
+if end == "close":
+    db.close()
+else:
+    os._exit(0)  # a crash: no close, no flush
+"""
+
+
+def _write_then_end(tmp_path, flushed_batches: int, batches: int, end: str) -> tuple[bytes | None, list]:
+    """Run _WRITER in a child process; then the database's offset and every batch's first and last value."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-c", _WRITER, str(tmp_path), str(flushed_batches), str(batches), end],
+                   check=True, timeout=120)
+    db = Rdict(str(tmp_path), options=ResidencyRocksDBOptions(**residency_rocksdb_options()).as_options())
+    try:
+        values = [(db.get(b"primary/%016x" % (n * 100)), db.get(b"primary/%016x" % (n * 100 + 99)))
+                  for n in range(batches)]
+        return db.get(b"__offset__"), values
+    finally:
+        db.close()
+
+
+def test_writes_without_the_wal_come_back_from_a_crash_as_of_the_last_flush(tmp_path):
+    """The residency databases skip the WAL (residency_write_options): a process killed before a flush loses the
+    memtable whole, so the offset on disk and the entries are those of one prefix of the batches, from which the
+    changelog copy reads on."""
+    offset, values = _write_then_end(tmp_path, flushed_batches=3, batches=8, end="crash")
+    assert offset == b"2"
+    assert values == [(b"v%d" % n, b"v%d" % n) for n in range(3)] + [(None, None)] * 5
+
+
+def test_writes_without_the_wal_are_on_disk_after_a_clean_close(tmp_path):
+    offset, values = _write_then_end(tmp_path, flushed_batches=0, batches=8, end="close")
+    assert offset == b"7"
+    assert values == [(b"v%d" % n, b"v%d" % n) for n in range(8)]
