@@ -33,6 +33,8 @@ from pathlib import Path
 #: (which the latency and RSS steps extend), so every contestant reads exactly the trace.
 PEER_PREFIX = "peers."
 CONTESTANTS = ("stream-rocksdb", "stream-memory", "kafka-streams")
+#: The contestant the others are divided by.
+PEER = "kafka-streams"
 _PROJECT = Path(__file__).resolve().parent / "kafka_streams"
 _JAR = _PROJECT / "target" / "kvstream-kafka-streams-peer.jar"
 _LIB = _PROJECT / "target" / "lib"
@@ -191,6 +193,18 @@ def summarize(rounds: list[dict]) -> dict:
     return median
 
 
+def paired_ratios(rounds: list[dict], peer_rounds: list[dict], key: str = "events_per_s") -> list[float]:
+    """``key`` of each of a contestant's rounds divided by the same round of the peer's, in round order.
+
+    The rounds are interleaved, so round ``i`` of both ran within the same minute: a slow minute of the machine
+    slows both, and their ratio keeps less of it than the ratio of the medians does. Rounds that either side lacks
+    (a failed round) or without a value are left out.
+    """
+    theirs = {r["round"]: r.get(key) for r in peer_rounds}
+    return [r[key] / theirs[r["round"]] for r in rounds
+            if r.get(key) and theirs.get(r["round"])]
+
+
 def print_peers(peers: dict) -> None:
     """The peers table: one line per contestant, medians."""
     if not peers or not peers.get("contestants"):
@@ -210,6 +224,14 @@ def print_peers(peers: dict) -> None:
         print(f"{name:<16} {f(m['events_per_s'], ',.0f'):>10} {f(m['cpu_us_per_event'], '.1f'):>10} "
               f"{f(m['broker_cpu_us_per_event'], '.1f'):>13} {f(m['rss_peak_mib'], ',.0f'):>13} "
               f"{f(m['messages_per_event'], '.2f'):>11}  {'yes' if m['rows_equal_truth'] else 'NO':<12}  {by}")
+    peer = peers["contestants"].get(PEER)
+    for name, c in peers["contestants"].items():
+        if name == PEER or not peer:
+            continue
+        ratios = paired_ratios(c.get("rounds", []), peer.get("rounds", []))
+        if ratios:
+            print(f"{name} / {PEER}, events/s round by round: {', '.join(f'{r:.2f}' for r in ratios)} "
+                  f"(median {statistics.median(ratios):.2f}, spread {min(ratios):.2f}-{max(ratios):.2f})")
 
 
 def wait_committed(bootstrap: str, group: str, topic: str, timeout_s: float, alive, poll_s: float = 0.25) -> float:
