@@ -32,15 +32,7 @@ def ensure_topics(bootstrap_servers: str, topics: dict[str, int], *, timeout_s: 
             because producers and the stream app must agree on it.
     """
     admin = AdminClient(client_config(bootstrap_servers))
-    wait_s = min(timeout_s, connect_timeout_s)
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            metadata = admin.list_topics(timeout=max(0.5, deadline - time.monotonic()))
-            break
-        except KafkaException as exc:
-            if time.monotonic() >= deadline:
-                raise unreachable(admin, bootstrap_servers, exc, wait_s) from None
+    metadata = cluster_metadata(bootstrap_servers, min(timeout_s, connect_timeout_s), admin)
     for name, partitions in topics.items():
         existing = metadata.topics.get(name)
         if existing is not None and not existing.error and len(existing.partitions) != partitions:
@@ -57,6 +49,24 @@ def ensure_topics(bootstrap_servers: str, topics: dict[str, int], *, timeout_s: 
         except KafkaException as exc:
             if exc.args[0].name() != "TOPIC_ALREADY_EXISTS":
                 raise RuntimeError(f"could not create topic {name}: {exc}") from None
+
+
+def cluster_metadata(bootstrap_servers: str, wait_s: float = CONNECT_TIMEOUT_S, admin: AdminClient | None = None):
+    """The cluster's metadata (confluent-kafka's ``ClusterMetadata``: brokers, topics), asked until the brokers
+    answer or ``wait_s`` seconds have passed. A command that needs Kafka calls it first, so that a wrong address
+    or a broker that is down is said at once, with the reason (:func:`kafka_io.config.unreachable`).
+
+    Raises:
+        RuntimeError: no answer within ``wait_s``.
+    """
+    admin = admin or AdminClient(client_config(bootstrap_servers))
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return admin.list_topics(timeout=max(0.5, deadline - time.monotonic()))
+        except KafkaException as exc:
+            if time.monotonic() >= deadline:
+                raise unreachable(admin, bootstrap_servers, exc, wait_s) from None
 
 
 def topic_partitions(bootstrap_servers: str, topic: str, timeout_s: float = CONNECT_TIMEOUT_S) -> int:

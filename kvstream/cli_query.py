@@ -18,6 +18,12 @@ from pathlib import Path
 from kvstream.options import add_settings_arguments, positive_int
 
 
+def _error(message: str) -> None:
+    """Print ``message`` as this command's error line, named as :func:`kvstream.options.run_command` names the
+    other commands'."""
+    print(f"kvstream query: error: {message}", file=sys.stderr)
+
+
 def add_query(sub: argparse._SubParsersAction) -> None:
     """``kvstream query``: which view, its block hashes or token ids, and the tokens' options."""
     from kvstream.settings import QuerySettings
@@ -58,17 +64,16 @@ def _query_tokens(args: argparse.Namespace, settings) -> int:
     try:
         tokens = [int(t) for t in args.block_hash]
     except ValueError:
-        print("error: query tokens takes token ids (integers), e.g. 'kvstream query tokens 1 2 3'", file=sys.stderr)
+        _error("query tokens takes token ids (integers), e.g. 'kvstream query tokens 1 2 3'")
         return 2
     if args.token_file is not None:
         try:
             tokens += [int(t) for t in json.loads(Path(args.token_file).read_text())]
         except (OSError, ValueError, TypeError) as exc:
-            print(f"error: --token-file {args.token_file}: expected a JSON list of token ids ({exc})",
-                  file=sys.stderr)
+            _error(f"--token-file {args.token_file}: expected a JSON list of token ids ({exc})")
             return 2
     if not tokens:
-        print("error: query tokens needs token ids, as arguments or with --token-file", file=sys.stderr)
+        _error("query tokens needs token ids, as arguments or with --token-file")
         return 2
     options = {"model_name": args.model, "lora_name": args.lora_name, "cache_salt": args.cache_salt,
                "block_size": args.block_size}
@@ -76,10 +81,10 @@ def _query_tokens(args: argparse.Namespace, settings) -> int:
         with IndexClient(settings.worker_url, timeout_s=settings.request_timeout_s) as client:
             answer = client.query(tokens, **options)
     except IndexQueryError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        _error(str(exc))
         return 1
     except OSError as exc:
-        print(f"error: no index or worker answered at {settings.worker_url}: {exc}", file=sys.stderr)
+        _error(f"no index or worker answered at {settings.worker_url}: {exc}")
         return 1
     print(json.dumps(answer, indent=2))
     if warning := _empty_because_down(settings, answer):
@@ -136,14 +141,14 @@ def _wait_caught_up(settings, poll_s: float = 1.0) -> int:
             with urllib.request.urlopen(url, timeout=settings.request_timeout_s) as response:
                 answer = json.loads(response.read())
         except urllib.error.HTTPError as exc:
-            print(f"error: --wait-caught-up: {url} answered HTTP {exc.code}: it needs a stream-app worker's URL "
-                  "(a 'kvstream index' replica has no /occupancy/)", file=sys.stderr)
+            _error(f"--wait-caught-up: {url} answered HTTP {exc.code}: it needs a stream-app worker's URL "
+                   "(a 'kvstream index' replica has no /occupancy/)")
             return 1
         except (OSError, ValueError) as exc:  # not up yet (a worker starting), or a broken answer
             answer = {"lag": None, "lag_error": f"no worker answered at {settings.worker_url}: {exc}"}
         if "caught_up" not in answer and "lag_error" not in answer:
-            print(f"error: --wait-caught-up: {url} does not say whether it has caught up (a worker older than this "
-                  "command?)", file=sys.stderr)
+            _error(f"--wait-caught-up: {url} does not say whether it has caught up (a worker older than this "
+                   "command?)")
             return 1
         if answer.get("caught_up"):
             if settled is not None and answer.get("occupancy") == settled:
@@ -155,8 +160,7 @@ def _wait_caught_up(settings, poll_s: float = 1.0) -> int:
             settled = None
         waited = time.monotonic() - started
         if waited >= settings.wait_timeout_s:
-            print(f"error: the workers have not caught up after {settings.wait_timeout_s:g} s: {_lag_text(answer)}",
-                  file=sys.stderr)
+            _error(f"the workers have not caught up after {settings.wait_timeout_s:g} s: {_lag_text(answer)}")
             return 1
         text = "the global tables' copies are settling" if settled is not None else _lag_text(answer)
         if text != said and (settled is None or said is not None):  # the settling of an idle fleet goes unsaid
@@ -179,21 +183,20 @@ def _cmd_query(args: argparse.Namespace) -> int:
     try:  # refused here, with the accepted forms, rather than by the worker
         hashes = [parse_block_hash(text).hex() for text in args.block_hash]
     except InvalidBlockHash as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        _error(str(exc))
         return 2
     if args.what == "residency":
         if len(hashes) != 1:
-            print("error: query residency needs one block hash", file=sys.stderr)
+            _error("query residency needs one block hash")
             return 2
         path = f"/residency/{urllib.parse.quote(hashes[0])}/"
     elif args.what == "prefix-match":
         if not hashes:
-            print("error: query prefix-match needs the request's block hashes, in prefix order",
-                  file=sys.stderr)
+            _error("query prefix-match needs the request's block hashes, in prefix order")
             return 2
         path, data = "/prefix-match/", json.dumps({"block_hashes": hashes}).encode()
     elif hashes:
-        print(f"error: query {args.what} takes no block hash", file=sys.stderr)
+        _error(f"query {args.what} takes no block hash")
         return 2
     else:
         path = "/workers" if args.what == "workers" else f"/{args.what}/"
@@ -215,7 +218,7 @@ def _cmd_query(args: argparse.Namespace) -> int:
             body = json.loads(body)["error"]
         except (ValueError, KeyError, TypeError):
             pass
-        print(f"error: HTTP {exc.code}: {body}", file=sys.stderr)
+        _error(f"HTTP {exc.code}: {body}")
     except OSError as exc:
-        print(f"error: no stream-app worker answered at {settings.worker_url}: {exc}", file=sys.stderr)
+        _error(f"no stream-app worker answered at {settings.worker_url}: {exc}")
     return 1

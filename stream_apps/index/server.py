@@ -22,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
+from kafka_io.admin import cluster_metadata
 from kafka_io.schema_registry import reader_codec
 from schemas.topics import TopicNames
 from stream_apps.hotpath import log_hotpath
@@ -177,7 +178,13 @@ async def _follow(*feeds) -> None:
 
 
 def run_index(settings) -> int:
-    """Run ``kvstream index`` with :class:`~stream_apps.index.settings.IndexSettings` until interrupted."""
+    """Run ``kvstream index`` with :class:`~stream_apps.index.settings.IndexSettings` until interrupted.
+
+    Raises:
+        RuntimeError: the brokers did not answer within :data:`kafka_io.config.CONNECT_TIMEOUT_S` at start (as
+            ``kvstream worker`` does: a wrong address is said at once, not by a replica that answers 503 for ever).
+    """
+    cluster_metadata(settings.bootstrap_servers)
     index = FleetIndex(settings.weights, settings.default_block_size)
     feed = open_feed(index, settings.bootstrap_servers, settings.topics, settings.schema_registry_url)
     sources = open_sources_feed(index, settings.bootstrap_servers, settings.topics, settings.schema_registry_url,

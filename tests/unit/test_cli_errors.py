@@ -63,10 +63,12 @@ def test_produce_checks_its_capture_file_before_asking_kafka(tmp_path, capsys, c
     assert time.monotonic() - started < 2
 
 
-@pytest.mark.parametrize("command", [["simulate", "--requests", "1"], ["tail", "kv-events"], ["unregister", "sim-0"]])
+@pytest.mark.parametrize("command", [["simulate", "--requests", "1"], ["tail", "kv-events"], ["unregister", "sim-0"],
+                                     ["index"]])
 def test_a_wrong_broker_address_fails_in_seconds_naming_it(capsys, monkeypatch, command):
     """Issue 28: it took 30 s (ensure_topics retried list_topics until its topic-creation timeout); unregister
-    printed librdkafka's exception as a traceback after 10 s."""
+    printed librdkafka's exception as a traceback after 10 s; ``kvstream index`` said it was serving and logged
+    librdkafka's connection error a minute later, for ever (it now checks the brokers first, as the worker does)."""
     import logging
     import time
 
@@ -158,3 +160,13 @@ def test_an_empty_lookup_says_when_the_sources_are_down(capsys, live, warned):
     assert json.loads(out)["rows"] == []
     assert ("the answer is empty, and 4 of 4 sources are down" in err) is warned
     assert err.count("\n") == (1 if warned else 0)
+
+
+def test_query_errors_name_the_command(capsys):
+    """Every other command's errors start with its name (kvstream.options.run_command); query's started with
+    ``error:`` alone."""
+    address = f"http://127.0.0.1:{free_port()}"  # nobody listens there
+    assert main(["query", "residency", "1a1eb4e3edd9361a", "--worker-url", address]) == 1
+    assert capsys.readouterr().err.startswith(f"kvstream query: error: no stream-app worker answered at {address}: ")
+    assert main(["query", "residency", "--worker-url", address]) == 2
+    assert capsys.readouterr().err == "kvstream query: error: query residency needs one block hash\n"

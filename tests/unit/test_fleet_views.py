@@ -217,8 +217,8 @@ def test_wait_caught_up_gives_up_after_its_timeout(fake_worker, capsys):
     assert main(["query", "sources", "--wait-caught-up", "--wait-timeout-s", "1.5", "--worker-url", worker.url]) == 1
     assert len(worker.requests) > 1  # it polled until the timeout, not once
     err = capsys.readouterr().err
-    assert err.splitlines()[-1] == "error: the workers have not caught up after 1.5 s: 77 messages of their input to " \
-                                   "go (kv-events 77)"
+    assert err.splitlines()[-1] == "kvstream query: error: the workers have not caught up after 1.5 s: 77 messages " \
+                                   "of their input to go (kv-events 77)"
     assert set(worker.requests) == {"/occupancy/"}  # the sources were never asked
 
 
