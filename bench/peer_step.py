@@ -116,7 +116,7 @@ class PeerStep:
 
     def step_peers(self) -> None:
         """kvstream's worker (RocksDB, memory) against the Kafka Streams peer, one at a time, medians of rounds."""
-        from bench.peers import CONTESTANTS, build_kafka_streams, paired_ratios, summarize
+        from bench.peers import CONTESTANTS, PEER, build_kafka_streams, paired_ratios, summarize
 
         classpath = build_kafka_streams(_say)
         source = self._peer_input()
@@ -149,7 +149,7 @@ class PeerStep:
                       stream_events_per_s=rate, kafka_streams_events_per_s=ks,
                       by_round=[round(r, 3) for r in paired_ratios(
                           peers["contestants"][f"stream-{store}"]["rounds"],
-                          peers["contestants"]["kafka-streams"]["rounds"])])
+                          peers["contestants"][PEER]["rounds"])])
             self._set(f"cpu_us_per_event_stream_{store}", m.get("cpu_us_per_event"),
                       by_process=m.get("cpu_us_per_event_by_process"))
             self._set(f"messages_per_event_stream_{store}", m.get("messages_per_event"))

@@ -99,6 +99,10 @@ class GroupProgress:
         return self.end - self.committed
 
 
+#: Seconds a :class:`GroupProgressReader` keeps a topic list's partitions before it asks for them again.
+PARTITIONS_REFRESH_S = 30.0
+
+
 class GroupProgressReader:
     """Reads consumer groups' progress again and again over the same two clients.
 
@@ -113,7 +117,7 @@ class GroupProgressReader:
 
     Args:
         bootstrap_servers: Kafka bootstrap servers.
-        admin: a librdkafka admin client to use instead of one of its own (kept open by :meth:`close`).
+        admin: a librdkafka admin client to share, instead of one of the reader's own.
     """
 
     def __init__(self, bootstrap_servers: str, admin: AdminClient | None = None) -> None:
@@ -121,15 +125,23 @@ class GroupProgressReader:
         self._admin = admin or AdminClient(client_config(bootstrap_servers))
         self._loop = asyncio.new_event_loop()
         self._offsets_client: AIOKafkaAdminClient | None = None
-        #: (topic, ...) -> their partitions, once every one of them exists (partitions are only ever added, and a
-        #: wait loop reads the same topics throughout).
-        self._partitions: dict[tuple[str, ...], list[TopicPartition]] = {}
+        #: (topic, ...) -> (monotonic time read, their partitions), once every one of them exists; read again after
+        #: :data:`PARTITIONS_REFRESH_S`, so that a reader kept for a process's life sees partitions added later.
+        self._partitions: dict[tuple[str, ...], tuple[float, list[TopicPartition]]] = {}
 
     def __enter__(self) -> GroupProgressReader:
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+    def __del__(self) -> None:
+        # a reader kept for a process's life (the fleet views') is never closed by its owner: without this its
+        # aiokafka connections would be torn down with their loop already gone, each logged as an asyncio error
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - e.g. collected inside another running loop: nothing more to do
+            pass
 
     def close(self) -> None:
         """Stop the aiokafka client and the reader's event loop; the reader cannot be used afterwards."""
@@ -182,15 +194,16 @@ class GroupProgressReader:
         return progress
 
     def _topic_partitions(self, topics: list[str]) -> list[TopicPartition]:
-        """The partitions of those of ``topics`` that exist (a Metadata request until all of them do)."""
+        """The partitions of those of ``topics`` that exist (a Metadata request until all of them do, then one every
+        :data:`PARTITIONS_REFRESH_S`)."""
         known = self._partitions.get(tuple(topics))
-        if known is not None:
-            return known
+        if known is not None and time.monotonic() - known[0] < PARTITIONS_REFRESH_S:
+            return known[1]
         metadata = self._admin.list_topics(timeout=10)
         partitions = [TopicPartition(t, p) for t in topics if t in metadata.topics
                       for p in metadata.topics[t].partitions]
         if all(t in metadata.topics and not metadata.topics[t].error for t in topics):
-            self._partitions[tuple(topics)] = partitions
+            self._partitions[tuple(topics)] = (time.monotonic(), partitions)
         return partitions
 
     async def _committed_offsets(self, group: str, partitions: list[TopicPartition]) -> dict[tuple[str, int], int]:

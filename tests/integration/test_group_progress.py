@@ -74,3 +74,19 @@ def test_a_topic_created_while_a_reader_waits_for_it_is_read_once_it_exists(kafk
                                                                   later: GroupProgress(2, 3)}
         reader.close()
         reader.close()  # a second close is harmless
+
+
+def test_a_reader_dropped_without_close_leaves_no_asyncio_errors(kafka_bootstrap, caplog):
+    """The fleet views keep a reader for the worker's life and never close it: collected, it closes itself rather
+    than leave aiokafka's connection tasks to be destroyed pending (an asyncio error per connection)."""
+    import gc
+    import logging
+
+    topic, group = f"progress-{uuid.uuid4().hex[:8]}", f"progress-group-{uuid.uuid4().hex[:8]}"
+    ensure_topics(kafka_bootstrap, {topic: 1})
+    reader = GroupProgressReader(kafka_bootstrap)
+    assert _first_reading(reader, group, [topic]) == {topic: GroupProgress(0, 0)}
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        del reader
+        gc.collect()
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
