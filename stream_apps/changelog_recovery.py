@@ -99,7 +99,6 @@ def fill_from_changelog(bootstrap_servers: str, topic: str, dbs: Mapping[int, ob
     from rocksdict import WriteBatch
 
     from kafka_io.reader import messages_to_end
-    from stream_apps.store_settings import residency_write_options
 
     started = time.perf_counter()
     starts = {}
@@ -110,12 +109,11 @@ def fill_from_changelog(bootstrap_servers: str, topic: str, dbs: Mapping[int, ob
     pending = dict.fromkeys(dbs, 0)
     last_offset: dict[int, int] = {}
     records = 0
-    write_options = residency_write_options()
 
     def write(partition: int) -> None:
         batch = batches[partition]
         batch.put(offset_key, str(last_offset[partition]).encode())
-        dbs[partition].write(batch, write_options)
+        dbs[partition].write(batch)
         batches[partition] = WriteBatch(raw_mode=True)
         pending[partition] = 0
 

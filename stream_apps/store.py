@@ -61,7 +61,7 @@ from stream_apps import changelog_recovery
 from stream_apps.delivery_reports import DeliveryReports
 from stream_apps.residency import key_partition
 from stream_apps.residency.records import EntryCodec, EntryForm, entry_form
-from stream_apps.store_settings import ResidencyRocksDBOptions, residency_write_options
+from stream_apps.store_settings import ResidencyRocksDBOptions
 
 if TYPE_CHECKING:
     from stream_apps.outputs import OutputTopics
@@ -376,9 +376,6 @@ class RocksDBTableStore(_EntryCache, _BoundStore, faust.stores.rocksdb.Store):
         super().__init__(*args, **kwargs)
         # Faust's options class ignores the memtable filter of the table's options (store_settings)
         self.rocksdb_options = ResidencyRocksDBOptions(**self.options, use_rocksdict=self.use_rocksdict)
-        #: Every write of :meth:`persist`: without RocksDB's write-ahead log, the changelog being the log
-        #: (:func:`stream_apps.store_settings.residency_write_options` says why that is safe).
-        self._write_options = residency_write_options()
         #: Key -> decoded entry (None: known absent), least recently used first. An OrderedDict: evicting
         #: a plain dict's oldest key scans the slots its earlier deletions left at the front, while
         #: ``popitem(last=False)`` is O(1).
@@ -456,7 +453,7 @@ class RocksDBTableStore(_EntryCache, _BoundStore, faust.stores.rocksdb.Store):
                     batch.put(key.encode(), value)
             if partition in acked:
                 batch.put(self.offset_key, str(acked.pop(partition)).encode())
-            self._db_for_partition(partition).write(batch, self._write_options)
+            self._db_for_partition(partition).write(batch)
             entries.clear()
 
     def partition_keys(self, partition: int) -> list[str]:

@@ -12,8 +12,6 @@ is 3, which lets about a quarter of the absent keys through to a data block) and
 memtables, which otherwise are searched for every absent key and hold most recent keys. Both only change
 how a database is read: SST files written with other filter settings keep their own filters and read as
 before, and a memtable's filter lives in memory.
-
-Writes skip RocksDB's write-ahead log (:func:`residency_write_options`): the changelog is the log.
 """
 
 from __future__ import annotations
@@ -28,27 +26,6 @@ BLOOM_BITS_PER_KEY = 10
 #: Size of each memtable's whole-key Bloom filter as a fraction of the write buffer: 0.02 of 8 MiB is 168 KB,
 #: about 20 bits per key at the ~100 bytes a residency entry takes in a memtable.
 MEMTABLE_BLOOM_RATIO = 0.02
-
-
-def residency_write_options():
-    """RocksDB write options of every write to a residency partition database: no write-ahead log.
-
-    Each write is one atomic batch: entries whose changelog records the broker has acknowledged, together with
-    the changelog offset they reach (``RocksDBTableStore.persist``, and the changelog copy of
-    :func:`stream_apps.changelog_recovery.fill_from_changelog`). The WAL would only let such a batch survive a
-    crash of the process before RocksDB flushes its memtable, and the changelog already holds it. Without the
-    WAL a database comes back from a crash as of its last flush: a batch lives in one memtable and memtables are
-    flushed in order, so the entries and the offset on disk are those of one prefix of the batches, and the
-    changelog copy at the next start reads on from that offset. A clean close flushes the memtables (RocksDB
-    does when unlogged writes are pending). Kafka Streams' RocksDB stores make the same choice.
-
-    Saves the log's append and its system calls per write: about a quarter of a put's CPU in rocksdict.
-    """
-    from rocksdict import WriteOptions
-
-    options = WriteOptions()
-    options.disable_wal = True
-    return options
 
 
 def residency_rocksdb_options(write_buffer_mib: int = 8, block_cache_mib: int = 16) -> dict[str, Any]:
