@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import dataclass
 
@@ -101,6 +102,10 @@ class GroupProgress:
 
 #: Seconds a :class:`GroupProgressReader` keeps a topic list's partitions before it asks for them again.
 PARTITIONS_REFRESH_S = 30.0
+#: Seconds of disuse after which a :class:`GroupProgressReader` makes its aiokafka client anew before reading: the
+#: client's event loop runs only during readings, so it never sees the broker close an idle connection (Kafka's
+#: ``connections.max.idle.ms``, 10 minutes by default) and would send its next request on a dead socket.
+CLIENT_IDLE_S = 300.0
 
 
 class GroupProgressReader:
@@ -125,6 +130,8 @@ class GroupProgressReader:
         self._admin = admin or AdminClient(client_config(bootstrap_servers))
         self._loop = asyncio.new_event_loop()
         self._offsets_client: AIOKafkaAdminClient | None = None
+        #: time.monotonic() of the aiokafka client's last reading.
+        self._offsets_used_at = 0.0
         #: (topic, ...) -> (monotonic time read, their partitions), once every one of them exists; read again after
         #: :data:`PARTITIONS_REFRESH_S`, so that a reader kept for a process's life sees partitions added later.
         self._partitions: dict[tuple[str, ...], tuple[float, list[TopicPartition]]] = {}
@@ -140,19 +147,38 @@ class GroupProgressReader:
         # aiokafka connections would be torn down with their loop already gone, each logged as an asyncio error
         try:
             self.close()
-        except Exception:  # noqa: BLE001 - e.g. collected inside another running loop: nothing more to do
+        except Exception:  # noqa: BLE001 - a finalizer has no one to tell
             pass
 
     def close(self) -> None:
-        """Stop the aiokafka client and the reader's event loop; the reader cannot be used afterwards."""
+        """Stop the aiokafka client and the reader's event loop; the reader cannot be used afterwards. Callable
+        from a thread that runs an event loop of its own (the garbage collector may call it there): the reader's
+        loop is then run in a short-lived thread."""
         if self._loop.is_closed():
             return
         try:
-            if self._offsets_client is not None:
-                self._loop.run_until_complete(self._offsets_client.close())
+            asyncio.get_running_loop()
+        except RuntimeError:  # no loop runs in this thread: the reader's can run here
+            self._close_now()
+            return
+        closing = threading.Thread(target=self._close_now, name="kvstream-progress-reader-close")
+        closing.start()
+        closing.join(10.0)
+
+    def _close_now(self) -> None:
+        try:
+            self._drop_offsets_client()
         finally:
-            self._offsets_client = None
             self._loop.close()
+
+    def _drop_offsets_client(self) -> None:
+        """Close the aiokafka client, if any; the next reading makes a new one."""
+        client, self._offsets_client = self._offsets_client, None
+        if client is not None:
+            try:
+                self._loop.run_until_complete(client.close())
+            except (KafkaError, OSError):  # a broker gone meanwhile: the client is closed all the same
+                pass
 
     def partition_progress(self, group: str, topics: list[str]) -> dict[tuple[str, int], GroupProgress]:
         """Per (topic, partition): how far ``group`` has committed, counted from the partition's start offset.
@@ -160,6 +186,9 @@ class GroupProgressReader:
         Committed offsets come from aiokafka's admin client: librdkafka 2.16's ListConsumerGroupOffsets crashes
         the process (NULL ``rd_kafka_cgrp_op`` in ``rd_kafka_handle_OffsetFetch``) when the group coordinator
         answers with an error, e.g. while it is still loading. Topics that do not exist are left out.
+
+        A reading that fails leaves nothing behind: the next one asks for the partitions again, over a new aiokafka
+        client.
 
         Raises:
             RuntimeError: the broker did not answer, or the group coordinator is not ready yet.
@@ -178,6 +207,8 @@ class GroupProgressReader:
                 progress[(tp.topic, tp.partition)] = GroupProgress(done, high - low)
             return progress
         except (KafkaException, KafkaError) as exc:
+            self._partitions.pop(tuple(topics), None)  # e.g. a topic deleted and made again
+            self._drop_offsets_client()  # e.g. a connection the broker closed
             raise RuntimeError(f"could not read consumer group {group}: {exc}") from None
 
     def group_progress(self, group: str, topics: list[str]) -> dict[str, GroupProgress]:
@@ -207,6 +238,9 @@ class GroupProgressReader:
         return partitions
 
     async def _committed_offsets(self, group: str, partitions: list[TopicPartition]) -> dict[tuple[str, int], int]:
+        if self._offsets_client is not None and time.monotonic() - self._offsets_used_at > CLIENT_IDLE_S:
+            client, self._offsets_client = self._offsets_client, None
+            await client.close()
         if self._offsets_client is None:
             client = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap_servers, **aiokafka_security())
             try:
@@ -217,6 +251,7 @@ class GroupProgressReader:
             self._offsets_client = client
         offsets = await self._offsets_client.list_consumer_group_offsets(
             group, partitions=[AioTopicPartition(tp.topic, tp.partition) for tp in partitions])
+        self._offsets_used_at = time.monotonic()
         return {(tp.topic, tp.partition): meta.offset for tp, meta in offsets.items()}
 
 

@@ -272,7 +272,7 @@ def _cli_start(args: argparse.Namespace) -> int:
     try:
         st = start(port=args.port, data_dir=args.data_dir, timeout_s=args.timeout, heap=args.heap)
     except (RegistryError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"kvstream registry start: error: {exc}", file=sys.stderr)
         return 1
     _print_status(st)
     print(f"  clients need:        export KVSTREAM_SCHEMA_REGISTRY_URL={st.url}")

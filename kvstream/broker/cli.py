@@ -34,14 +34,14 @@ def _cli_tls_material(tls_dir: Path) -> TlsMaterial:
 
 def _cli_start(args: argparse.Namespace) -> int:
     if args.tls_client_auth and args.tls_dir is None:
-        print("error: --tls-client-auth needs --tls-dir", file=sys.stderr)
+        print("kvstream broker start: error: --tls-client-auth needs --tls-dir", file=sys.stderr)
         return 2
     try:
         tls = _cli_tls_material(args.tls_dir) if args.tls_dir is not None else None
         st = start(port=args.port, data_dir=args.data_dir, timeout_s=args.timeout, heap=args.heap, tls=tls,
                    require_client_certificate=args.tls_client_auth)
     except (BrokerError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"kvstream broker start: error: {exc}", file=sys.stderr)
         return 1
     _print_status(st)
     if tls is not None:  # what a client needs; the key password stays in its file
@@ -70,7 +70,7 @@ def _cli_tool(args: argparse.Namespace) -> int:
     try:
         return run_tool(args.name, args.args)
     except BrokerError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"kvstream broker tool: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

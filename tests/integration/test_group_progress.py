@@ -90,3 +90,72 @@ def test_a_reader_dropped_without_close_leaves_no_asyncio_errors(kafka_bootstrap
         del reader
         gc.collect()
     assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
+
+
+def test_a_reader_closed_inside_a_running_event_loop_closes_cleanly(kafka_bootstrap, caplog):
+    """The garbage collector may finalize a reader on a thread that runs an event loop (a worker's): its own loop
+    cannot run there, so it closes from a thread of its own, leaving no pending task behind."""
+    import asyncio
+    import logging
+
+    topic, group = f"progress-{uuid.uuid4().hex[:8]}", f"progress-group-{uuid.uuid4().hex[:8]}"
+    ensure_topics(kafka_bootstrap, {topic: 1})
+    reader = GroupProgressReader(kafka_bootstrap)
+    assert _first_reading(reader, group, [topic]) == {topic: GroupProgress(0, 0)}
+
+    async def close_here() -> None:
+        reader.close()
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        asyncio.run(close_here())
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
+
+
+def test_a_reader_makes_its_offsets_client_anew_after_disuse(kafka_bootstrap, monkeypatch):
+    """Its loop runs only during readings, so a client left idle past the broker's idle timeout would write on a
+    closed socket: past CLIENT_IDLE_S (here 0) the next reading makes a new one, and still reads right."""
+    import kafka_io.admin
+
+    topic, group = f"progress-{uuid.uuid4().hex[:8]}", f"progress-group-{uuid.uuid4().hex[:8]}"
+    ensure_topics(kafka_bootstrap, {topic: 1})
+    _produce(kafka_bootstrap, topic, {0: 3})
+    with GroupProgressReader(kafka_bootstrap) as reader:
+        assert _first_reading(reader, group, [topic]) == {topic: GroupProgress(0, 3)}
+        monkeypatch.setattr(kafka_io.admin, "CLIENT_IDLE_S", 0.0)
+        _commit(kafka_bootstrap, group, topic, {0: 2})
+        assert reader.group_progress(group, [topic]) == {topic: GroupProgress(2, 3)}
+        assert reader.group_progress(group, [topic]) == {topic: GroupProgress(2, 3)}
+
+
+def test_a_topic_made_again_with_fewer_partitions_is_read_once_it_is_there(kafka_bootstrap):
+    """A failed reading forgets the partitions it used: a topic deleted and made again with fewer partitions is
+    read right as soon as the broker has it, not after PARTITIONS_REFRESH_S of errors."""
+    from confluent_kafka.admin import AdminClient
+
+    from kafka_io.config import client_config
+
+    topic, group = f"progress-{uuid.uuid4().hex[:8]}", f"progress-group-{uuid.uuid4().hex[:8]}"
+    ensure_topics(kafka_bootstrap, {topic: 3})
+    with GroupProgressReader(kafka_bootstrap) as reader:
+        assert _first_reading(reader, group, [topic]) == {topic: GroupProgress(0, 0)}
+        admin = AdminClient(client_config(kafka_bootstrap))
+        admin.delete_topics([topic], operation_timeout=30)[topic].result()
+        deadline = time.monotonic() + 60
+        while True:  # the deletion reaches every part of the broker in its own time
+            try:
+                ensure_topics(kafka_bootstrap, {topic: 1})
+                break
+            except RuntimeError:
+                assert time.monotonic() < deadline
+                time.sleep(0.5)
+        _produce(kafka_bootstrap, topic, {0: 2})
+        deadline = time.monotonic() + 20  # well under PARTITIONS_REFRESH_S (30 s)
+        while True:
+            try:
+                progress = reader.partition_progress(group, [topic])
+                if progress == {(topic, 0): GroupProgress(0, 2)}:
+                    break
+            except RuntimeError:
+                pass
+            assert time.monotonic() < deadline, "the reader kept the deleted topic's partitions"
+            time.sleep(0.5)

@@ -163,10 +163,18 @@ def test_an_empty_lookup_says_when_the_sources_are_down(capsys, live, warned):
 
 
 def test_query_errors_name_the_command(capsys):
-    """Every other command's errors start with its name (kvstream.options.run_command); query's started with
+    """The commands run by kvstream.options.run_command start their errors with their name; query's started with
     ``error:`` alone."""
     address = f"http://127.0.0.1:{free_port()}"  # nobody listens there
     assert main(["query", "residency", "1a1eb4e3edd9361a", "--worker-url", address]) == 1
     assert capsys.readouterr().err.startswith(f"kvstream query: error: no stream-app worker answered at {address}: ")
     assert main(["query", "residency", "--worker-url", address]) == 2
     assert capsys.readouterr().err == "kvstream query: error: query residency needs one block hash\n"
+
+
+def test_broker_and_registry_errors_name_the_command(capsys):
+    """They too printed ``error:`` alone."""
+    assert main(["broker", "start", "--tls-client-auth"]) == 2
+    assert capsys.readouterr().err == "kvstream broker start: error: --tls-client-auth needs --tls-dir\n"
+    assert main(["broker", "tool", "no-such-tool"]) == 2
+    assert capsys.readouterr().err.startswith("kvstream broker tool: error: ")
