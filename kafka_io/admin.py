@@ -161,7 +161,7 @@ class GroupProgressReader:
         except RuntimeError:  # no loop runs in this thread: the reader's can run here
             self._close_now()
             return
-        closing = threading.Thread(target=self._close_now, name="kvstream-progress-reader-close")
+        closing = threading.Thread(target=self._close_now, name="kvstream-progress-reader-close", daemon=True)
         closing.start()
         closing.join(10.0)
 
