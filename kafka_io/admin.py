@@ -117,8 +117,9 @@ class GroupProgressReader:
     Here the clients are made once and kept: the librdkafka one for metadata and offsets, the aiokafka one, started
     once on an event loop of the reader's own, for the committed offsets (see :meth:`partition_progress`).
 
-    Blocking, and not for concurrent use: one caller at a time (from a coroutine, call it in a thread). Close it
-    when done (or use it as a context manager).
+    Blocking (from a coroutine, call it in a thread). Readings from several threads take turns: a worker shares
+    one reader between its lag metric and its fleet views, whose reads run in the event loop's executor and may
+    outlive a cancelled request. Close it when done (or use it as a context manager).
 
     Args:
         bootstrap_servers: Kafka bootstrap servers.
@@ -127,14 +128,24 @@ class GroupProgressReader:
 
     def __init__(self, bootstrap_servers: str, admin: AdminClient | None = None) -> None:
         self.bootstrap_servers = bootstrap_servers
-        self._admin = admin or AdminClient(client_config(bootstrap_servers))
+        #: The librdkafka client, made at the first reading (as the aiokafka one): a reader costs no connection
+        #: until it is used.
+        self._admin_client = admin
         self._loop = asyncio.new_event_loop()
+        #: One reading at a time: the clients and the loop are not for concurrent use.
+        self._lock = threading.Lock()
         self._offsets_client: AIOKafkaAdminClient | None = None
         #: time.monotonic() of the aiokafka client's last reading.
         self._offsets_used_at = 0.0
         #: (topic, ...) -> (monotonic time read, their partitions), once every one of them exists; read again after
         #: :data:`PARTITIONS_REFRESH_S`, so that a reader kept for a process's life sees partitions added later.
         self._partitions: dict[tuple[str, ...], tuple[float, list[TopicPartition]]] = {}
+
+    @property
+    def _admin(self) -> AdminClient:
+        if self._admin_client is None:
+            self._admin_client = AdminClient(client_config(self.bootstrap_servers))
+        return self._admin_client
 
     def __enter__(self) -> GroupProgressReader:
         return self
@@ -166,10 +177,11 @@ class GroupProgressReader:
         closing.join(10.0)
 
     def _close_now(self) -> None:
-        try:
-            self._drop_offsets_client()
-        finally:
-            self._loop.close()
+        with self._lock:
+            try:
+                self._drop_offsets_client()
+            finally:
+                self._loop.close()
 
     def _drop_offsets_client(self) -> None:
         """Close the aiokafka client, if any; the next reading makes a new one."""
@@ -193,6 +205,10 @@ class GroupProgressReader:
         Raises:
             RuntimeError: the broker did not answer, or the group coordinator is not ready yet.
         """
+        with self._lock:
+            return self._partition_progress(group, topics)
+
+    def _partition_progress(self, group: str, topics: list[str]) -> dict[tuple[str, int], GroupProgress]:
         try:
             partitions = self._topic_partitions(topics)
             if not partitions:

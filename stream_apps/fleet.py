@@ -129,17 +129,9 @@ class InputLagReader:
         self._pending: asyncio.Future | None = None
 
     @classmethod
-    def for_app(cls, bootstrap_servers: str, topics: TopicNames, **kwargs) -> InputLagReader:
-        """The reader of an app's groups, with one :class:`~kafka_io.admin.GroupProgressReader` for the worker's
-        life (made at the first read, in the executor; :meth:`reading` never runs two reads at once)."""
-        reader: list[GroupProgressReader] = []
-
-        def read() -> dict[str, GroupProgress]:
-            if not reader:
-                reader.append(GroupProgressReader(bootstrap_servers))
-            return input_progress(reader[0], topics)
-
-        return cls(read, **kwargs)
+    def for_app(cls, progress: GroupProgressReader, topics: TopicNames, **kwargs) -> InputLagReader:
+        """The reader of an app's groups over ``progress`` (kept by the caller for the worker's life)."""
+        return cls(lambda: input_progress(progress, topics), **kwargs)
 
     async def reading(self) -> InputLag:
         """The latest reading if it is younger than ``cache_s``, else a fresh one (shared by the requests that

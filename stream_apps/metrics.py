@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -68,14 +67,11 @@ class WorkerMetrics(Collector):
         self.hotpath = hotpath()
         self._lag: dict[tuple[str, str, int], int] = {}
         self._lag_at = 0.0
-        #: The consumer lag's reader, kept for the worker's life (made at the first scrape, in the executor). Scrapes
-        #: that come together read once (the asyncio lock); the reader reads for one thread at a time (the
-        #: threading lock: a cancelled scrape leaves its read running in the executor).
-        self._lag_reader: list[GroupProgressReader] = []
-        self._lag_lock = asyncio.Lock()
-        self._lag_reader_lock = threading.Lock()
+        #: The consumer groups' progress, read over one set of clients for the worker's life: the lag metric's and
+        #: the fleet views' readings.
+        self._progress = GroupProgressReader(settings.bootstrap_servers)
         #: The workers' lag behind their input, fresher than the metric's (1 s), for the fleet views' ``caught_up``.
-        self.input_lag = InputLagReader.for_app(settings.bootstrap_servers, settings.topics)
+        self.input_lag = InputLagReader.for_app(self._progress, settings.topics)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
@@ -84,30 +80,21 @@ class WorkerMetrics(Collector):
 
     async def refresh_lag(self) -> None:
         """Read both consumer groups' lag per partition (in a thread: it blocks), at most every LAG_CACHE_S."""
-        async with self._lag_lock:
-            if time.monotonic() - self._lag_at < LAG_CACHE_S:
-                return  # read by the scrape this one waited for, or recently
-            names = self.settings.topics
-            groups = {repartition_group(names.scoped_app_id): names.kv_events,
-                      names.scoped_app_id: names.by_ownership}
-            lag = {}
-            loop = asyncio.get_running_loop()
-            for group, topic in groups.items():
-                try:
-                    progress = await loop.run_in_executor(None, self._read_lag, group, topic)
-                except RuntimeError as exc:  # the broker or the group coordinator is not answering: keep the last
-                    log.debug("consumer lag of %s unreadable: %s", group, exc)
-                    return
-                for (topic_name, partition), part in progress.items():
-                    lag[(group, topic_name, partition)] = part.lag
-            self._lag, self._lag_at = lag, time.monotonic()
-
-    def _read_lag(self, group: str, topic: str) -> dict:
-        """One group's progress per partition over the kept reader (blocking: in the executor)."""
-        with self._lag_reader_lock:
-            if not self._lag_reader:
-                self._lag_reader.append(GroupProgressReader(self.settings.bootstrap_servers))
-            return self._lag_reader[0].partition_progress(group, [topic])
+        if time.monotonic() - self._lag_at < LAG_CACHE_S:
+            return
+        names = self.settings.topics
+        groups = {repartition_group(names.scoped_app_id): names.kv_events, names.scoped_app_id: names.by_ownership}
+        lag = {}
+        loop = asyncio.get_running_loop()
+        for group, topic in groups.items():
+            try:
+                progress = await loop.run_in_executor(None, self._progress.partition_progress, group, [topic])
+            except RuntimeError as exc:  # the broker or the group coordinator is not answering: keep the last
+                log.debug("consumer lag of %s unreadable: %s", group, exc)
+                return
+            for (topic_name, partition), part in progress.items():
+                lag[(group, topic_name, partition)] = part.lag
+        self._lag, self._lag_at = lag, time.monotonic()
 
     def render(self) -> bytes:
         """The metrics in Prometheus' text format."""

@@ -256,7 +256,7 @@ def test_the_fleet_views_say_whether_the_workers_have_caught_up_with_their_input
     """Issue 28: ``query occupancy`` right after ``simulate`` answered partial figures without a word."""
     import asyncio
 
-    from kafka_io.admin import group_progress
+    from kafka_io.admin import GroupProgressReader, group_progress
     from kvstream.cli import main
     from stream_apps.fleet import InputLagReader
 
@@ -272,7 +272,8 @@ def test_the_fleet_views_say_whether_the_workers_have_caught_up_with_their_input
     out, err = capsys.readouterr()
     assert json.loads(out)["caught_up"] is True and "warning" not in err
     # an app whose workers never ran has all of kv-events to go: what a fleet view says right after simulate
-    never = asyncio.run(InputLagReader.for_app(kafka_bootstrap, TopicNames("never-started")).reading())
+    with GroupProgressReader(kafka_bootstrap) as progress:
+        never = asyncio.run(InputLagReader.for_app(progress, TopicNames("never-started")).reading())
     events = group_progress(kafka_bootstrap, "never-started-repartition", [KV_EVENTS])[KV_EVENTS].end
     assert never.caught_up is False and never.lag == never.topics[KV_EVENTS] == events > 0
 
