@@ -9,7 +9,14 @@ from kvstream.broker.process import pid_of
 
 
 def test_a_pid_file_names_its_process_only_while_that_process_runs_with_the_markers(tmp_path):
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "kvstream-marker", str(tmp_path)])
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)", "kvstream-marker", str(tmp_path)],
+        stdout=subprocess.PIPE,
+    )
+    # Popen returns once the exec has begun, but the kernel sets the new command line a moment later, and
+    # /proc/<pid>/cmdline reads empty until it has (CI caught that window once). The child's first line means its
+    # exec is done.
+    assert child.stdout.readline() == b"up\n"
     pid_file = tmp_path / "service.pid"
     pid_file.write_text(f"{child.pid}\n")
     try:
@@ -18,6 +25,7 @@ def test_a_pid_file_names_its_process_only_while_that_process_runs_with_the_mark
     finally:
         child.kill()
         child.wait()
+        child.stdout.close()
     assert pid_of(pid_file, "kvstream-marker") is None  # the process is gone
     assert pid_of(tmp_path / "missing.pid") is None
     (tmp_path / "garbled.pid").write_text("not a pid")
