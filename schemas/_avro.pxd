@@ -15,10 +15,11 @@ error then names the field.
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.list cimport PyList_GET_ITEM
 from cpython.mem cimport PyMem_Malloc, PyMem_Realloc
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
 from libc.stdint cimport INT64_MIN, int64_t, uint8_t, uint64_t
-from libc.string cimport memcpy
+from libc.string cimport memcmp, memcpy
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -65,6 +66,52 @@ cdef inline object _read_string(Cursor* c):
     if n < 0 or n > c.size - c.pos:  # not c.pos + n: a length near 2**63 would wrap past the check
         raise ValueError(f"bad length {n} at {c.pos}")
     value = PyUnicode_DecodeUTF8(<const char*>c.data + c.pos, n, NULL)
+    c.pos += n
+    return value
+
+
+cdef enum:
+    # Slots of an intern table (:func:`_read_interned`): a power of two.
+    _INTERN_SLOTS = 1024
+
+
+cdef inline list _intern_table():
+    """A new, empty intern table for :func:`_read_interned` (a module keeps one per kind of string)."""
+    return [None] * _INTERN_SLOTS
+
+
+cdef inline object _read_interned(Cursor* c, list table):
+    """The string at the cursor, as :func:`_read_string` reads it, but the same ``str`` object as the last one
+    read with the same bytes through ``table`` (:func:`_intern_table`), when it is still in its slot.
+
+    Why: the residency entries a worker holds repeat a few values in every row (instance ids, media, ownership);
+    one shared object each instead of one per row is about 150 bytes less per decoded entry and three fewer
+    allocations per decode. The slot is picked by an FNV-1a hash of the bytes and checked byte for byte, so a
+    collision only costs a decode. A hit needs no UTF-8 check: the bytes are those of a string decoded before.
+    Strings over 64 bytes are decoded as they are (not worth a slot)."""
+    cdef int64_t n = _read_long(c)
+    cdef const uint8_t* p
+    cdef uint64_t h = 14695981039346656037ULL
+    cdef Py_ssize_t i
+    cdef object held
+    if n < 0 or n > c.size - c.pos:  # not c.pos + n: a length near 2**63 would wrap past the check
+        raise ValueError(f"bad length {n} at {c.pos}")
+    p = c.data + c.pos
+    if n > 64:
+        value = PyUnicode_DecodeUTF8(<const char*>p, n, NULL)
+        c.pos += n
+        return value
+    for i in range(n):
+        h = (h ^ p[i]) * 1099511628211ULL
+    i = <Py_ssize_t>(h & (_INTERN_SLOTS - 1))
+    held = <object>PyList_GET_ITEM(table, i)
+    if held is not None:
+        key = (<tuple>held)[0]
+        if PyBytes_GET_SIZE(key) == n and memcmp(PyBytes_AS_STRING(key), p, n) == 0:
+            c.pos += n
+            return (<tuple>held)[1]
+    value = PyUnicode_DecodeUTF8(<const char*>p, n, NULL)
+    table[i] = (PyBytes_FromStringAndSize(<const char*>p, n), value)
     c.pos += n
     return value
 

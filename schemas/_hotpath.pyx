@@ -47,7 +47,9 @@ from schemas._avro cimport (
     _read_branch,
     _read_bytes,
     _read_count,
+    _intern_table,
     _read_double,
+    _read_interned,
     _read_long,
     _read_string,
     _read_symbol,
@@ -1004,6 +1006,11 @@ def repr_utf8(tuple values not None):
 # The fleet index's lean read of a residency entry
 
 
+#: The instance ids of the entries read (``_read_interned``): the index holds one object per instance, not one
+#: per row.
+cdef list _INSTANCES = _intern_table()
+
+
 def read_index_entry(bytes data not None, Py_ssize_t pos, tuple tiers not None, Py_ssize_t aggregations):
     """What the fleet index keeps of a ``residency`` v3 entry whose body starts at ``pos`` and ends with
     ``data``: ``(rows, parent_block_hash, content_hash)``, ``rows`` the ``(instance_id, data_parallel_rank,
@@ -1043,7 +1050,7 @@ def read_index_entry(bytes data not None, Py_ssize_t pos, tuple tiers not None, 
             break
         while count:
             count -= 1
-            instance_id = _read_string(c)
+            instance_id = _read_interned(c, _INSTANCES)
             rank = _read_long(c)
             tier = _read_long(c)
             if not 0 <= tier < n_tiers:

@@ -30,7 +30,6 @@ reads as :func:`schemas.clear_position.clear_mark_record` gives it. Built by set
 """
 
 from cpython.bytes cimport PyBytes_FromStringAndSize
-from cpython.float cimport PyFloat_AS_DOUBLE
 from cpython.mem cimport PyMem_Free
 from libc.stdint cimport INT32_MAX, INT32_MIN, int64_t, uint8_t
 
@@ -51,6 +50,8 @@ from schemas._avro cimport (
     _read_bytes,
     _read_count,
     _read_double,
+    _intern_table,
+    _read_interned,
     _read_long,
     _read_string,
     _read_symbol,
@@ -205,16 +206,42 @@ cdef class ResidencyRow(_Record):
     cdef public list workers
     #: Physical copies resident: the workers' counts aggregated; the row is resident while above 0.
     cdef public int copies
-    #: Engine time (seconds since the Unix epoch, a float) at which the row last became resident; None while not.
-    cdef public object since
-    #: Engine time (a float) of the last event applied to the row.
-    cdef public object last_ts
+    #: Engine time (seconds since the Unix epoch) at which the row last became resident, if it is resident
+    #: (``_has_since``); the mapping's ``since``, None while not. C doubles, not float objects: a decoded entry
+    #: allocates two objects and 48 bytes less.
+    cdef bint _has_since
+    cdef double _since
+    #: Engine time (seconds since the Unix epoch) of the last event applied to the row; the mapping's ``last_ts``.
+    cdef double _last_ts
     #: The source's latest AllBlocksCleared before the row's last event: whether there is one, and its
     #: ``(publisher_epoch, seq, batch_index)``. The mapping's ``clear_mark``.
     cdef public bint has_mark
     cdef public int64_t mark_epoch
     cdef public int64_t mark_seq
     cdef public int mark_batch
+
+    @property
+    def since(self):
+        """Engine time (a float) at which the row last became resident; None while it is not."""
+        return self._since if self._has_since else None
+
+    @since.setter
+    def since(self, value):
+        if value is None:
+            self._has_since = False
+            self._since = 0.0
+        else:
+            self._since = value  # a number, or TypeError
+            self._has_since = True
+
+    @property
+    def last_ts(self):
+        """Engine time (a float) of the last event applied to the row."""
+        return self._last_ts
+
+    @last_ts.setter
+    def last_ts(self, value):
+        self._last_ts = value  # a number, or TypeError (None included: the field has no null)
 
     @property
     def clear_mark(self):
@@ -425,8 +452,9 @@ cdef tuple _apply_block(entry, event, clear_mark, clear_watermark, clear_tiers, 
         row.world_size = world_size
         row.aggregation = mode
         row.copies = after
-        row.since = ts if after > 0 else None
-        row.last_ts = ts
+        row._has_since = after > 0
+        row._since = ts if after > 0 else 0.0
+        row._last_ts = ts
         _set_mark(row, m_epoch, m_seq, m_batch)
         rows.append(row)
         stats.applied += 1
@@ -458,7 +486,7 @@ cdef tuple _apply_block(entry, event, clear_mark, clear_watermark, clear_tiers, 
         for other in workers:
             other.count = 0
         row.copies = 0
-        row.since = None
+        row._has_since = False
 
     rank = -1 if worker_rank is None else worker_rank
     for other in workers:
@@ -509,7 +537,7 @@ cdef tuple _apply_block(entry, event, clear_mark, clear_watermark, clear_tiers, 
     worker.block_index = block_index
     stats.applied += 1
     row.medium = medium
-    row.last_ts = ts
+    row._last_ts = ts
     _set_mark(row, m_epoch, m_seq, m_batch)
     if len(workers) == 1 and (world_size <= 1 or mode == "SHARDED"):
         after = worker.count
@@ -517,13 +545,14 @@ cdef tuple _apply_block(entry, event, clear_mark, clear_watermark, clear_tiers, 
         after = _aggregate(workers, world_size, mode)
     row.copies = after
     delta = 0
-    if after > 0 and row.since is None:
-        row.since = ts  # resident anew (also after a clear emptied it)
+    if after > 0 and not row._has_since:
+        row._has_since = True  # resident anew (also after a clear emptied it)
+        row._since = ts
     if before == 0 and after > 0:
         stats.became_resident += 1
         delta = 1
     elif before > 0 and after == 0:
-        row.since = None
+        row._has_since = False
         stats.stopped_resident += 1
         delta = -1
     found = False
@@ -647,6 +676,13 @@ cdef inline int _int_of(int64_t value, Cursor* c) except? -1:
     return <int>value
 
 
+#: The strings an entry repeats in every row, one intern table each (``_read_interned``).
+cdef list _OWNERSHIPS = _intern_table()
+cdef list _INSTANCES = _intern_table()
+cdef list _MEDIA = _intern_table()
+cdef list _LOCALITIES = _intern_table()
+
+
 def read_entry(bytes data not None, Py_ssize_t pos, tuple tiers not None, tuple aggregations not None):
     """The :class:`ResidencyEntry` of a ``residency`` v3 body that starts at ``pos`` and ends with ``data``: the
     values the codec's generated reader gives (:meth:`schemas.AvroCodec.decode`), as records.
@@ -665,34 +701,47 @@ def read_entry(bytes data not None, Py_ssize_t pos, tuple tiers not None, tuple 
     cdef ResidencyEntry entry = ResidencyEntry.__new__(ResidencyEntry)
     cdef ResidencyRow row
     cdef WorkerCount worker
-    cdef list rows = [], workers
+    cdef list rows = None, workers
+    cdef Py_ssize_t filled, n_filled
     if pos < 0 or pos > len(data):
         raise IndexError("start outside the data")
     c.data = <const uint8_t*><const char*>data
     c.size = len(data)
     c.pos = pos
     entry.block_hash = _read_bytes(c)
-    entry.ownership = _read_string(c) if _read_branch(c) else None
+    entry.ownership = _read_interned(c, _OWNERSHIPS) if _read_branch(c) else None
+    # The lists are made at their size from the first block's count (a writer of ours writes one block), not
+    # grown by appends, which leave room for more: 24 bytes per list kept in the entry cache.
+    filled = 0
     while True:
         count = _read_count(c)
         if count == 0:
             break
+        if rows is None:
+            if count > c.size - c.pos:  # every row takes bytes: a count beyond them is a bad record
+                raise ValueError(f"array count {count} beyond the record at {c.pos}")
+            rows = [None] * count
         while count:
             count -= 1
             row = ResidencyRow.__new__(ResidencyRow)
-            row.instance_id = _read_string(c)
+            row.instance_id = _read_interned(c, _INSTANCES)
             row.data_parallel_rank = _int_of(_read_long(c), c)
             row.tier = _read_symbol(c, tiers)
-            row.medium = _read_string(c) if _read_branch(c) else None
-            row.locality = _read_string(c) if _read_branch(c) else None
+            row.medium = _read_interned(c, _MEDIA) if _read_branch(c) else None
+            row.locality = _read_interned(c, _LOCALITIES) if _read_branch(c) else None
             row.group_idx = _int_of(_read_long(c), c) if _read_branch(c) else None
             row.world_size = _int_of(_read_long(c), c)
             row.aggregation = _read_symbol(c, aggregations)
-            workers = []
+            workers = None
+            n_filled = 0
             while True:
                 n_workers = _read_count(c)
                 if n_workers == 0:
                     break
+                if workers is None:
+                    if n_workers > c.size - c.pos:
+                        raise ValueError(f"array count {n_workers} beyond the record at {c.pos}")
+                    workers = [None] * n_workers
                 while n_workers:
                     n_workers -= 1
                     worker = WorkerCount.__new__(WorkerCount)
@@ -703,32 +752,33 @@ def read_entry(bytes data not None, Py_ssize_t pos, tuple tiers not None, tuple 
                     worker.batch_index = _int_of(_read_long(c), c)
                     worker.block_index = _int_of(_read_long(c), c)
                     worker.content = _read_long(c) if _read_branch(c) else None
-                    workers.append(worker)
-            row.workers = workers
+                    if n_filled < len(workers):
+                        workers[n_filled] = worker
+                    else:
+                        workers.append(worker)
+                    n_filled += 1
+            row.workers = [] if workers is None else workers
             row.copies = _int_of(_read_long(c), c)
-            row.since = _read_double(c) if _read_branch(c) else None
-            row.last_ts = _read_double(c)
+            if _read_branch(c):
+                row._has_since = True
+                row._since = _read_double(c)
+            row._last_ts = _read_double(c)
             if _read_branch(c):
                 row.has_mark = True
                 row.mark_epoch = _read_long(c)
                 row.mark_seq = _read_long(c)
                 row.mark_batch = _int_of(_read_long(c), c)
-            rows.append(row)
-    entry.rows = rows
+            if filled < len(rows):
+                rows[filled] = row
+            else:
+                rows.append(row)
+            filled += 1
+    entry.rows = [] if rows is None else rows
     entry.parent_block_hash = _read_bytes(c) if _read_branch(c) else None
     entry.content_hash = _read_long(c) if _read_branch(c) else None
     if c.pos != c.size:
         raise ValueError(f"{c.size - c.pos} trailing bytes")
     return entry
-
-
-cdef inline int _put_float(Buffer* out, object value) except -1:
-    """A Python float as an Avro ``double``; TypeError for anything else (an int among them, which fastavro
-    would write as a double, so the Python writer gets it)."""
-    if type(value) is not float:
-        raise TypeError(type(value).__name__)
-    _put_double(out, PyFloat_AS_DOUBLE(value))
-    return 0
 
 
 cdef int _put_entry(Buffer* out, ResidencyEntry entry, dict tiers, dict aggregations) except -1:
@@ -764,9 +814,10 @@ cdef int _put_entry(Buffer* out, ResidencyEntry entry, dict tiers, dict aggregat
                         _put_long(out, _long_of(worker.content))
             _put_byte(out, 0)  # end of workers
             _put_long(out, row.copies)
-            if _put_branch(out, row.since):
-                _put_float(out, row.since)
-            _put_float(out, row.last_ts)
+            _put_byte(out, 2 if row._has_since else 0)
+            if row._has_since:
+                _put_double(out, row._since)
+            _put_double(out, row._last_ts)
             _put_byte(out, 2 if row.has_mark else 0)
             if row.has_mark:
                 _put_long(out, row.mark_epoch)
@@ -784,8 +835,8 @@ def encode_entry(ResidencyEntry entry not None, bytes header not None, dict tier
                  dict aggregations not None):
     """``entry`` as a ``residency`` v3 record with its framing ``header``, byte for byte as
     :meth:`schemas.avro_writers.ResidencyWriter.encode` writes its dicts; None when a field holds a value of
-    another type than the agent writes (a bool or float where an int belongs, an int for a double, an unknown
-    enum symbol, a long beyond 64 bits, a lone surrogate): the caller then has the Python writer encode
+    another type than the agent writes (a bool or float where an int belongs, an unknown enum symbol, a long
+    beyond 64 bits, a lone surrogate; the times are C doubles already): the caller then has the Python writer encode
     ``entry.as_dict()``, which raises what it raises.
 
     ``tiers`` and ``aggregations``: enum symbol -> its encoded index (``ResidencyWriter.tier`` and

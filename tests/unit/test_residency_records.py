@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import sys
 from collections.abc import Mapping, MutableMapping
 from dataclasses import asdict
 
@@ -17,7 +18,7 @@ from schemas import BLOCK_REMOVED, BLOCK_STORED, BLOCK_STORED_OR_REUSED, AvroCod
 from schemas.avro_writers import ResidencyWriter
 from schemas.block_event import BlockEvent
 from schemas.clear_position import NO_CLEAR, ClearPosition
-from schemas.codec import DecodeError
+from schemas.codec import SINGLE_OBJECT_HEADER_LEN, DecodeError
 from stream_apps.residency import ApplyStats, apply_clear, retire_epoch, rules, source_aggregation
 from stream_apps.residency.records import EntryCodec, entry_form
 from tests.conftest import record_module
@@ -108,6 +109,50 @@ def _has_an_int_beyond_32_bits(entry: dict) -> bool:
     values += [worker[name] for row in entry["rows"] for worker in row["workers"] for name in WORKER_INTS]
     values += [row["clear_mark"]["batch_index"] for row in entry["rows"] if row["clear_mark"]]
     return any(value is not None and not -(1 << 31) <= value < (1 << 31) for value in values)
+
+
+def test_a_decoded_entry_shares_its_repeated_strings_and_holds_its_times_and_lists_at_their_size(record):
+    """What makes a cached entry smaller (920 to about 680 bytes on the trace's entries): the strings every row
+    repeats are one object across entries, the times are C doubles, the lists have no spare room."""
+    codec = EntryCodec(CODEC, compiled=True)
+    entry = copy.deepcopy(ENTRIES["every enum symbol"])
+    data = codec.encode(record.from_dict(entry))
+    first, second = codec.decode(data), codec.decode(data)
+    assert first == second == entry
+    for a, b in zip(first.rows, second.rows):
+        assert a.instance_id is b.instance_id
+        assert a.medium is b.medium or a.medium is None
+        assert a.locality is b.locality or a.locality is None
+        assert sys.getsizeof(a.workers) == sys.getsizeof([None] * len(a.workers))
+    assert first.ownership is second.ownership or first.ownership is None
+    assert sys.getsizeof(first.rows) == sys.getsizeof([None] * len(first.rows))
+    # bytes that only share a hash slot's bytes by length are still read as what they say
+    other = copy.deepcopy(entry)
+    other["rows"][0]["instance_id"] = entry["rows"][0]["instance_id"][::-1] + "x"
+    assert codec.decode(codec.encode(record.from_dict(other))) == other
+
+    row = first.rows[0]
+    row["since"] = None
+    assert row["since"] is None and row.as_dict()["since"] is None
+    row["since"], row["last_ts"] = 1767225600.5, 1767225601  # an int is held as the double fastavro writes
+    assert (row["since"], row["last_ts"]) == (1767225600.5, 1767225601.0) and type(row["last_ts"]) is float
+    with pytest.raises(TypeError):
+        row["last_ts"] = None  # the field has no null branch
+    with pytest.raises(TypeError):
+        row["since"] = "yesterday"
+
+
+def test_an_array_count_beyond_the_record_is_refused_as_the_codec_refuses_it(record):
+    data = bytearray(CODEC.encode(ENTRIES["typical"]))
+    start = SINGLE_OBJECT_HEADER_LEN
+    cursor = start + 1 + data[start] // 2  # past the block hash (length varint of one byte, then its bytes)
+    cursor += 1 + (1 + data[cursor + 1] // 2 if data[cursor] else 0)  # past the ownership's branch and string
+    assert data[cursor] == 2 * len(ENTRIES["typical"]["rows"])  # the rows' count
+    huge = bytes(data[:cursor]) + b"\xfe\xff\xff\xff\x0f" + bytes(data[cursor + 1:])  # 2**31 - 1 rows
+    with pytest.raises(DecodeError):
+        EntryCodec(CODEC, compiled=True).decode(huge)
+    with pytest.raises(DecodeError):
+        EntryCodec(CODEC, compiled=False).decode(huge)
 
 
 def test_an_older_versions_bytes_are_resolved_by_the_codec_and_made_records(record):
