@@ -7,7 +7,9 @@ one resident row per entry, in a dict ``{key: entry}`` (the ``memory://`` store'
 - tracemalloc's total per row (the bench's ``bytes_per_row_memory`` measures the same dict, but its deep copy
   shares the strings with the originals, so it leaves them out);
 - a breakdown per object kind by ``sys.getsizeof``, each object counted once, objects shared by many rows
-  (interned strings, small ints, ``None``) counted apart.
+  (interned strings, small ints, ``None``) counted apart;
+- the same entries as Avro bytes, and decoded from them as the stores' entry cache holds them (the compiled
+  records where built): bytes per cached entry, and the time of one decode (what a cache miss pays).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
+import time
 import tracemalloc
 from collections import defaultdict
 
@@ -92,6 +95,13 @@ def breakdown(table: dict[str, dict]) -> tuple[dict[str, list[int]], int]:
     return sizes, shared
 
 
+def _timed(work) -> float:
+    """Seconds ``work()`` took (perf_counter)."""
+    started = time.perf_counter()
+    work()
+    return time.perf_counter() - started
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.row_memory", description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=200_000)
@@ -136,6 +146,27 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nthe same rows as {{str key: Avro bytes of the entry}} (the changelog's value, {mean_value:.0f} bytes of "
           f"Avro on average): {packed_bytes / len(packed):,.0f} bytes/row (tracemalloc)")
     del packed
+    # the same rows decoded from those bytes as the stores' entry cache holds them (the compiled records where
+    # they are built), and what a decode costs: what a cache miss pays, and what each cached key keeps
+    from stream_apps.residency.records import EntryCodec
+
+    codec = EntryCodec(AvroCodec("residency"))
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    cached = {(key + " ")[:-1]: codec.decode(value) for key, value in values}
+    cached_bytes = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    del cached
+    raw = [value for _, value in values]
+    gc.disable()  # the collector's passes are the worker's business (stream_apps.checkpoint.GC_THRESHOLDS)
+    try:
+        best = min(_timed(lambda: [codec.decode(value) for value in raw]) for _ in range(3))
+    finally:
+        gc.enable()
+    print(f"decoded into the entry cache's form ({'compiled records' if codec.compiled else 'dicts'}): "
+          f"{cached_bytes / len(values):,.0f} bytes/entry with its key (tracemalloc), "
+          f"{best / len(raw) * 1e9:,.0f} ns per decode (best of 3)")
     entry = next(iter(table.values()))
     print("\none entry:", entry)
     return 0

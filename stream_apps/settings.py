@@ -20,6 +20,14 @@ from kafka_io.schema_registry import RegistryUrl, schema_registry_field
 from schemas.topics import TopicNames
 from stream_apps.residency import SourceSettings, parse_tier_weights
 
+#: Default ``residency_cache`` of the RocksDB store: decoded entries. About 90 MB at about 700 bytes an entry with
+#: its key (compiled records, ``python -m bench.row_memory``): the memory it had when an entry cost 920 bytes and
+#: the default was 100,000.
+ROCKSDB_RESIDENCY_CACHE = 130_000
+#: Default ``residency_cache`` of the memory store, whose point is a small footprint (its entries are all held
+#: encoded already).
+MEMORY_RESIDENCY_CACHE = 10_000
+
 
 class WorkerSettings(BaseSettings):
     """Settings of one worker of the stream app (``kvstream worker --help``)."""
@@ -97,9 +105,10 @@ class WorkerSettings(BaseSettings):
                                                                           "value to its changelog this often, "
                                                                           "seconds")
     #: Decoded residency entries cached in front of the store's encoded ones (a block's events come close
-    #: together); none: 100,000 with ``rocksdb://``, 10,000 with ``memory://``, whose point is a small footprint.
+    #: together); none: 130,000 with ``rocksdb://`` (about 90 MB of decoded entries, at about 700 bytes each with
+    #: their keys), 10,000 with ``memory://``, whose point is a small footprint.
     residency_cache: int | None = Field(None, ge=0, description="decoded residency entries cached in front of the "
-                                                               "store; none: 100000 (rocksdb), 10000 (memory)")
+                                                               "store; none: 130000 (rocksdb), 10000 (memory)")
     #: RocksDB memtable size of each residency partition database, MiB (two per database).
     rocksdb_write_buffer_mib: int = Field(8, ge=1, description="RocksDB memtable size per residency partition, MiB")
     #: RocksDB block cache of each residency partition database, MiB.
@@ -141,7 +150,7 @@ class WorkerSettings(BaseSettings):
         """``residency_cache``, or its default for the store."""
         if self.residency_cache is not None:
             return self.residency_cache
-        return 100_000 if self.store == "rocksdb://" else 10_000
+        return ROCKSDB_RESIDENCY_CACHE if self.store == "rocksdb://" else MEMORY_RESIDENCY_CACHE
 
     @property
     def topics(self) -> TopicNames:
