@@ -90,7 +90,9 @@ cdef class _Record:
 
     def __setitem__(self, key, value):
         """``record[key] = value``, as on the dicts, except that an int field takes only an int (TypeError; an
-        OverflowError for one its C integer cannot hold). ``from_dict`` sets every field through here."""
+        OverflowError for one its C integer cannot hold), and a row's ``since`` and ``last_ts`` only a number (held
+        as a double: TypeError for anything else, None for ``since`` aside). ``from_dict`` sets every field
+        through here."""
         cls = type(self)
         if key not in cls.FIELDS:
             raise KeyError(key)
@@ -207,8 +209,8 @@ cdef class ResidencyRow(_Record):
     #: Physical copies resident: the workers' counts aggregated; the row is resident while above 0.
     cdef public int copies
     #: Engine time (seconds since the Unix epoch) at which the row last became resident, if it is resident
-    #: (``_has_since``); the mapping's ``since``, None while not. C doubles, not float objects: a decoded entry
-    #: allocates two objects and 48 bytes less.
+    #: (``_has_since``); the mapping's ``since``, None while not. C doubles, not float objects: each row of a decoded
+    #: entry allocates two objects and 48 bytes less.
     cdef bint _has_since
     cdef double _since
     #: Engine time (seconds since the Unix epoch) of the last event applied to the row; the mapping's ``last_ts``.
@@ -380,7 +382,7 @@ def apply_block(entry, event, clear_mark, clear_watermark, clear_tiers, stats, a
 
     Raises:
         TypeError, OverflowError: a field of ``event`` that does not fit its record field (an Avro ``int`` beyond
-            32 bits); the entry may then be half changed, as the Python rules would leave it half changed by an
+            32 bits, a ``ts`` that is not a number); the entry may then be half changed, as the Python rules would leave it half changed by an
             exception.
     """
     return _apply_block(entry, event, clear_mark, clear_watermark, clear_tiers, stats, aggregation)

@@ -386,6 +386,7 @@ def test_the_compiled_residency_encoder_agrees_with_the_python_one_on_odd_values
     try:
         record = record_module("compiled").from_dict(entry)
     except (TypeError, OverflowError):
-        assume(False)  # an int field of the record holds only an int of 32 bits (a long one of 64)
+        # an int field of the record holds only an int of 32 bits (a long one of 64), a row's times only a number
+        assume(False)
     assert _encoded_or_refusal(_RecordWriter(codec).entries, record) == _encoded_or_refusal(
         ResidencyWriter(codec), entry)
