@@ -9,10 +9,8 @@ from kvstream.broker.process import pid_of
 
 
 def test_a_pid_file_names_its_process_only_while_that_process_runs_with_the_markers(tmp_path):
-    child = subprocess.Popen(
-        [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)", "kvstream-marker", str(tmp_path)],
-        stdout=subprocess.PIPE,
-    )
+    program = "import time; print('up', flush=True); time.sleep(60)"
+    child = subprocess.Popen([sys.executable, "-c", program, "kvstream-marker", str(tmp_path)], stdout=subprocess.PIPE)
     # Popen returns once the exec has begun, but the kernel sets the new command line a moment later, and
     # /proc/<pid>/cmdline reads empty until it has (CI caught that window once). The child's first line means its
     # exec is done.
