@@ -21,7 +21,7 @@ from prometheus_client.registry import Collector
 
 from kafka_io.admin import GroupProgressReader
 from stream_apps.applier import Materializer
-from stream_apps.checkpoint import Checkpoint
+from stream_apps.checkpoint import GC_PAUSES, Checkpoint
 from stream_apps.fleet import InputLagReader, occupancy_rows
 from stream_apps.health import Readiness
 from stream_apps.hotpath import Hotpath, hotpath
@@ -161,6 +161,11 @@ class WorkerMetrics(Collector):
                                     "store persist before an offset commit")
         flush.add_metric([], count_value=self.checkpoint.commits, sum_value=self.checkpoint.total_seconds)
         yield flush
+        pauses = SummaryMetricFamily("kvstream_gc_pause_seconds", "Collections of Python's cyclic GC in the "
+                                     "worker's main process and the seconds they stopped it", labels=["generation"])
+        for generation, (count, seconds) in enumerate(zip(GC_PAUSES.collections, GC_PAUSES.seconds)):
+            pauses.add_metric([str(generation)], count_value=count, sum_value=seconds)
+        yield pauses
         http = CounterMetricFamily("kvstream_http_requests", "HTTP requests answered, by view and status",
                                    labels=["view", "status"])
         for (view, status), count in sorted(self.http_requests.items()):

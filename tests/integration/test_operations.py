@@ -82,6 +82,10 @@ def test_probes_metrics_json_logs_and_a_clean_stop(kafka_bootstrap, tmp_path):
         # committed, so produced: one residency record per block (each key written once)
         assert samples['kvstream_changelog_records_total{table="residency"}'] == 20
         assert samples['kvstream_http_requests_total{status="200",view="ready"}'] >= 1
+        # the collector's pauses, per generation: starting a worker makes enough objects for young collections
+        assert samples['kvstream_gc_pause_seconds_count{generation="0"}'] >= 1
+        assert samples['kvstream_gc_pause_seconds_sum{generation="0"}'] > 0
+        assert 'kvstream_gc_pause_seconds_count{generation="2"}' in samples
         assert any(name.startswith("kvstream_consumer_lag_messages{") and f'topic="{topics.kv_events}"' in name
                    for name in samples)
         # the repartition process runs below the worker's priority (--repartition-nice, default 10), and says so

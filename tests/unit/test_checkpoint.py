@@ -154,3 +154,24 @@ def test_the_repartition_stage_commits_a_batch_offsets_only_after_its_outputs_ar
     with pytest.raises(CheckpointError, match="refused"):
         r.process([message])
     assert "commit" not in [c[0] for c in calls if not isinstance(c, str)]
+
+
+def test_every_collection_is_counted_with_its_pause_by_generation_once_however_often_installed():
+    import gc
+
+    from stream_apps.checkpoint import GC_PAUSES, warn_on_long_gc_pauses
+
+    warn_on_long_gc_pauses()
+    warn_on_long_gc_pauses()  # a second app in the same process: still one callback
+    assert sum(getattr(callback, "_kvstream_gc_pauses", False) for callback in gc.callbacks) == 1
+    gc.disable()  # no automatic collection in between: only the three below are counted
+    try:
+        before = list(GC_PAUSES.collections), list(GC_PAUSES.seconds)
+        gc.collect(0)
+        gc.collect(2)
+        gc.collect(2)
+    finally:
+        gc.enable()
+    assert [after - was for after, was in zip(GC_PAUSES.collections, before[0])] == [1, 0, 2]
+    assert GC_PAUSES.seconds[0] > before[1][0] and GC_PAUSES.seconds[2] > before[1][2]
+    assert GC_PAUSES.seconds[1] == before[1][1]
