@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from bench.harness import _cpu_seconds, _load, _Peak, _say, _stats
+from bench.harness import _cpu_seconds, _load, _Peak, _say, _stats, _worker_metrics, gc_and_checkpoint_summary
 from bench.trace import _fleet_batches
 from kvstream.broker import free_port
 
@@ -87,7 +87,7 @@ class PeerStep:
             else:
                 resident = workers.resident_rows()
                 processed_s = None
-                extra = {"worker_stats": _stats(workers.ports[0])}
+                extra = {"worker_stats": _stats(workers.ports[0]), "worker_metrics": _worker_metrics(workers.ports[0])}
         finally:
             rss = peak.stop()
             stop()
@@ -111,7 +111,8 @@ class PeerStep:
         _say(f"      {name} round {round_}: {events / seconds:,.0f} events/s, {result['cpu_us_per_event']:.1f} µs CPU "
              f"per event (broker {result['broker_cpu_us_per_event']:.1f}), peak RSS {result['rss_peak_mib']:,.0f} "
              f"MiB, {result['messages_per_event']:.2f} messages/event, {resident:,} resident rows "
-             f"({'=' if result['rows_equal_truth'] else '!='} truth {source['truth_rows']:,})")
+             f"({'=' if result['rows_equal_truth'] else '!='} truth {source['truth_rows']:,})"
+             f"{gc_and_checkpoint_summary(result.get('worker_metrics'))}")
         return result
 
     def step_peers(self) -> None:
