@@ -145,6 +145,26 @@ def test_a_decoded_entry_shares_its_repeated_strings_and_holds_its_times_and_lis
         row["since"] = "yesterday"
 
 
+def test_the_records_are_left_out_of_the_cyclic_collector_and_their_lists_are_not(record):
+    import gc
+
+    codec = EntryCodec(CODEC, compiled=True)
+    for entry in (codec.decode(codec.encode(record.from_dict(ENTRIES["every enum symbol"]))),
+                  record.from_dict(copy.deepcopy(ENTRIES["every enum symbol"]))):
+        rows = entry.rows
+        assert not gc.is_tracked(entry) and not any(gc.is_tracked(row) for row in rows)
+        assert not any(gc.is_tracked(worker) for row in rows for worker in row.workers)
+        assert gc.is_tracked(rows) and all(gc.is_tracked(row.workers) for row in rows)
+    # what the rules make is untracked too: a new entry, its row and its worker
+    source = ("sim-0", 0, None, None, None)
+    store = BlockEvent(BLOCK_STORED, source, 1, 0, 0, 0, 1767225600.0, b"\x07" * 8, "GPU", "GPU", None, None, None,
+                       True, None, None, None)
+    entry, _, _ = record.apply_block(None, store, NO_CLEAR, NO_CLEAR, frozenset({"GPU"}), ApplyStats(),
+                                     source_aggregation(source, None))
+    assert not gc.is_tracked(entry) and not gc.is_tracked(entry.rows[0])
+    assert not gc.is_tracked(entry.rows[0].workers[0])
+
+
 def test_an_array_count_beyond_the_record_is_refused_as_the_codec_refuses_it(record):
     data = bytearray(CODEC.encode(ENTRIES["typical"]))
     start = SINGLE_OBJECT_HEADER_LEN
