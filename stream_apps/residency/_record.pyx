@@ -29,7 +29,7 @@ numbers, None and lists of records, so no reference cycle runs through them unle
 that refers back to its record in a field (it would then never be freed). A worker keeps some 10^5 of them in
 its entry cache and its pending writes, and every young collection scanned and moved the ones made since the
 last: the collector's pauses in a whole-trace run fell from 2.8-3.2 s to 1.2-1.3 s when they stopped being
-tracked (``kvstream_gc_pause_seconds``; bench/PROFILE.md, fourteenth round). Their lists are still tracked.
+tracked (``kvstream_gc_pause_seconds``; bench/PROFILE.md, fourteenth round). Their lists of rows and of workers are left out too (``_untracked``): they hold only records.
 
 The clear mark is kept as three integers and a flag (``ClearMark`` is a ``["null", record]``); as a mapping it
 reads as :func:`schemas.clear_position.clear_mark_record` gives it. Built by setup.py next to ``schemas._hotpath``;
@@ -40,6 +40,9 @@ cimport cython
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.mem cimport PyMem_Free
 from libc.stdint cimport INT32_MAX, INT32_MIN, int64_t, uint8_t
+
+cdef extern from "Python.h":
+    void PyObject_GC_UnTrack(void* op)
 
 from schemas._avro cimport (
     Buffer,
@@ -73,6 +76,14 @@ from schemas.clear_position import clear_mark_record
 
 # ---------------------------------------------------------------------------------------------------------
 # The records
+
+cdef inline list _untracked(list items):
+    """``items``, left out of the cyclic collector: a record's list of rows or of workers holds only records,
+    which are not tracked either, so no cycle runs through it (the module's docstring says why it matters).
+    A container put in it later is still freed by reference counting; only a cycle through it would stay."""
+    PyObject_GC_UnTrack(<void*>items)
+    return items
+
 
 cdef inline object _int(object value):
     """``value`` if it is an int (a bool is one, as in the dicts' writer); TypeError for anything else, which a C
@@ -275,8 +286,8 @@ cdef class ResidencyRow(_Record):
     @staticmethod
     def from_dict(dict row):
         cdef ResidencyRow record = <ResidencyRow>_filled(ResidencyRow.__new__(ResidencyRow), row, "workers")
-        record.workers = [worker if type(worker) is WorkerCount else WorkerCount.from_dict(worker)
-                          for worker in row["workers"]]
+        record.workers = _untracked([worker if type(worker) is WorkerCount else WorkerCount.from_dict(worker)
+                                     for worker in row["workers"]])
         return record
 
     def as_dict(self):
@@ -322,7 +333,8 @@ def from_dict(dict entry):
         KeyError: a field is missing; TypeError, OverflowError: a value that does not fit its field.
     """
     cdef ResidencyEntry record = <ResidencyEntry>_filled(ResidencyEntry.__new__(ResidencyEntry), entry, "rows")
-    record.rows = [row if type(row) is ResidencyRow else ResidencyRow.from_dict(row) for row in entry["rows"]]
+    record.rows = _untracked([row if type(row) is ResidencyRow else ResidencyRow.from_dict(row)
+                              for row in entry["rows"]])
     return record
 
 
@@ -427,7 +439,7 @@ cdef tuple _apply_block(entry, event, clear_mark, clear_watermark, clear_tiers, 
     dp_rank = dp_rank_object
     if entry is None:
         record = None
-        rows = []
+        rows = _untracked([])
     else:
         record = <ResidencyEntry?>entry
         rows = record.rows
@@ -454,7 +466,7 @@ cdef tuple _apply_block(entry, event, clear_mark, clear_watermark, clear_tiers, 
         worker.block_index = block_index
         worker.content = content if replicated else None
         row = ResidencyRow.__new__(ResidencyRow)
-        row.workers = [worker]
+        row.workers = _untracked([worker])
         after = _aggregate(row.workers, world_size, mode) if replicated else 1
         row.instance_id = instance
         row.data_parallel_rank = dp_rank
@@ -701,7 +713,7 @@ cdef inline list _sized(list items, int64_t count, Cursor* c):
         return items
     if count > c.size - c.pos:
         raise ValueError(f"array count {count} beyond the record at {c.pos}")
-    return [None] * count
+    return _untracked([None] * count)
 
 
 cdef inline Py_ssize_t _place(list items, Py_ssize_t filled, object item) except -1:
@@ -783,7 +795,7 @@ def read_entry(bytes data not None, Py_ssize_t pos, tuple tiers not None, tuple 
                     worker.block_index = _int_of(_read_long(c), c)
                     worker.content = _read_long(c) if _read_branch(c) else None
                     n_filled = _place(workers, n_filled, worker)
-            row.workers = [] if workers is None else workers
+            row.workers = _untracked([]) if workers is None else workers
             row.copies = _int_of(_read_long(c), c)
             if _read_branch(c):
                 row._has_since = True
@@ -795,7 +807,7 @@ def read_entry(bytes data not None, Py_ssize_t pos, tuple tiers not None, tuple 
                 row.mark_seq = _read_long(c)
                 row.mark_batch = _int_of(_read_long(c), c)
             filled = _place(rows, filled, row)
-    entry.rows = [] if rows is None else rows
+    entry.rows = _untracked([]) if rows is None else rows
     entry.parent_block_hash = _read_bytes(c) if _read_branch(c) else None
     entry.content_hash = _read_long(c) if _read_branch(c) else None
     if c.pos != c.size:

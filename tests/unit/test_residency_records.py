@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import pickle
 import sys
+import weakref
 from collections.abc import Mapping, MutableMapping
 from dataclasses import asdict
 
@@ -145,7 +146,11 @@ def test_a_decoded_entry_shares_its_repeated_strings_and_holds_its_times_and_lis
         row["since"] = "yesterday"
 
 
-def test_the_records_are_left_out_of_the_cyclic_collector_and_their_lists_are_not(record):
+class Held:
+    """An object a test can hold a weak reference to."""
+
+
+def test_the_records_and_their_lists_are_left_out_of_the_cyclic_collector(record):
     import gc
 
     codec = EntryCodec(CODEC, compiled=True)
@@ -154,15 +159,23 @@ def test_the_records_are_left_out_of_the_cyclic_collector_and_their_lists_are_no
         rows = entry.rows
         assert not gc.is_tracked(entry) and not any(gc.is_tracked(row) for row in rows)
         assert not any(gc.is_tracked(worker) for row in rows for worker in row.workers)
-        assert gc.is_tracked(rows) and all(gc.is_tracked(row.workers) for row in rows)
-    # what the rules make is untracked too: a new entry, its row and its worker
+        assert not gc.is_tracked(rows) and not any(gc.is_tracked(row.workers) for row in rows)
+    # what the rules make is untracked too: a new entry, its rows, its row, its workers and its worker
     source = ("sim-0", 0, None, None, None)
     store = BlockEvent(BLOCK_STORED, source, 1, 0, 0, 0, 1767225600.0, b"\x07" * 8, "GPU", "GPU", None, None, None,
                        True, None, None, None)
     entry, _, _ = record.apply_block(None, store, NO_CLEAR, NO_CLEAR, frozenset({"GPU"}), ApplyStats(),
                                      source_aggregation(source, None))
-    assert not gc.is_tracked(entry) and not gc.is_tracked(entry.rows[0])
-    assert not gc.is_tracked(entry.rows[0].workers[0])
+    assert not gc.is_tracked(entry) and not gc.is_tracked(entry.rows) and not gc.is_tracked(entry.rows[0])
+    assert not gc.is_tracked(entry.rows[0].workers) and not gc.is_tracked(entry.rows[0].workers[0])
+    # a container put in a row is still freed, by reference counting
+    held = Held()
+    watch = weakref.ref(held)
+    entry.rows[0]["medium"] = [held]  # then only the row holds it
+    del held
+    assert watch() is not None
+    entry.rows[0]["medium"] = None
+    assert watch() is None
 
 
 def test_an_array_count_beyond_the_record_is_refused_as_the_codec_refuses_it(record):
