@@ -28,8 +28,9 @@ The records are not tracked by Python's cyclic garbage collector (``cython.no_gc
 numbers, None and lists of records, so no reference cycle runs through them unless a caller puts a container
 that refers back to its record in a field (it would then never be freed). A worker keeps some 10^5 of them in
 its entry cache and its pending writes, and every young collection scanned and moved the ones made since the
-last: the collector's pauses in a whole-trace run fell from 2.8-3.2 s to 1.2-1.3 s when they stopped being
-tracked (``kvstream_gc_pause_seconds``; bench/PROFILE.md, fourteenth round). Their lists of rows and of workers are left out too (``_untracked``): they hold only records.
+last. Their lists of rows and of workers are left out too (``_untracked``): they hold only records. A RocksDB
+worker's collector pauses over the bench's whole trace fell from about 3 s to 0.3-0.6 s
+(``kvstream_gc_pause_seconds``; bench/PROFILE.md, fourteenth round).
 
 The clear mark is kept as three integers and a flag (``ClearMark`` is a ``["null", record]``); as a mapping it
 reads as :func:`schemas.clear_position.clear_mark_record` gives it. Built by setup.py next to ``schemas._hotpath``;
