@@ -20,9 +20,9 @@ from kafka_io.schema_registry import RegistryUrl, schema_registry_field
 from schemas.topics import TopicNames
 from stream_apps.residency import SourceSettings, parse_tier_weights
 
-#: Default ``residency_cache`` of the RocksDB store: decoded entries. About 90 MB at about 700 bytes an entry with
-#: its key (compiled records, ``python -m bench.row_memory``): the memory it had when an entry cost 920 bytes and
-#: the default was 100,000.
+#: Default ``residency_cache`` of the RocksDB store: decoded entries. At most about 90 MB at 630-700 bytes an entry
+#: with its key (compiled records, ``python -m bench.row_memory``): the memory it had when an entry cost 920 bytes
+#: and the default was 100,000.
 ROCKSDB_RESIDENCY_CACHE = 130_000
 #: Default ``residency_cache`` of the memory store, whose point is a small footprint (its entries are all held
 #: encoded already).
@@ -105,8 +105,8 @@ class WorkerSettings(BaseSettings):
                                                                           "value to its changelog this often, "
                                                                           "seconds")
     #: Decoded residency entries cached in front of the store's encoded ones (a block's events come close
-    #: together); none: 130,000 with ``rocksdb://`` (about 90 MB of decoded entries, at about 700 bytes each with
-    #: their keys), 10,000 with ``memory://``, whose point is a small footprint.
+    #: together); none: 130,000 with ``rocksdb://`` (at most about 90 MB of decoded entries, ROCKSDB_RESIDENCY_CACHE),
+    #: 10,000 with ``memory://``, whose point is a small footprint.
     residency_cache: int | None = Field(None, ge=0, description="decoded residency entries cached in front of the "
                                                                "store; none: 130000 (rocksdb), 10000 (memory)")
     #: RocksDB memtable size of each residency partition database, MiB (two per database).
