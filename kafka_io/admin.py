@@ -185,10 +185,14 @@ class GroupProgressReader:
 
     def _drop_offsets_client(self) -> None:
         """Close the aiokafka client, if any; the next reading makes a new one."""
+        self._loop.run_until_complete(self._close_offsets_client())
+
+    async def _close_offsets_client(self) -> None:
+        """:meth:`_drop_offsets_client` from within the reader's loop."""
         client, self._offsets_client = self._offsets_client, None
         if client is not None:
             try:
-                self._loop.run_until_complete(client.close())
+                await client.close()
             except (KafkaError, OSError):  # a broker gone meanwhile: the client is closed all the same
                 pass
 
@@ -255,8 +259,7 @@ class GroupProgressReader:
 
     async def _committed_offsets(self, group: str, partitions: list[TopicPartition]) -> dict[tuple[str, int], int]:
         if self._offsets_client is not None and time.monotonic() - self._offsets_used_at > CLIENT_IDLE_S:
-            client, self._offsets_client = self._offsets_client, None
-            await client.close()
+            await self._close_offsets_client()
         if self._offsets_client is None:
             client = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap_servers, **aiokafka_security())
             try:

@@ -48,6 +48,7 @@ cdef extern from "Python.h":
 from schemas._avro cimport (
     Buffer,
     Cursor,
+    _intern_table,
     _long_of,
     _open_buffer,
     _put,
@@ -62,10 +63,8 @@ from schemas._avro cimport (
     _read_bytes,
     _read_count,
     _read_double,
-    _intern_table,
     _read_interned,
     _read_long,
-    _read_string,
     _read_symbol,
 )
 
@@ -406,8 +405,8 @@ def apply_block(entry, event, clear_mark, clear_watermark, clear_tiers, stats, a
 
     Raises:
         TypeError, OverflowError: a field of ``event`` that does not fit its record field (an Avro ``int`` beyond
-            32 bits, a ``ts`` that is not a number); the entry may then be half changed, as the Python rules would leave it half changed by an
-            exception.
+            32 bits, a ``ts`` that is not a number); the entry may then be half changed, as the Python rules would
+            leave it half changed by an exception.
     """
     return _apply_block(entry, event, clear_mark, clear_watermark, clear_tiers, stats, aggregation)
 
