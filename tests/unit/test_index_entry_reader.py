@@ -286,7 +286,10 @@ def _key(entry: dict) -> str:
 
 
 def _state(index: FleetIndex) -> tuple:
-    return list(index.dump()), index.stats(), index.workers(), index._holders
+    # the dump lists the blocks "in no particular order" (BlockTable.items): a block removed and stored again
+    # comes last from the Python table's dict and in its old slot from the compiled table's hash table
+    dump = sorted(index.dump(), key=lambda block: block["block_hash"])
+    return dump, index.stats(), index.workers(), index._holders
 
 
 def _index_entries(blocks: list[bytes]):
