@@ -203,6 +203,12 @@ def producer_config(bootstrap_servers: str = DEFAULT_BOOTSTRAP_SERVERS, **overri
     ``partitioner=murmur2_random`` is librdkafka's Java-compatible murmur2 for
     keyed messages, so a key lands on the partition that Faust (aiokafka) and
     Java clients compute for it.
+
+    ``linger.ms=5`` is librdkafka's default and, since Kafka 4.0 (KIP-1030),
+    the Java producer's: an event waits at most that long for its batch. A
+    live engine's events reach the residency tables and the index that much
+    sooner (bench/HISTORY.md, "2026-12-04 night"); at full speed batches fill
+    by size and count first, so a longer linger gains little throughput.
     """
     return client_config(
         bootstrap_servers,
@@ -211,7 +217,7 @@ def producer_config(bootstrap_servers: str = DEFAULT_BOOTSTRAP_SERVERS, **overri
             "acks": "all",
             "compression.type": "lz4",
             "partitioner": "murmur2_random",
-            "linger.ms": 20,
+            "linger.ms": 5,
             "batch.num.messages": 10000,
             "batch.size": 1_000_000,
             "queue.buffering.max.messages": 500_000,
