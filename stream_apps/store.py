@@ -80,6 +80,11 @@ def value_encoder(codec: AvroCodec) -> Callable[[Any], bytes]:
     return codec.encode
 
 
+class PartitionNotHeld(LookupError):
+    """A query for a key whose partition this worker does not hold as active now (not assigned here, or
+    assigned and its database not open yet): the answer is unknown here, not empty. The views answer 503."""
+
+
 class _BoundStore:
     """What both store classes need from the worker, given once by :meth:`bind` after the app is built."""
 
@@ -115,6 +120,11 @@ class _BoundStore:
         self.changelog_records = 0
         #: The delivery reports of this store's changelog records, per partition (:meth:`acknowledged_offsets`).
         self._reports = self._changelog_delivery = DeliveryReports()
+
+    def holds(self, partition: int) -> bool:
+        """Whether this store can answer a lookup of ``partition`` now. The memory stores always can (what
+        they do not hold is not assigned here, which the caller checks with Faust's assignor)."""
+        return True
 
     def acknowledged_offsets(self) -> dict[int, int]:
         """Partition -> offset of the last changelog record acknowledged since the previous call (what a
@@ -400,6 +410,12 @@ class RocksDBTableStore(_EntryCache, _BoundStore, faust.stores.rocksdb.Store):
         entry = self.decode(raw)
         self._remember(key, entry)
         return entry
+
+    def holds(self, partition: int) -> bool:
+        """Whether ``partition``'s database is open here. Faust opens it in the rebalance after the assignment
+        that names this worker (and keeps retrying a database another process still locks), so the
+        assignor can say a partition is this worker's before its database is there."""
+        return partition in self._dbs
 
     def lookup(self, key: str, partition: int) -> dict | None:
         """The entry under ``key`` for a query, if this worker holds ``partition``.

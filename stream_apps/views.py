@@ -16,6 +16,7 @@ from urllib.parse import quote
 
 import aiohttp
 import faust
+from faust.types import TP
 
 from schemas import InvalidBlockHash, parse_block_hash
 from stream_apps.applier import Materializer
@@ -25,6 +26,7 @@ from stream_apps.index.api import IndexAPI, Reply
 from stream_apps.index.fleet_index import FleetIndex
 from stream_apps.metrics import WorkerMetrics
 from stream_apps.residency import key_partition, residency_key
+from stream_apps.store import PartitionNotHeld
 from stream_apps.tables import Tables
 
 #: Limits of POST /prefix-match/: request body bytes and block hashes per request.
@@ -153,9 +155,18 @@ class WorkerViews:
         return web.json({"error": f"not ready: {'; '.join(reasons)}; retry", "reasons": reasons}, status=503)
 
     def _entry_json(self, key: str) -> list[dict]:
-        """Resident rows of one local residency key, as JSON-ready dicts."""
-        residency = self.tables.residency
-        entry = self.tables.residency_store.lookup(key, key_partition(key, residency.partitions))
+        """Resident rows of one local residency key, as JSON-ready dicts.
+
+        Raises:
+            PartitionNotHeld: this worker is not the active holder of the key's partition now, or its store
+                cannot read that partition yet: an empty answer would say "no copies" where the truth is
+                unknown here.
+        """
+        residency, store = self.tables.residency, self.tables.residency_store
+        partition = key_partition(key, residency.partitions)
+        if not (self.app.assignor.is_active(TP(store.changelog, partition)) and store.holds(partition)):
+            raise PartitionNotHeld(f"partition {partition} of {store.changelog} is not held here now")
+        entry = store.lookup(key, partition)
         if entry is None:
             return []
         return [_row_json(entry["ownership"], row) for row in entry["rows"] if row["copies"] > 0]
@@ -178,8 +189,15 @@ class WorkerViews:
         return [row for part in parts for row in part]
 
     async def residency_key(self, web, request, key: str):
-        """Internal: resident rows of one table key, answered by the worker that holds it."""
-        return web.json({"rows": self._entry_json(key)})
+        """Internal: resident rows of one table key, answered by the worker that holds it; 503 while it is not
+        ready (a rebalance gives it partitions whose databases it is still filling from their changelogs) or
+        does not hold the key's partition, which the asking worker passes on as its own 503."""
+        if (refusal := self._not_ready(web)) is not None:
+            return refusal
+        try:
+            return web.json({"rows": self._entry_json(key)})
+        except PartitionNotHeld as exc:
+            return web.json({"error": f"{exc}: the group is probably rebalancing; retry"}, status=503)
 
     async def residency(self, web, request, block_hash_hex: str):
         """Every resident row of a block, over all ownerships, of the sources that are live, and the freshness of
@@ -193,7 +211,8 @@ class WorkerViews:
             return refusal
         try:
             rows = await self._block_rows(block_hash)
-        except (aiohttp.ClientError, OSError, KeyError) as exc:  # the owner is gone or not yet assigned
+        except (aiohttp.ClientError, OSError, KeyError, PartitionNotHeld) as exc:  # the owner is gone, not yet
+            # assigned, or not ready to answer (its 503 is a ClientResponseError here)
             return web.json({"error": f"the worker holding this block did not answer ({type(exc).__name__}); "
                                       "the group is probably rebalancing: retry"}, status=503)
         leases = self.index.leases

@@ -153,6 +153,41 @@ def _assert_every_worker_answers_the_truth(fleet: Fleet, truth: dict, blocks: li
     assert all(body == matches[0][1] for _, body in matches)
 
 
+def _assert_no_wrong_answer_while_the_group_rebalances(fleet: Fleet, truth: dict, blocks: list[bytes]) -> None:
+    """Ask every worker for ``blocks`` over and over while a worker joins or leaves, until all of them have
+    answered /ready with 200 in two sweeps in a row (at least 8 s, since the others learn of a leave at their
+    next heartbeat, 3 s apart; at most 90). Each answer must be a 503 or the truth, never a 200 with other
+    rows: a worker given a partition has no rows for it until it has filled its database from the changelog,
+    and that is not "no copies"."""
+    by_block: dict[bytes, dict] = {}
+    for identity, copies in truth.items():
+        by_block.setdefault(identity[6], {})[identity[:6]] = copies
+    wrong, statuses = [], Counter()
+    start = time.monotonic()
+    ready_sweeps = 0
+    while ready_sweeps < 2 or time.monotonic() - start < 8:
+        assert time.monotonic() - start < 90, ("the group did not settle", statuses)
+        for url in fleet.urls():
+            for block in blocks:
+                try:
+                    status, body = _get(f"{url}/residency/{block.hex()}/")
+                except OSError:
+                    statuses["no answer"] += 1
+                    continue
+                statuses[status] += 1
+                if status == 200:
+                    rows = {(r["instance_id"], r["data_parallel_rank"], r["tier"], r["ownership"], r["locality"],
+                             r["group_idx"]): r["copies"] for r in body["rows"]}
+                    if rows != by_block.get(block, {}):
+                        wrong.append((url, block.hex(), rows))
+                else:
+                    assert status == 503, (url, status, body)
+        ready = all(_get_or_none(f"{url}/ready") == 200 for url in fleet.urls())
+        ready_sweeps = ready_sweeps + 1 if ready else 0
+    assert statuses[200], statuses  # the answers were compared, not only refused
+    assert not wrong, (statuses, wrong[:3])
+
+
 @pytest.fixture()
 def fleet(kafka_bootstrap, tmp_path):
     fleet = Fleet(kafka_bootstrap, tmp_path, prefix=f"fleet{int(time.time() * 1000)}.")
@@ -201,8 +236,10 @@ def test_every_worker_answers_every_view_with_the_ground_truth(fleet, kafka_boot
     _assert_every_worker_answers_the_truth(fleet, truth, [block, *blocks])
     # a fourth (issue 16: four workers on this machine check correctness only; bench/README.md scales on paper)
     fleet.start("w4")
+    _assert_no_wrong_answer_while_the_group_rebalances(fleet, truth, [block, *blocks])
     fleet.wait_ready_and_consumed()
     _assert_every_worker_answers_the_truth(fleet, truth, [block, *blocks])
     fleet.stop("w1")
+    _assert_no_wrong_answer_while_the_group_rebalances(fleet, truth, [block, *blocks])
     fleet.wait_ready_and_consumed()
     _assert_every_worker_answers_the_truth(fleet, truth, [block, *blocks])
