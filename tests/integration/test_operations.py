@@ -82,11 +82,14 @@ def test_probes_metrics_json_logs_and_a_clean_stop(kafka_bootstrap, tmp_path):
         # committed, so produced: one residency record per block (each key written once)
         assert samples['kvstream_changelog_records_total{table="residency"}'] == 20
         assert samples['kvstream_http_requests_total{status="200",view="ready"}'] >= 1
-        # the collector's pauses, per generation: starting a worker makes enough objects for young collections, and
-        # each one recorded adds its (non-zero) duration to the sum; no bound on how long they take
-        assert samples['kvstream_gc_pause_seconds_count{generation="0"}'] >= 1
-        assert samples['kvstream_gc_pause_seconds_sum{generation="0"}'] > 0
-        assert 'kvstream_gc_pause_seconds_count{generation="2"}' in samples
+        # the collector's pauses, served for every generation. Whether this small worker has collected yet depends
+        # on timing (each checkpoint's gc.freeze resets the young generation's count), so only the samples and
+        # their agreement are checked here; tests/unit/test_checkpoint.py counts explicit collections. No bound
+        # on how long a pause takes.
+        for generation in "012":
+            count = samples[f'kvstream_gc_pause_seconds_count{{generation="{generation}"}}']
+            pauses = samples[f'kvstream_gc_pause_seconds_sum{{generation="{generation}"}}']
+            assert count >= 0 and pauses >= 0 and (count == 0) == (pauses == 0), (generation, count, pauses)
         assert any(name.startswith("kvstream_consumer_lag_messages{") and f'topic="{topics.kv_events}"' in name
                    for name in samples)
         # the repartition process runs below the worker's priority (--repartition-nice, default 10), and says so
