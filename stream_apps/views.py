@@ -211,8 +211,8 @@ class WorkerViews:
             return refusal
         try:
             rows = await self._block_rows(block_hash)
-        except (aiohttp.ClientError, OSError, KeyError, PartitionNotHeld) as exc:  # the owner is gone, not yet
-            # assigned, or not ready to answer (its 503 is a ClientResponseError here)
+        except (aiohttp.ClientError, OSError, KeyError, PartitionNotHeld) as exc:
+            # the holder is gone, not yet assigned, or not ready to answer (its 503 arrives as a ClientResponseError)
             return web.json({"error": f"the worker holding this block did not answer ({type(exc).__name__}); "
                                       "the group is probably rebalancing: retry"}, status=503)
         leases = self.index.leases
