@@ -117,8 +117,22 @@ def _rows(url: str, block: bytes) -> dict[tuple, int]:
         time.sleep(0.5)
         status, body = _get(f"{url}/residency/{block.hex()}/")
     assert status == 200, body
+    return _rows_of(body)
+
+
+def _rows_of(body: dict) -> dict[tuple, int]:
+    """A ``/residency/`` answer's rows as the truth has them: (instance, rank, tier, ownership, locality, group)
+    -> copies."""
     return {(r["instance_id"], r["data_parallel_rank"], r["tier"], r["ownership"], r["locality"], r["group_idx"]):
             r["copies"] for r in body["rows"]}
+
+
+def _truth_by_block(truth: dict) -> dict[bytes, dict]:
+    """The simulator's ground truth by block hash: block -> {row identity: copies}."""
+    by_block: dict[bytes, dict] = {}
+    for identity, copies in truth.items():
+        by_block.setdefault(identity[6], {})[identity[:6]] = copies
+    return by_block
 
 
 def _assert_every_worker_answers_the_truth(fleet: Fleet, truth: dict, blocks: list[bytes]) -> None:
@@ -126,9 +140,7 @@ def _assert_every_worker_answers_the_truth(fleet: Fleet, truth: dict, blocks: li
     without a truth of their own (sources, prefix match) are equal on all workers. The global tables reach a
     worker a moment after the agents wrote them, so the comparison is retried for a few seconds."""
     expected_occupancy = Counter((own, tier, inst) for (inst, _, tier, own, _, _, _) in truth)
-    by_block: dict[bytes, dict] = {}
-    for identity, copies in truth.items():
-        by_block.setdefault(identity[6], {})[identity[:6]] = copies
+    by_block = _truth_by_block(truth)
     deadline = time.monotonic() + 20
     while True:
         occupancies = {url: _occupancy(url) for url in fleet.urls()}
@@ -159,9 +171,7 @@ def _assert_no_wrong_answer_while_the_group_rebalances(fleet: Fleet, truth: dict
     next heartbeat, 3 s apart; at most 90). Each answer must be a 503 or the truth, never a 200 with other
     rows: a worker given a partition has no rows for it until it has filled its database from the changelog,
     and that is not "no copies"."""
-    by_block: dict[bytes, dict] = {}
-    for identity, copies in truth.items():
-        by_block.setdefault(identity[6], {})[identity[:6]] = copies
+    by_block = _truth_by_block(truth)
     wrong, statuses = [], Counter()
     start = time.monotonic()
     ready_sweeps = 0
@@ -176,8 +186,7 @@ def _assert_no_wrong_answer_while_the_group_rebalances(fleet: Fleet, truth: dict
                     continue
                 statuses[status] += 1
                 if status == 200:
-                    rows = {(r["instance_id"], r["data_parallel_rank"], r["tier"], r["ownership"], r["locality"],
-                             r["group_idx"]): r["copies"] for r in body["rows"]}
+                    rows = _rows_of(body)
                     if rows != by_block.get(block, {}):
                         wrong.append((url, block.hex(), rows))
                 else:
