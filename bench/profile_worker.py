@@ -7,6 +7,11 @@ committed everything (start-up is left out).
 Then it folds the stacks into the stages of bench/PROFILE.md: each sample goes to the first rule, from the
 leaf up, that one of its frames matches. Prints the shares and µs per event (a stage's share of the process's
 samples times that process's CPU seconds, divided by the events).
+
+With ``--idle`` py-spy also samples threads that wait, one table per Python thread: a stage's share is of the
+thread's wall time, its µs per event are wall time (the share times the run's seconds, divided by the events), and
+the waits get stages of their own ("waiting: ..."). That tells a round that is slow because it works more from one
+that waits more.
 """
 
 from __future__ import annotations
@@ -56,7 +61,20 @@ REPARTITION_RULES = [
 ]
 
 
-def classify(frames: list[str], rules) -> str:
+#: With ``--idle``: where a thread that does not run is. Matched on the leaf frame only, before the stage rules.
+WAIT_RULES = [
+    ("waiting: event loop select (nothing ready)", r"^select \(.*selectors\.py"),
+    ("waiting: lock, queue or future (a thread)", r"^wait \(.*threading\.py|^_wait_for_tstate_lock|^acquire "),
+    ("waiting: librdkafka call (flush, poll, consume)", r"^(flush|poll|consume|list_topics) \(<built-in>\)$"),
+    ("waiting: sleep", r"^sleep "),
+]
+
+
+def classify(frames: list[str], rules, idle: bool = False) -> str:
+    if idle:
+        for stage, pattern in WAIT_RULES:
+            if re.search(pattern, frames[-1]):
+                return stage
     for frame in reversed(frames):  # leaf first
         for stage, pattern in rules:
             if re.search(pattern, frame):
@@ -68,8 +86,12 @@ def classify(frames: list[str], rules) -> str:
 OTHER_LEAVES: dict[str, Counter] = defaultdict(Counter)
 
 
-def fold(raw: Path) -> dict[str, Counter]:
-    """Samples per process ('worker' or 'repartition') and stage, from py-spy's raw (collapsed) output."""
+def fold(raw: Path, idle: bool = False) -> dict[str, Counter]:
+    """Samples per process ('worker' or 'repartition') and stage, from py-spy's raw (collapsed) output.
+
+    With ``idle`` (a recording made with py-spy's ``--idle --threads``) the key is the process and its thread,
+    e.g. ``worker MainThread``, and waits count in the ``WAIT_RULES`` stages.
+    """
     out: dict[str, Counter] = defaultdict(Counter)
     for line in raw.read_text(errors="replace").splitlines():  # py-spy prints some frames undecoded
         stack, _, count = line.rpartition(" ")
@@ -78,7 +100,13 @@ def fold(raw: Path) -> dict[str, Counter]:
         frames = stack.split(";")
         child = any("spawn_main" in f or "_run_child" in f for f in frames)
         process = "repartition" if child else "worker"
-        stage = classify(frames, REPARTITION_RULES if child else STAGE_RULES)
+        if idle and not child and sum(f.startswith("process ") for f in frames) > 1:
+            continue  # another child of the worker's (multiprocessing's resource tracker): it only waits
+        if idle:
+            # py-spy's thread frame is "thread (<native id>): <name>"; the child's comes after the parent's
+            thread = next((f for f in reversed(frames) if f.startswith("thread (")), "thread (?): ?")
+            process += " " + thread.partition("): ")[2]
+        stage = classify(frames, REPARTITION_RULES if child else STAGE_RULES, idle)
         out[process][stage] += int(count)
         if stage.startswith("Faust"):
             OTHER_LEAVES[process][" < ".join(f.split(" (")[0] for f in frames[-1:-4:-1])] += int(count)
@@ -94,9 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--raw", type=Path, default=None, help="fold this py-spy raw file instead of recording")
     p.add_argument("--events", type=int, default=None, help="with --raw: the events of the recorded run")
     p.add_argument("--cpu", default="", help="with --raw: CPU seconds per process, e.g. worker=47.2,repartition=6.0")
+    p.add_argument("--idle", action="store_true",
+                   help="sample waiting threads too (py-spy --idle --threads): wall-time shares per thread")
+    p.add_argument("--seconds", type=float, default=None, help="with --raw --idle: the recorded run's seconds")
     args = p.parse_args(argv)
     work = args.work_dir.resolve()
     events = args.events
+    seconds = args.seconds
     cpu = {k: float(v) for k, v in (item.split("=") for item in args.cpu.split(",") if item)}
     if args.raw is None:
         from bench.run import Bench, BenchOptions, _Workers
@@ -123,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
                 group.wait_first_event(600)  # the samples cover the processing only, not the start-up
                 spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid",
                                         str(group.processes[0].pid), "--subprocesses", "--rate", str(args.rate),
-                                        "--format", "raw", "--output", str(args.raw), "--nonblocking"],
+                                        "--format", "raw", "--output", str(args.raw), "--nonblocking"]
+                                       + (["--idle", "--threads"] if args.idle else []),
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 import psutil
 
@@ -150,13 +183,18 @@ def main(argv: list[str] | None = None) -> int:
                 group.stop()
         finally:
             broker.stop(work / "broker")
-    folded = fold(args.raw)
-    for process, stages in folded.items():
+    folded = fold(args.raw, args.idle)
+    for process, stages in sorted(folded.items(), key=lambda kv: -sum(kv[1].values())):
         total = sum(stages.values())
-        print(f"\n{process}: {total:,} samples" + (f", {cpu.get(process, 0):.1f} CPU s" if cpu else ""))
+        if args.idle:
+            print(f"\n{process}: {total:,} samples (wall time)")
+        else:
+            print(f"\n{process}: {total:,} samples" + (f", {cpu.get(process, 0):.1f} CPU s" if cpu else ""))
         print(f"{'stage':<56} {'share':>7} {'µs/event':>9}")
         for stage, n in stages.most_common():
-            us = (n / total * cpu[process] / events * 1e6) if cpu.get(process) and events else float("nan")
+            # CPU µs per event; with --idle, wall µs per event of this thread
+            scale = seconds if args.idle else cpu.get(process.split(" ")[0])
+            us = (n / total * scale / events * 1e6) if scale and events else float("nan")
             print(f"{stage:<56} {n / total:>7.1%} {us:>9.2f}")
         print("  unmatched samples, by leaf < caller < caller:")
         for leaves, n in OTHER_LEAVES[process].most_common(12):
