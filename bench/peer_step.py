@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import time
 
-from bench.harness import _cpu_seconds, _load, _Peak, _say, _stats, _worker_metrics, gc_and_checkpoint_summary
+from bench.harness import (
+    _cpu_seconds,
+    _load,
+    _Peak,
+    _say,
+    _stats,
+    _worker_metrics,
+    gc_and_checkpoint_summary,
+    machine_probe_ms,
+)
 from bench.trace import _fleet_batches
 from kvstream.broker import free_port
 
@@ -46,6 +55,7 @@ class PeerStep:
         topic, events = source["topic"], source["events"]
         app_id = f"{name}-{round_}"
         before = topic_end_offsets(self.bootstrap)
+        probe_before = machine_probe_ms()
         t_start = time.perf_counter()
         if name == "kafka-streams":
             peer = KafkaStreamsPeer(classpath, self.bootstrap, app_id, self.work / f"peer-{app_id}",
@@ -91,6 +101,7 @@ class PeerStep:
         finally:
             rss = peak.stop()
             stop()
+        probe_after = machine_probe_ms()
         after = topic_end_offsets(self.bootstrap)
         seconds = t_done - t_first
         written = {t: after.get(t, 0) - before.get(t, 0) for t in after
@@ -107,11 +118,13 @@ class PeerStep:
             "rss_peak_mib": round(rss / (1 << 20), 1), "messages_written": sum(written.values()),
             "messages_per_event": round(sum(written.values()) / events, 4), "messages_by_topic": written,
             "consumer_offsets_messages": offsets, "resident_rows": resident,
-            "rows_equal_truth": resident == source["truth_rows"], **extra}
+            "rows_equal_truth": resident == source["truth_rows"],
+            "machine_probe_ms": {"before": probe_before, "after": probe_after}, **extra}
         _say(f"      {name} round {round_}: {events / seconds:,.0f} events/s, {result['cpu_us_per_event']:.1f} µs CPU "
              f"per event (broker {result['broker_cpu_us_per_event']:.1f}), peak RSS {result['rss_peak_mib']:,.0f} "
              f"MiB, {result['messages_per_event']:.2f} messages/event, {resident:,} resident rows "
-             f"({'=' if result['rows_equal_truth'] else '!='} truth {source['truth_rows']:,})"
+             f"({'=' if result['rows_equal_truth'] else '!='} truth {source['truth_rows']:,}), "
+             f"machine probe {probe_before:.0f} / {probe_after:.0f} ms"
              f"{gc_and_checkpoint_summary(result.get('worker_metrics'))}")
         return result
 

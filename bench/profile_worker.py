@@ -109,7 +109,7 @@ def fold(raw: Path, idle: bool = False) -> dict[str, Counter]:
         stage = classify(frames, REPARTITION_RULES if child else STAGE_RULES, idle)
         out[process][stage] += int(count)
         if stage.startswith("Faust"):
-            OTHER_LEAVES[process][" < ".join(f.split(" (")[0] for f in frames[-1:-4:-1])] += int(count)
+            OTHER_LEAVES[process][" < ".join(f.split(" (")[0].split(":")[0] for f in frames[-1:-4:-1])] += int(count)
     return out
 
 
