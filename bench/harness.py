@@ -73,10 +73,10 @@ def gc_and_checkpoint_summary(samples: dict[str, float] | None) -> str:
 def machine_probe_ms(iterations: int = 2_000_000) -> float:
     """CPU milliseconds (this process's, ``time.process_time``) of a fixed loop of Python additions.
 
-    The same loop takes 1.3-2x as long from one minute to the next on the bench's shared 2-core machine, idle,
-    with no steal time reported (bench/HISTORY.md, "2026-12-04, late night"): the host's cores are not always
-    as fast. Taken just before and after each peers round, it says whether a round's pair ran on the same
-    machine; it is not a benchmark of anything of ours. About 0.1-0.2 s.
+    On the bench's shared 2-core machine the same loop took either about 70-90 or 120-150 ms, switching every
+    few seconds with the machine idle and no steal time reported (bench/HISTORY.md, "2026-12-04 late night"):
+    the host's cores are not always as fast. Taken just before and after each peers round, it says whether a
+    round's pair ran on the same machine; it is not a benchmark of anything of ours.
     """
     start = time.process_time()
     total = 0
