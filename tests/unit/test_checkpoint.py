@@ -156,14 +156,21 @@ def test_the_repartition_stage_commits_a_batch_offsets_only_after_its_outputs_ar
     assert "commit" not in [c[0] for c in calls if not isinstance(c, str)]
 
 
-def test_every_collection_is_counted_with_its_pause_by_generation_once_however_often_installed():
+def test_every_collection_is_counted_with_its_pause_by_generation_once_however_often_installed(monkeypatch):
     import gc
+    import itertools
+    import types
 
+    import stream_apps.checkpoint as checkpoint
     from stream_apps.checkpoint import GC_PAUSES, warn_on_long_gc_pauses
 
     warn_on_long_gc_pauses()
     warn_on_long_gc_pauses()  # a second app in the same process: still one callback
     assert sum(getattr(callback, "_kvstream_gc_pauses", False) for callback in gc.callbacks) == 1
+    # A clock that moves 0.25 s per reading: each collection (one reading at its start, one at its end) lasts
+    # exactly 0.25 s, so the sums are exact whatever the machine's speed
+    clock = itertools.count(1000.0, 0.25)
+    monkeypatch.setattr(checkpoint, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
     gc.disable()  # no automatic collection in between: only the three below are counted
     try:
         before = list(GC_PAUSES.collections), list(GC_PAUSES.seconds)
@@ -172,7 +179,7 @@ def test_every_collection_is_counted_with_its_pause_by_generation_once_however_o
         gc.collect(2)
     finally:
         gc.enable()
+        monkeypatch.undo()
     assert [after - was for after, was in zip(GC_PAUSES.collections, before[0])] == [1, 0, 2]
-    # each collection's duration was added to its generation's sum (no bound on how long it took)
-    assert GC_PAUSES.seconds[0] > before[1][0] and GC_PAUSES.seconds[2] > before[1][2]
-    assert GC_PAUSES.seconds[1] == before[1][1]
+    # each collection's duration was added to its generation's sum
+    assert [after - was for after, was in zip(GC_PAUSES.seconds, before[1])] == pytest.approx([0.25, 0.0, 0.5])
