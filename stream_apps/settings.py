@@ -98,7 +98,8 @@ class WorkerSettings(BaseSettings):
                                                                "that the agent gets the CPU first when both "
                                                                "want it; 0: the worker's own priority")
     #: Each table write is buffered, and every this many seconds the latest value of each key written is
-    #: produced to the table's changelog (and at every checkpoint). The other workers' copies of the global
+    #: produced to the table's changelog (and at every checkpoint), each changed ``kv-tier-occupancy`` row's
+    #: latest value with them. The other workers' copies of the global
     #: tables (their fleet views) and standby replicas follow within it; lower costs more records and CPU
     #: (docs/residency.md, "Changelogs and fleet views").
     changelog_interval_s: float = Field(0.25, ge=0.01, le=60, description="produce each table key's latest "
