@@ -169,7 +169,8 @@ def _write_path(app: faust.App, settings: WorkerSettings) -> tuple[StreamApp, Ag
     for table in tables.all():
         table.data.bind(outputs, bootstrap_servers=settings.bootstrap_servers,
                         cache_entries=settings.residency_cache_entries, recovery_timeout_s=settings.recovery_timeout_s)
-    checkpoint = Checkpoint(outputs, [table.data for table in tables.all()], produce=[outputs.produce_buffered])
+    tables.tier_occupancy.data.mirror = outputs.occupancy  # kv-tier-occupancy gets the table's changelog records
+    checkpoint = Checkpoint(outputs, [table.data for table in tables.all()])
     app.sensors.add(CommitSensor(checkpoint, app.crash))
     materializer = Materializer(tables, outputs, checkpoint, settings.sources)
     by_ownership = app.topic(topics.by_ownership, key_type=bytes, value_type=bytes,

@@ -97,8 +97,8 @@ class Materializer:
         table.data.write(partition, key, value)
 
     def add_occupancy(self, partition: int, deltas: dict[tuple, int]) -> None:
-        """Fold ``{(ownership, tier, instance): change of resident blocks}`` into ``tier-occupancy`` and
-        publish each changed row to ``kv-tier-occupancy``."""
+        """Fold ``{(ownership, tier, instance): change of resident blocks}`` into ``tier-occupancy``; its store
+        mirrors the table's changelog records to ``kv-tier-occupancy``."""
         table = self.tables.tier_occupancy
         for (ownership, tier, instance_id), delta in deltas.items():
             if not delta:
@@ -108,7 +108,6 @@ class Materializer:
             blocks = (current["resident_blocks"] if current else 0) + delta
             value = {"ownership": ownership, "tier": tier, "instance_id": instance_id, "resident_blocks": blocks}
             table.data.write(partition, key, value)
-            self.outputs.occupancy(key, value)
 
     def source_status(self, partition: int, key: str, record: dict) -> dict:
         """The ``sources`` row under ``key`` (on ``partition``), or a new one for ``record``'s publisher."""

@@ -71,10 +71,6 @@ class OutputTopics:
             self._encode_change = lambda *fields: self._change_codec.encode(dict(zip(CHANGE_FIELDS, fields)))
         #: Records sent to the dead-letter topic by this worker.
         self.dead_lettered = 0
-        #: ``kv-tier-occupancy`` rows changed since the checkpoint's step 1 last ran, key -> latest value
-        #: (:meth:`occupancy`, :meth:`produce_buffered`).
-        self._occupancy: dict[str, dict] = {}
-
     @property
     def producer(self) -> Producer:
         """The confluent-kafka producer, created on first use (after Faust has forked nothing more)."""
@@ -96,35 +92,16 @@ class OutputTopics:
             block_hash, ownership, instance_id, data_parallel_rank, tier, medium, locality, group_idx, resident,
             copies, ts, cause))
 
-    def occupancy(self, key: str, value: dict) -> None:
-        """The new value of one ``<app id>-kv-tier-occupancy`` row (compacted; key
-        ``<partition>/<ownership>/<tier>/<instance>``), produced by the checkpoint's step 1
-        (:meth:`produce_buffered`) with the tables' changelogs, as the row's latest value then.
+    def occupancy(self, key: str, value: dict | None) -> None:
+        """One ``<app id>-kv-tier-occupancy`` record (compacted; key ``<partition>/<ownership>/<tier>/<instance>``;
+        None: a tombstone).
 
-        Each batch message the agent applies changes a few rows. A record per row and message made the topic's
-        traffic grow with the messages, hundreds a second at low rates (an encode, an enqueue and a delivery
-        report each), for values of which a compacted topic keeps only the last (bench/HISTORY.md,
-        "2026-12-05")."""
-        self._occupancy[key] = value
-
-    def produce_buffered(self) -> int:
-        """Produce the occupancy rows changed since the last call (:meth:`occupancy`); returns how many. The
-        checkpoint's step 1 (:class:`stream_apps.checkpoint.Checkpoint`, ``produce``): before every commit and
-        every ``--changelog-interval-s``.
-
-        Raises:
-            ValueError: a row does not match ``tier_occupancy`` (:meth:`schemas.AvroCodec.encode`);
-            KafkaException: librdkafka refused to enqueue one. That row and those not produced yet stay buffered.
-        """
-        pending = self._occupancy
-        if not pending:
-            return 0
-        topic, encode, produced = self.topics.tier_occupancy, self._occupancy_codec.encode, 0
-        for key, value in list(pending.items()):
-            self.produce(topic, key.encode(), encode(value))
-            del pending[key]
-            produced += 1
-        return produced
+        The ``tier-occupancy`` table's store calls this for each of its changelog records (its ``mirror``,
+        :class:`stream_apps.store.MemoryTableStore`): each changed row's latest value once per
+        ``--changelog-interval-s`` and checkpoint, not once per batch message, which at low rates was hundreds
+        of records a second for a compacted topic that keeps only the last (bench/HISTORY.md, "2026-12-05")."""
+        self.produce(self.topics.tier_occupancy, key.encode(),
+                     None if value is None else self._occupancy_codec.encode(value))
 
     def dead_letter(self, key: bytes | None, value: bytes | None, reason: str, source: str) -> None:
         """Send a record's original bytes to ``kv-events-dead-letter`` with the reason and where it came from

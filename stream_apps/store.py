@@ -150,6 +150,11 @@ class _BoundStore:
     #: Partition -> delivery callback of this store's changelog records to it (None: the output producer's own
     #: for every partition). :meth:`bind` gives every store its own (:class:`DeliveryReports`).
     _changelog_delivery: Mapping[int, Callable] | None = None
+    #: Called with (key, buffered value) for each changelog record, just before it is produced: a topic that
+    #: mirrors the table gets the same records, each key's latest value once per :meth:`produce_changelog`
+    #: (``tier-occupancy`` -> ``kv-tier-occupancy``, :meth:`stream_apps.outputs.OutputTopics.occupancy`). None:
+    #: no mirror.
+    mirror: Callable[[str, Any], None] | None = None
 
     def produce_changelog(self) -> int:
         """Produce one changelog record per key written since the last call, with its latest value, to the
@@ -171,9 +176,12 @@ class _BoundStore:
         # when librdkafka's queue is full (it waits for room).
         enqueue = outputs.producer.produce
         value_bytes = None if self.buffers_bytes else self._changelog_value
+        mirror = self.mirror
         produced = 0
         try:
             for (partition, key), value in unproduced.items():
+                if mirror is not None:  # first: a record it fails on stays buffered, changelog record included
+                    mirror(key, value)
                 if value_bytes is not None:
                     value = value_bytes(value)
                 callback = None if delivery is None else delivery[partition]

@@ -202,25 +202,28 @@ def test_the_offset_persisted_is_the_last_acknowledged_record_of_each_partition(
 
 
 def test_occupancy_rows_go_out_with_the_checkpoint_once_each_with_their_latest_value(kafka_bootstrap, tmp_path):
-    # kv-tier-occupancy is compacted: the rows a batch message changes are buffered, latest value per key, and
-    # produced by the checkpoint's step 1 with the changelogs, before any offset is committed
+    # kv-tier-occupancy mirrors the tier-occupancy table's changelog records: latest value per key, produced by
+    # the checkpoint's step 1 with the changelogs, before any offset is committed
     stream_app = _app(kafka_bootstrap, tmp_path, "memory://")
-    outputs, topic = stream_app.outputs, stream_app.outputs.topics.tier_occupancy
+    store, topic = stream_app.tables.tier_occupancy.data, stream_app.outputs.topics.tier_occupancy
 
     def row(tier: str, blocks: int) -> dict:
         return {"ownership": None, "tier": tier, "instance_id": "engine-a", "resident_blocks": blocks}
 
-    outputs.occupancy("2/primary/GPU/engine-a", row("GPU", 1))
-    outputs.occupancy("2/primary/GPU/engine-a", row("GPU", 3))
-    outputs.occupancy("3/primary/CPU/engine-a", row("CPU", 5))
-    outputs.flush()
+    store.write(2, "2/primary/GPU/engine-a", row("GPU", 1))
+    store.write(2, "2/primary/GPU/engine-a", row("GPU", 3))
+    store.write(3, "3/primary/CPU/engine-a", row("CPU", 5))
+    stream_app.outputs.flush()
     assert _records(kafka_bootstrap, topic) == []  # nothing produced before the checkpoint
 
     stream_app.checkpoint.commit()
     codec = AvroCodec("tier_occupancy")
     assert sorted((key, codec.decode(value)) for _, _, key, value in _records(kafka_bootstrap, topic)) == [
         ("2/primary/GPU/engine-a", row("GPU", 3)), ("3/primary/CPU/engine-a", row("CPU", 5))]
-    assert outputs.produce_buffered() == 0  # produced once
+    assert store.produce_changelog() == 0  # produced once
+    # the table's changelog got the same records
+    assert sorted((key, codec.decode(value)) for _, _, key, value in _records(kafka_bootstrap, store.changelog)) == [
+        ("2/primary/GPU/engine-a", row("GPU", 3)), ("3/primary/CPU/engine-a", row("CPU", 5))]
 
 
 def test_an_output_the_broker_refused_fails_the_checkpoint(kafka_bootstrap, tmp_path):

@@ -304,9 +304,6 @@ class _Outputs:
     def change(self, *fields) -> None:
         self.changes.append(fields)
 
-    def occupancy(self, key, value) -> None:
-        pass
-
 
 def _materializer(tmp_path, compiled: bool, name: str):
     """A Materializer over a worker's memory tables (no broker), its residency entries in the form asked for."""
