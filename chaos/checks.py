@@ -203,7 +203,7 @@ def _http_agrees(answers: dict, truth: dict) -> int:
 
 
 #: Fields of a ``/sources/`` row that each worker measures by its own clock (``applied_ts``: a worker's own
-#: writes at the write, the others' at their changelog record, up to ``--changelog-interval-s`` later).
+#: writes at the write, the others' at their changelog record, up to ``--global-changelog-interval-s`` later).
 _OWN_CLOCK_FIELDS = frozenset({"lag_s", "applied_ts", "arrival_lag_s"})
 
 

@@ -127,7 +127,7 @@ def _wait_caught_up(settings, poll_s: float = 1.0) -> int:
 
     Why the second answer: ``caught_up`` says the workers have consumed and committed their input, so every
     table change is in the changelogs; the global tables (occupancy, sources) reach the other workers' copies
-    through those changelogs some hundreds of milliseconds later (``--changelog-interval-s`` and the read).
+    through those changelogs a little later (the commits produced them; then each worker reads them).
     Once the input is consumed nothing else changes them, so an answer equal to the one before is the whole one.
     """
     import time

@@ -261,13 +261,26 @@ def _checkpoint_hooks(stream_app: StreamApp, agent_progress: AgentProgress) -> N
     async def _serve_delivery_reports() -> None:
         outputs.serve_delivery_reports()
 
-    @app.timer(stream_app.settings.changelog_interval_s)
-    async def _produce_changelogs() -> None:
+    # The checkpoint's step 1 alone, per store: the changelogs follow the tables. The global tables' go out less
+    # often: every worker reads them whole, each record through Faust's recovery path (bench/HISTORY.md,
+    # "2026-12-05 morning"), and what follows them lags far less than a source's lease
+    partitioned = [table.data for table in stream_app.tables.partitioned_tables()]
+    global_stores = [table.data for table in stream_app.tables.global_tables()]
+
+    async def produce_changelogs(stores: list) -> None:
         try:
-            checkpoint.produce()  # the checkpoint's step 1 alone: the changelogs follow the tables
+            checkpoint.produce(stores)
         except CheckpointError as exc:
             log.error("stopping the worker: %s", exc)
             await app.crash(exc)
+
+    @app.timer(stream_app.settings.changelog_interval_s)
+    async def _produce_changelogs() -> None:
+        await produce_changelogs(partitioned)
+
+    @app.timer(stream_app.settings.global_changelog_interval_s)
+    async def _produce_global_changelogs() -> None:
+        await produce_changelogs(global_stores)
 
     @app.on_partitions_revoked.connect
     async def _checkpoint_on_revoke(app, revoked, **kwargs) -> None:

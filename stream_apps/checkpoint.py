@@ -86,8 +86,9 @@ class Checkpoint:
     hook that Faust's commit coroutine calls and then at once reads the acknowledged offsets, so nothing can
     be awaited there. Where a coroutine runs a checkpoint (a rebalance), :meth:`commit_async` first awaits
     :meth:`prepare` (steps 1-2 with the event loop free), so the synchronous steps find little left to wait
-    for. Between checkpoints the worker produces the changelogs every ``--changelog-interval-s``
-    (:meth:`produce`) and serves delivery reports every 50 ms, so that a flush has few left to serve.
+    for. Between checkpoints the worker produces the changelogs every ``--changelog-interval-s``, the global
+    tables' every ``--global-changelog-interval-s`` (:meth:`produce`), and serves delivery reports every 50 ms,
+    so that a flush has few left to serve.
 
     Args:
         producer: the stage's producer (:class:`Acknowledging`).
@@ -174,16 +175,23 @@ class Checkpoint:
         await self.prepare()
         self.commit()
 
-    def produce(self) -> int:
+    def produce(self, stores: Iterable | None = None) -> int:
         """Step 1 alone: produce what is buffered (the ``produce`` callables, then every store's changelog
         records, all in one go, so the records of one message reach the broker together); returns how many.
+
+        Args:
+            stores: produce only these stores' changelog records (some of the checkpoint's ``stores``), not
+                the ``produce`` callables: the agent's changelogs on two intervals (``--changelog-interval-s``
+                and ``--global-changelog-interval-s``). None: everything, as :meth:`commit` does. Either way
+                nothing is committed, and the next commit produces whatever is left.
 
         Raises:
             CheckpointError: a record could not be encoded or enqueued; it and the records after it stay
                 buffered (so every later checkpoint fails too: the stage must stop).
         """
+        calls = self._produce if stores is None else [store.produce_changelog for store in stores]
         try:
-            return sum(produce() for produce in self._produce)
+            return sum(produce() for produce in calls)
         except Exception as exc:
             self.failure = f"{type(exc).__name__}: {exc}"
             raise CheckpointError(f"a buffered record could not be produced: {self.failure}") from exc

@@ -101,7 +101,7 @@ class InputLag:
     @property
     def caught_up(self) -> bool:
         """The workers have consumed everything their input held when this was read: the fleet views are
-        complete as of then (global tables: up to ``--changelog-interval-s`` later on other workers)."""
+        complete as of then (global tables: up to ``--global-changelog-interval-s`` later on other workers)."""
         return self.lag == 0 and self.error is None
 
     def json(self) -> dict:

@@ -153,7 +153,9 @@ class WorkerMetrics(Collector):
         yield GaugeMetricFamily("kvstream_store_bytes", "Bytes of the worker's data directory on disk (RocksDB)",
                                 value=directory_bytes(self.settings.data_dir))
         changelogs = CounterMetricFamily("kvstream_changelog_records", "Table changelog records produced (one per "
-                                         "key written in each --changelog-interval-s)", labels=["table"])
+                                         "key written in each --changelog-interval-s, or "
+                                         "--global-changelog-interval-s for the global tables)",
+                                         labels=["table"])
         for table in self.materializer.tables.all():
             changelogs.add_metric([table.name], table.data.changelog_records)
         yield changelogs

@@ -98,7 +98,7 @@ class OutputTopics:
 
         The ``tier-occupancy`` table's store calls this for each of its changelog records (its ``mirror``,
         :class:`stream_apps.store.MemoryTableStore`): each changed row's latest value once per
-        ``--changelog-interval-s`` and checkpoint, not once per batch message, which at low rates was hundreds
+        ``--global-changelog-interval-s`` and checkpoint, not once per batch message, which at low rates was hundreds
         of records a second for a compacted topic that keeps only the last (bench/HISTORY.md, "2026-12-05")."""
         self.produce(self.topics.tier_occupancy, key.encode(),
                      None if value is None else self._occupancy_codec.encode(value))

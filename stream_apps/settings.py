@@ -98,13 +98,23 @@ class WorkerSettings(BaseSettings):
                                                                "that the agent gets the CPU first when both "
                                                                "want it; 0: the worker's own priority")
     #: Each table write is buffered, and every this many seconds the latest value of each key written is
-    #: produced to the table's changelog (and at every checkpoint), each changed ``kv-tier-occupancy`` row's
-    #: latest value with them. The other workers' copies of the global
-    #: tables (their fleet views) and standby replicas follow within it; lower costs more records and CPU
-    #: (docs/residency.md, "Changelogs and fleet views").
+    #: produced to the table's changelog (and at every checkpoint); the global tables' follow
+    #: :attr:`global_changelog_interval_s` instead. Standby replicas and the fleet index (its own and every
+    #: ``kvstream index`` replica's) follow within it; lower costs more records and CPU (docs/residency.md,
+    #: "Changelogs and fleet views").
     changelog_interval_s: float = Field(0.25, ge=0.01, le=60, description="produce each table key's latest "
                                                                           "value to its changelog this often, "
                                                                           "seconds")
+    #: The same for the two global tables, ``tier-occupancy`` and ``sources``, and each changed
+    #: ``kv-tier-occupancy`` row with them (and at every checkpoint). Every worker reads these changelogs
+    #: whole, each record through Faust's recovery path, so their records cost every worker; what follows
+    #: them (other workers' ``/occupancy/`` and ``/sources/``, the sources' leases of the other workers and
+    #: index replicas, ``kv-tier-occupancy``) lags by up to this much, against leases of
+    #: ``--source-lease-s`` (docs/residency.md, "Changelogs and fleet views").
+    global_changelog_interval_s: float = Field(1.0, ge=0.01, le=60, description="produce the global tables' "
+                                                                                "(tier-occupancy, sources) "
+                                                                                "changelog records this often, "
+                                                                                "seconds")
     #: Decoded residency entries cached in front of the store's encoded ones (a block's events come close
     #: together); none: 130,000 with ``rocksdb://`` (at most about 90 MB of decoded entries, ROCKSDB_RESIDENCY_CACHE),
     #: 10,000 with ``memory://``, whose point is a small footprint.

@@ -17,7 +17,7 @@ All three add the same few methods, which the agent uses instead of ``table[key]
 - :meth:`~RocksDBTableStore.produce_changelog` produces the buffered records, the latest value of each key
   written since the last call, through the worker's output producer
   (:class:`stream_apps.outputs.OutputTopics`). The checkpoint calls it first, and the worker every
-  ``--changelog-interval-s`` (see below);
+  ``--changelog-interval-s`` (``--global-changelog-interval-s`` for the global tables; see below);
 - :meth:`~RocksDBTableStore.persist` runs at each checkpoint (:class:`stream_apps.checkpoint.Checkpoint`),
   after every changelog record was acknowledged.
 
@@ -229,8 +229,9 @@ class MemoryTableStore(_BoundStore, faust.stores.memory.Store):
 
     :attr:`written_at` keeps, per key, the wall-clock time its value was last written by a worker: this one's
     clock at :meth:`write`, or the timestamp of the changelog record it was read from (the writing worker's clock
-    when it produced the record, at most ``--changelog-interval-s`` after the write), so a restarted worker
-    knows it too. ``GET /sources/`` measures each publisher's arrival lag by it.
+    when it produced the record, at most ``--changelog-interval-s`` after the write, or
+    ``--global-changelog-interval-s`` for a global table), so a restarted worker knows it too. ``GET /sources/``
+    measures each publisher's arrival lag by it.
     """
 
     def __post_init__(self) -> None:

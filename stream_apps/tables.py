@@ -101,6 +101,15 @@ class Tables:
         """Every table, residency first."""
         return [self.residency, self.clear_watermarks, self.publisher_epochs, self.tier_occupancy, self.sources]
 
+    def global_tables(self) -> list[faust.GlobalTable]:
+        """The tables every worker reads whole (fleet views): their changelogs go out every
+        ``--global-changelog-interval-s``, the others' every ``--changelog-interval-s``."""
+        return [self.tier_occupancy, self.sources]
+
+    def partitioned_tables(self) -> list[faust.Table]:
+        """The tables whose partitions are shared out among the workers, residency first."""
+        return [self.residency, self.clear_watermarks, self.publisher_epochs]
+
 
 def define_tables(app: faust.App, settings: WorkerSettings) -> Tables:
     """Declare the tables on ``app`` (``settings.store`` for ``residency``, memory for the others)."""

@@ -122,7 +122,7 @@ def leases_from_sources_table(leases: SourceLeases, sources_items, written_at: d
 class SourcesFeed(CompactedFeed):
     """Reads ``<app id>-sources-changelog`` into ``leases``, for an index replica (which holds no tables): every
     record's Kafka timestamp is when a worker wrote the row (the workers produce their changelogs every
-    ``--changelog-interval-s``, so at most that much later)."""
+    ``--global-changelog-interval-s``, so at most that much later)."""
 
     def __init__(self, leases: SourceLeases, bootstrap_servers: str, topic: str, codec: AvroCodec) -> None:
         super().__init__(bootstrap_servers, topic, codec, "kvstream-index-sources")

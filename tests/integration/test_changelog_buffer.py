@@ -107,6 +107,37 @@ def test_a_checkpoint_produces_the_buffered_records_of_every_table_before_it_per
     assert AvroCodec("tier_occupancy").decode(occupancy_records[0][3]) == occupancy
 
 
+def test_the_global_tables_changelogs_wait_for_their_own_interval_and_a_commit_takes_every_table(
+        kafka_bootstrap, tmp_path):
+    # the worker's two timers: every --changelog-interval-s the partitioned tables' records, every
+    # --global-changelog-interval-s the global tables' (every worker reads those whole)
+    stream_app = _app(kafka_bootstrap, tmp_path, "memory://")
+    tables, checkpoint = stream_app.tables, stream_app.checkpoint
+    assert sorted(map(id, tables.partitioned_tables() + tables.global_tables())) == sorted(map(id, tables.all()))
+    residency, sources = tables.residency_store, tables.sources.data
+    partitioned = [table.data for table in tables.partitioned_tables()]
+    global_stores = [table.data for table in tables.global_tables()]
+    residency.write(1, "primary/01", _entry(1, "GPU"))
+    sources.write(1, "1/engine-a/0/-1", _status("engine-a", 1))
+
+    assert checkpoint.produce(partitioned) == 1
+    stream_app.outputs.flush()
+    assert [key for _, _, key, _ in _records(kafka_bootstrap, residency.changelog)] == ["primary/01"]
+    assert _records(kafka_bootstrap, sources.changelog) == []  # still buffered
+
+    assert checkpoint.produce(global_stores) == 1
+    stream_app.outputs.flush()
+    assert [key for _, _, key, _ in _records(kafka_bootstrap, sources.changelog)] == ["1/engine-a/0/-1"]
+
+    # whatever a timer has not produced yet, the commit does, before anything is committed
+    residency.write(1, "primary/02", _entry(2, "GPU"))
+    sources.write(1, "1/engine-a/0/-1", _status("engine-a", 2))
+    checkpoint.commit()
+    assert [key for _, _, key, _ in _records(kafka_bootstrap, residency.changelog)] == ["primary/01", "primary/02"]
+    last = _records(kafka_bootstrap, sources.changelog)[-1]
+    assert AvroCodec("source_status").decode(last[3])["events_applied"] == 2
+
+
 def test_the_compact_memory_store_produces_the_bytes_it_holds(kafka_bootstrap, tmp_path):
     stream_app = _app(kafka_bootstrap, tmp_path, "memory://")
     residency = stream_app.tables.residency_store

@@ -101,7 +101,7 @@ def _occupancy(url: str) -> dict[tuple, int]:
 
 def _sources(url: str) -> list[dict]:
     """A worker's ``/sources/`` rows without the fields it measures by its own clock (``applied_ts`` is its
-    write time, or another worker's changelog record's, up to ``--changelog-interval-s`` later)."""
+    write time, or another worker's changelog record's, up to ``--global-changelog-interval-s`` later)."""
     status, body = _get(f"{url}/sources/")
     assert status == 200
     return [{k: v for k, v in s.items() if k not in ("lag_s", "applied_ts", "arrival_lag_s")}
