@@ -271,3 +271,48 @@ def test_the_worker_consumer_asks_the_broker_to_wait_at_most_fetch_max_wait_ms(k
             return thread._ensure_consumer()._fetcher._fetch_max_wait_ms
 
     assert asyncio.run(scenario()) == consumer_fixes.FETCH_MAX_WAIT_MS
+
+
+async def _fetched_past(thread: AIOKafkaConsumerThread, stream_tp: TopicPartition, bootstrap: str) -> None:
+    """Produce to ``stream_tp`` and read it: a fetch round went by after whatever was produced before."""
+    _produce(bootstrap, stream_tp)
+    assert await _read(thread, {stream_tp}, 1) == 1
+
+
+@pytest.mark.integration
+def test_a_changelog_partition_faust_keeps_paused_is_not_fetched_until_faust_resumes_it(kafka_bootstrap):
+    async def scenario():
+        async with _worker_thread(kafka_bootstrap) as (thread, (stream_tp, _), changelog):
+            consumer, client = thread.consumer, thread._ensure_consumer()  # Faust's, aiokafka's
+            consumer.pause_partitions({changelog})  # in Faust's books, as after a recovery
+            paused = await consumer_fixes.stop_fetching_paused_changelogs(
+                consumer, lambda tp: tp.topic == changelog.topic)
+            paused_in_aiokafka = await thread.call_thread(client.paused)
+            _produce(kafka_bootstrap, changelog)
+            await _fetched_past(thread, stream_tp, kafka_bootstrap)  # the stream partitions are fetched meanwhile
+            consumer.resume_partitions({changelog})
+            only_the_changelog = {(tp.topic, tp.partition) for tp in paused_in_aiokafka} == {tuple(changelog)}
+            return paused == {changelog}, only_the_changelog, await _read(thread, {changelog}, 1)
+
+    paused_the_changelog, only_the_changelog_in_aiokafka, read_after_resume = asyncio.run(scenario())
+    assert paused_the_changelog
+    assert only_the_changelog_in_aiokafka  # not in aiokafka's fetch requests; the stream partitions still are
+    assert read_after_resume == 1  # Faust's resume reached aiokafka: what arrived meanwhile is read
+
+
+@pytest.mark.integration
+def test_a_changelog_pause_ends_with_its_assignment(kafka_bootstrap):
+    async def scenario():
+        async with _worker_thread(kafka_bootstrap) as (thread, stream, changelog):
+            consumer = thread.consumer
+            consumer.pause_partitions({changelog})
+            await consumer_fixes.stop_fetching_paused_changelogs(consumer, lambda tp: tp.topic == changelog.topic)
+            # a rebalance: aiokafka's new assignment starts with every partition fetched; Faust's recovery then
+            # reads the changelog before it pauses it again
+            client = thread._ensure_consumer()
+            await thread.call_thread(client.assign, [*stream, changelog])
+            await thread.seek_to_beginning(changelog)
+            _produce(kafka_bootstrap, changelog)
+            return await _read(thread, {changelog}, 1)
+
+    assert asyncio.run(scenario()) == 1
