@@ -98,8 +98,8 @@ class Tables:
         return self.residency.data
 
     def all(self) -> list:
-        """Every table, residency first."""
-        return [self.residency, self.clear_watermarks, self.publisher_epochs, self.tier_occupancy, self.sources]
+        """Every table, residency first: the partitioned tables, then the global ones."""
+        return self.partitioned_tables() + self.global_tables()
 
     def global_tables(self) -> list[faust.GlobalTable]:
         """The tables every worker reads whole (fleet views): their changelogs go out every
