@@ -218,6 +218,10 @@ class Materializer:
         status.update(stale=False, first_lost_seq=None, last_lost_seq=None, publisher_epoch=new_epoch, gaps=0,
                       restarts=status["restarts"] + 1, changed_ts=record["ts"])
         self.write_small_table(self.tables.sources, partition, key, status)
+        # The epoch marks the restart applied, and a redelivered restart is skipped by it, the sources row's reset
+        # included: both records go out together now, not each with its own table's interval (the sources row is
+        # a global table's, produced every --global-changelog-interval-s)
+        self.checkpoint.produce()
         log.info("publisher %s restarted (epoch %d): %d resident rows retired on partition %d", key, new_epoch,
                  retired, partition)
 

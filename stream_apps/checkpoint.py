@@ -177,7 +177,7 @@ class Checkpoint:
 
     def produce(self, stores: Iterable | None = None) -> int:
         """Step 1 alone: produce what is buffered (the ``produce`` callables, then every store's changelog
-        records, all in one go, so the records of one message reach the broker together); returns how many.
+        records, in one go); returns how many.
 
         Args:
             stores: produce only these stores' changelog records (some of the checkpoint's ``stores``), not

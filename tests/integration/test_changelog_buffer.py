@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import itertools
 import secrets
+from collections import defaultdict
 
 import pytest
 
 from kafka_io.admin import ensure_topics
 from kafka_io.reader import messages_to_end
 from producers.split import Publisher, split_event
-from schemas import AvroCodec
+from schemas import PUBLISHER_RESTARTED, AvroCodec
 from schemas.clear_position import NO_CLEAR
 from stream_apps.app import create_app
 from stream_apps.checkpoint import CheckpointError
@@ -138,6 +139,24 @@ def test_the_global_tables_changelogs_wait_for_their_own_interval_and_a_commit_t
     assert [key for _, _, key, _ in _records(kafka_bootstrap, residency.changelog)] == ["primary/01", "primary/02"]
     last = _records(kafka_bootstrap, sources.changelog)[-1]
     assert AvroCodec("source_status").decode(last[3])["events_applied"] == 2
+
+
+def test_a_publisher_restart_produces_its_epoch_and_the_sources_row_it_resets_together(kafka_bootstrap, tmp_path):
+    # the publisher-epochs record marks the restart applied, and a redelivered restart is skipped by it: the
+    # sources row the restart resets (stale, gaps, restarts) must not wait for the global tables' interval
+    stream_app = _app(kafka_bootstrap, tmp_path, "memory://")
+    tables = stream_app.tables
+    restart = {"instance_id": "engine-a", "data_parallel_rank": 0, "worker_rank": None, "publisher_epoch": 2,
+               "seq": -1, "batch_index": -1, "ts": 1767230000.0, "event": (PUBLISHER_RESTARTED, {})}
+    stream_app.materializer.apply_source_event(1, restart, defaultdict(int))
+    stream_app.outputs.flush()  # acknowledged, no checkpoint after the restart's own and no timer
+
+    epochs = _records(kafka_bootstrap, tables.publisher_epochs.data.changelog)
+    sources = _records(kafka_bootstrap, tables.sources.data.changelog)
+    assert [key for _, _, key, _ in epochs] == ["1/engine-a/0/-1"]
+    assert [key for _, _, key, _ in sources] == ["1/engine-a/0/-1"]
+    status = AvroCodec("source_status").decode(sources[0][3])
+    assert (status["publisher_epoch"], status["restarts"], status["stale"]) == (2, 1, False)
 
 
 def test_the_compact_memory_store_produces_the_bytes_it_holds(kafka_bootstrap, tmp_path):
