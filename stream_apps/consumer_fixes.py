@@ -218,6 +218,9 @@ async def stop_fetching_paused_changelogs(consumer, is_changelog) -> set:
     says are changelog partitions; returns them. :func:`_on_recovery_completed` calls it after each recovery."""
     idle = {tp for tp in consumer._paused_partitions if is_changelog(tp)}
     if idle:
+        # Kept across rebalances, never emptied at an assignment: aiokafka installs a new assignment before Faust
+        # learns of its generation, so this pause can land on the next assignment's partitions, and then it is
+        # Faust's resumes in the next recovery, mirrored through this set, that fetch them again
         consumer._fetch_paused = set(idle)
         thread = consumer._thread
         await thread.call_thread(_pause_fetching, thread._ensure_consumer(), idle)
@@ -234,7 +237,19 @@ def _resume_partitions(self, tps) -> None:
         back = paused & tps
         paused -= back
         thread = self._thread
-        asyncio.ensure_future(thread.call_thread(_resume_fetching, thread._ensure_consumer(), back))
+        task = asyncio.ensure_future(thread.call_thread(_resume_fetching, thread._ensure_consumer(), back))
+        _resuming.add(task)  # the loop keeps only a weak reference to a task
+        task.add_done_callback(_resumed)
+
+
+#: The aiokafka resumes queued by :func:`_resume_partitions` and not done yet.
+_resuming: set[asyncio.Future] = set()
+
+
+def _resumed(task: asyncio.Future) -> None:
+    _resuming.discard(task)
+    if not task.cancelled() and task.exception() is not None:  # the recovery waiting for them would hang
+        log.error("could not resume changelog partitions in aiokafka: %r", task.exception())
 
 
 def _pause_fetching(client, tps) -> None:
