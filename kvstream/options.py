@@ -60,7 +60,10 @@ def settings_from_args(settings_class: type[BaseSettings], args: argparse.Namesp
     except ValidationError as exc:
         problems = []
         for error in exc.errors():
-            name = str(error["loc"][0]) if error["loc"] else "?"
+            if not error["loc"]:  # a rule across settings: its message names them
+                problems.append(error["msg"].removeprefix("Value error, "))
+                continue
+            name = str(error["loc"][0])
             if error["type"] == "missing":  # given neither way: name both
                 problems.append(f"{flag(name)} (or {env_variable(settings_class, name)}) is required")
                 continue

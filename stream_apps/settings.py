@@ -12,7 +12,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kafka_io.config import DEFAULT_BOOTSTRAP_SERVERS, DEFAULT_PARTITIONS, BootstrapServers
@@ -109,7 +109,7 @@ class WorkerSettings(BaseSettings):
     #: ``kv-tier-occupancy`` row with them (and at every checkpoint). Every worker reads these changelogs
     #: whole, each record through Faust's recovery path, so their records cost every worker; what follows
     #: them (other workers' ``/occupancy/`` and ``/sources/``, the sources' leases of the other workers and
-    #: index replicas, ``kv-tier-occupancy``) lags by up to this much, against leases of
+    #: index replicas, ``kv-tier-occupancy``) lags by up to this much, so it must be at most half of
     #: ``--source-lease-s`` (docs/residency.md, "Changelogs and fleet views").
     global_changelog_interval_s: float = Field(1.0, ge=0.01, le=60, description="produce the global tables' "
                                                                                 "(tier-occupancy, sources) "
@@ -155,6 +155,16 @@ class WorkerSettings(BaseSettings):
     def _valid_tier_weights(cls, value: str) -> str:
         parse_tier_weights(value)
         return value
+
+    @model_validator(mode="after")
+    def _global_changelogs_within_the_lease(self) -> "WorkerSettings":
+        # Other workers and index replicas learn that a source was heard of only from its sources records, which
+        # go out every global_changelog_interval_s: a lease not well above that lapses there between two of them
+        if 2 * self.global_changelog_interval_s > self.source_lease_s:
+            raise ValueError(f"--global-changelog-interval-s ({self.global_changelog_interval_s:g} s) must be at "
+                             f"most half of --source-lease-s ({self.source_lease_s:g} s): other workers and index "
+                             "replicas renew a source's lease from its sources records, produced that often")
+        return self
 
     @property
     def residency_cache_entries(self) -> int:

@@ -27,6 +27,16 @@ def test_a_bootstrap_address_with_a_scheme_is_refused_by_every_command(capsys):
         assert "has a URL scheme; give HOST:PORT, e.g. 'broker:9092'" in capsys.readouterr().err
 
 
+def test_a_source_lease_the_global_changelogs_cannot_renew_is_refused(capsys, monkeypatch):
+    # other workers renew a source's lease from its sources records, produced every --global-changelog-interval-s
+    assert main(["worker", "--source-lease-s", "1.5", "--bootstrap-servers", "127.0.0.1:9"]) == 1
+    assert ("--global-changelog-interval-s (1 s) must be at most half of --source-lease-s (1.5 s)"
+            in capsys.readouterr().err)
+    monkeypatch.setenv("KVSTREAM_SOURCE_LEASE_S", "1.5")  # the same rule when the lease comes from a variable
+    assert main(["worker", "--global-changelog-interval-s", "0.75", "--bootstrap-servers", "127.0.0.1:9"]) == 1
+    assert "must be at most half" not in capsys.readouterr().err  # 0.75 is half: refused for the unreachable broker
+
+
 def test_a_refused_connection_gets_no_tls_hint(monkeypatch):
     monkeypatch.delenv("KVSTREAM_SECURITY_PROTOCOL", raising=False)
     with pytest.raises(RuntimeError, match="is a broker listening there") as error:
