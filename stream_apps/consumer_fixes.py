@@ -195,15 +195,10 @@ _original_resume_partitions = faust_consumer.Consumer.resume_partitions
 
 
 async def _on_recovery_completed(self, generation_id: int = 0) -> None:
-    """Faust's end of a recovery; then the changelog partitions it keeps paused stop being fetched at all.
-
-    Faust pauses a partition only in its own books (``Consumer._paused_partitions``): aiokafka keeps asking
-    the broker for it in every fetch request, until records of it sit in aiokafka's buffer, which Faust then
-    never takes. So after a recovery the agent's consumer asked for the clear-watermarks and publisher-epochs
-    changelogs (eight partitions each, rarely a record) in every request, about 100 a second at 10,000
-    events/s: 41 partitions per request instead of 25, each encoded and decoded by aiokafka's Python protocol
-    code and served by the broker. Here they are paused in aiokafka as well, through the consumer's thread,
-    where aiokafka runs.
+    """Faust's end of a recovery; then the changelog partitions it keeps paused in its own books
+    (``Consumer._paused_partitions``) are paused in aiokafka too, through the consumer's thread, where aiokafka
+    runs (the module docstring, "The pause", says why). aiokafka asks for a partition in every fetch request
+    until records of it sit in its buffer, which Faust then never takes.
 
     A rebalance gives aiokafka a new assignment, whose partitions start unpaused, so this never outlives the
     assignment it was made for; :func:`_resume_partitions` undoes it if Faust resumes one of them before.
@@ -218,10 +213,11 @@ async def stop_fetching_paused_changelogs(consumer, is_changelog) -> set:
     says are changelog partitions; returns them. :func:`_on_recovery_completed` calls it after each recovery."""
     idle = {tp for tp in consumer._paused_partitions if is_changelog(tp)}
     if idle:
-        # Kept across rebalances, never emptied at an assignment: aiokafka installs a new assignment before Faust
-        # learns of its generation, so this pause can land on the next assignment's partitions, and then it is
-        # Faust's resumes in the next recovery, mirrored through this set, that fetch them again
-        consumer._fetch_paused = set(idle)
+        # Only added to, across rebalances (a resume takes its partitions out): aiokafka installs a new assignment
+        # before Faust learns of its generation, so this pause can land on the next assignment's partitions, and
+        # then it is Faust's resumes in the next recovery, mirrored through this set, that fetch them again
+        paused = consumer.__dict__.setdefault("_fetch_paused", set())
+        paused |= idle
         thread = consumer._thread
         await thread.call_thread(_pause_fetching, thread._ensure_consumer(), idle)
     return idle

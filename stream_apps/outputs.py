@@ -71,6 +71,7 @@ class OutputTopics:
             self._encode_change = lambda *fields: self._change_codec.encode(dict(zip(CHANGE_FIELDS, fields)))
         #: Records sent to the dead-letter topic by this worker.
         self.dead_lettered = 0
+
     @property
     def producer(self) -> Producer:
         """The confluent-kafka producer, created on first use (after Faust has forked nothing more)."""
