@@ -33,7 +33,14 @@ from schemas.topics import DEAD_LETTER_TOPIC_CONFIG
 from stream_apps import consumer_fixes
 from stream_apps.agent_progress import AgentProgress
 from stream_apps.applier import Materializer
-from stream_apps.checkpoint import Checkpoint, CheckpointError, CommitSensor, tune_gc, warn_on_long_gc_pauses
+from stream_apps.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    CommitSensor,
+    prepare_before_commits,
+    tune_gc,
+    warn_on_long_gc_pauses,
+)
 from stream_apps.health import Readiness
 from stream_apps.index.fleet_index import FleetIndex
 from stream_apps.index.liveness import SourceLeases, leases_from_sources_table, unregister_record
@@ -172,6 +179,7 @@ def _write_path(app: faust.App, settings: WorkerSettings) -> tuple[StreamApp, Ag
     tables.tier_occupancy.data.mirror = outputs.occupancy  # kv-tier-occupancy gets the table's changelog records
     checkpoint = Checkpoint(outputs, [table.data for table in tables.all()])
     app.sensors.add(CommitSensor(checkpoint, app.crash))
+    prepare_before_commits(app.consumer, checkpoint, app.crash)
     materializer = Materializer(tables, outputs, checkpoint, settings.sources)
     by_ownership = app.topic(topics.by_ownership, key_type=bytes, value_type=bytes,
                              partitions=settings.partitions, internal=True)

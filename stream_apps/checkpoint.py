@@ -13,7 +13,7 @@ import asyncio
 import gc
 import logging
 import time
-from typing import Callable, Iterable, Mapping, Protocol
+from typing import Awaitable, Callable, Iterable, Mapping, Protocol
 
 import faust
 
@@ -23,9 +23,14 @@ log = logging.getLogger(__name__)
 #: checkpoint waits inside Faust's event loop (see :class:`CommitSensor`): this must stay well below the consumer
 #: session timeout.
 FLUSH_TIMEOUT_S = 60.0
-#: The awaiting flush (:meth:`Checkpoint.prepare`) polls the producer for at most this long at a time, then
-#: yields to the event loop (seconds).
+#: The awaiting flush (:meth:`Checkpoint.prepare`) serves the delivery reports already in, then gives the event
+#: loop this long before it looks again (seconds).
 PREPARE_POLL_S = 0.001
+#: How long the agent's offset commits first wait for the acknowledgements with the event loop free
+#: (:func:`prepare_before_commits`; seconds). Long enough for the records a checkpoint produces to come back on
+#: a loaded broker (the output producer has at most 5 requests in flight, one partition each, and a checkpoint
+#: writes to some 40 partitions); what is still unacknowledged after it, the synchronous flush waits for.
+PRE_COMMIT_WAIT_S = 0.1
 
 
 class CheckpointError(RuntimeError):
@@ -84,9 +89,10 @@ class Checkpoint:
     The flush of step 2 blocks its thread. The repartition stage runs it in its own process, with no event
     loop, once per batch. The agent runs it where Faust calls it: in ``on_commit_initiated``, a synchronous
     hook that Faust's commit coroutine calls and then at once reads the acknowledged offsets, so nothing can
-    be awaited there. Where a coroutine runs a checkpoint (a rebalance), :meth:`commit_async` first awaits
-    :meth:`prepare` (steps 1-2 with the event loop free), so the synchronous steps find little left to wait
-    for. Between checkpoints the worker produces the changelogs every ``--changelog-interval-s``, the global
+    be awaited there. So each commit of the agent's consumer first awaits :meth:`prepare` (steps 1-2 with
+    the event loop free; :func:`prepare_before_commits`), and where a coroutine runs a checkpoint (a
+    rebalance), :meth:`commit_async` does the same: the synchronous steps find little left to wait for.
+    Between checkpoints the worker produces the changelogs every ``--changelog-interval-s``, the global
     tables' every ``--global-changelog-interval-s`` (:meth:`produce`), and serves delivery reports every 50 ms,
     so that a flush has few left to serve.
 
@@ -156,8 +162,8 @@ class Checkpoint:
         self.commits += 1
 
     async def prepare(self, timeout_s: float | None = None) -> None:
-        """Steps 1 and 2 without holding the event loop: produce what is buffered, then poll for the
-        acknowledgements :data:`PREPARE_POLL_S` at a time, yielding to the loop in between, until none is
+        """Steps 1 and 2 without holding the event loop: produce what is buffered, then serve the
+        acknowledgements that came in, giving the loop :data:`PREPARE_POLL_S` in between, until none is
         outstanding or ``timeout_s`` (default ``flush_timeout_s``) has passed. What the stage produces
         meanwhile is produced and waited for too. Nothing is committed or persisted: :meth:`commit` follows,
         and finds little left to wait for. Refusals are raised by that commit."""
@@ -166,9 +172,9 @@ class Checkpoint:
         deadline = time.monotonic() + (self.flush_timeout_s if timeout_s is None else timeout_s)
         while True:
             self.produce()
-            if not self.producer.acknowledge(PREPARE_POLL_S) or time.monotonic() >= deadline:
+            if not self.producer.acknowledge(0) or time.monotonic() >= deadline:
                 return
-            await asyncio.sleep(0)
+            await asyncio.sleep(PREPARE_POLL_S)
 
     async def commit_async(self) -> None:
         """:meth:`prepare`, then :meth:`commit`: a checkpoint for a coroutine."""
@@ -253,9 +259,9 @@ class CommitSensor(faust.Sensor):
 
     The hook is a plain function that ``force_commit`` calls and returns from before it reads the
     acknowledgements, without awaiting anything it returns: a coroutine started here would run only after
-    Faust had committed the offsets. So the checkpoint cannot await here: its flush blocks the event loop,
-    for about one broker round trip (what was produced since the delivery reports were last served; they are
-    served every 50 ms between checkpoints), at most ``Checkpoint.flush_timeout_s``.
+    Faust had committed the offsets. So the checkpoint cannot await here: its flush blocks the event loop, at
+    most ``Checkpoint.flush_timeout_s``, for what is still unacknowledged; :func:`prepare_before_commits` has
+    the commit wait for most of that first, with the loop free.
 
     Args:
         checkpoint: the worker's checkpoint.
@@ -275,6 +281,42 @@ class CommitSensor(faust.Sensor):
             log.error("stopping the worker: %s", exc)
             asyncio.ensure_future(self.crash(exc))
             raise
+
+
+def prepare_before_commits(consumer, checkpoint: Checkpoint, crash: Callable[[BaseException], Awaitable],
+                           wait_s: float = PRE_COMMIT_WAIT_S) -> None:
+    """Make every ``consumer.commit()`` (Faust's commit timer, its commit every ``broker_commit_every``
+    acknowledged messages, its rebalances) await :meth:`Checkpoint.prepare` for at most ``wait_s`` seconds
+    before it starts, so that the synchronous checkpoint :class:`CommitSensor` then runs finds little left to
+    wait for.
+
+    Why: that checkpoint flushes with the event loop held (see :class:`CommitSensor`), and by then it has up to
+    a ``--changelog-interval-s`` of changelog records to produce and, with the global tables', some 40
+    partitions to write, five requests in flight at a time: at 10,000 events/s it held the agent for 6-60 ms
+    every commit (bench/HISTORY.md, "2026-12-05 late morning"). Nothing of the protocol changes: the wait only
+    produces and serves acknowledgements earlier, and between its last poll and the checkpoint nothing else
+    runs (Faust's ``commit`` reaches the sensor without yielding when no other commit is running; when one is,
+    it waits for that one and commits nothing).
+
+    Args:
+        consumer: the app's Faust consumer (``app.consumer``); its ``commit`` is replaced on this instance.
+        checkpoint: the agent's checkpoint.
+        crash: awaited with the error when producing fails (the app's ``crash``: the worker must stop), which is
+            then raised, and nothing is committed.
+        wait_s: at most this long per commit (seconds).
+    """
+    faust_commit = consumer.commit
+
+    async def commit(*args, **kwargs):
+        try:
+            await checkpoint.prepare(wait_s)
+        except CheckpointError as exc:
+            log.error("stopping the worker: %s", exc)
+            await crash(exc)
+            raise
+        return await faust_commit(*args, **kwargs)
+
+    consumer.commit = commit
 
 
 class GcPauses:

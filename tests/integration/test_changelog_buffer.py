@@ -6,6 +6,7 @@ when the buffered records go out (``produce_changelogs`` or a checkpoint) and re
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import secrets
 from collections import defaultdict
@@ -18,7 +19,7 @@ from producers.split import Publisher, split_event
 from schemas import PUBLISHER_RESTARTED, AvroCodec
 from schemas.clear_position import NO_CLEAR
 from stream_apps.app import create_app
-from stream_apps.checkpoint import CheckpointError
+from stream_apps.checkpoint import CheckpointError, prepare_before_commits
 from stream_apps.residency import DEFAULT_CLEAR_TIERS, ApplyStats, apply_block_event
 from stream_apps.settings import WorkerSettings
 
@@ -139,6 +140,68 @@ def test_the_global_tables_changelogs_wait_for_their_own_interval_and_a_commit_t
     assert [key for _, _, key, _ in _records(kafka_bootstrap, residency.changelog)] == ["primary/01", "primary/02"]
     last = _records(kafka_bootstrap, sources.changelog)[-1]
     assert AvroCodec("source_status").decode(last[3])["events_applied"] == 2
+
+
+def test_a_faust_commit_first_produces_and_waits_for_the_acknowledgements_with_the_event_loop_free(
+        kafka_bootstrap, tmp_path):
+    # the synchronous checkpoint holds the event loop while it flushes; the commit's awaited prepare leaves it
+    # nothing to wait for (stream_apps.checkpoint.prepare_before_commits)
+    stream_app = _app(kafka_bootstrap, tmp_path, "memory://")
+    consumer, tables, checkpoint = stream_app.app.consumer, stream_app.tables, stream_app.checkpoint
+    assert "prepare_before_commits" in consumer.commit.__qualname__  # the worker's commits are prepared
+    prepare_before_commits(consumer, checkpoint, stream_app.app.crash, wait_s=30.0)  # for slow CI brokers
+    tables.residency_store.write(1, "primary/01", _entry(1, "GPU"))
+    tables.sources.data.write(1, "1/engine-a/0/-1", _status("engine-a", 1))
+    ticks, at_checkpoint = [0], []  # (records buffered, unacknowledged, other work's turns) when it began
+    synchronous_checkpoint = checkpoint.commit
+
+    def spied() -> None:
+        buffered = len(tables.residency_store._unproduced) + len(tables.sources.data._unproduced)
+        at_checkpoint.append((buffered, stream_app.outputs.acknowledge(0), ticks[0]))
+        synchronous_checkpoint()
+
+    checkpoint.commit = spied
+
+    async def commit_while_other_work_runs() -> None:
+        done = asyncio.Event()
+
+        async def other_work():  # e.g. the agent: it keeps applying while the commit waits
+            while not done.is_set():
+                ticks[0] += 1
+                await asyncio.sleep(0)
+
+        work = asyncio.ensure_future(other_work())
+        await consumer.commit()  # Faust's own commit: no partitions assigned, so no offsets to commit
+        done.set()
+        await work
+
+    asyncio.run(commit_while_other_work_runs())
+    assert len(at_checkpoint) == 1
+    buffered, unacknowledged, turns = at_checkpoint[0]
+    assert (buffered, unacknowledged) == (0, 0)  # produced and acknowledged before the synchronous checkpoint
+    assert turns > 0  # the loop ran while the commit waited
+    assert [key for _, _, key, _ in _records(kafka_bootstrap, tables.residency_store.changelog)] == ["primary/01"]
+    assert [key for _, _, key, _ in _records(kafka_bootstrap, tables.sources.data.changelog)] == ["1/engine-a/0/-1"]
+
+
+def test_a_record_the_prepared_commit_cannot_produce_stops_the_worker_before_anything_is_committed(
+        kafka_bootstrap, tmp_path):
+    stream_app = _app(kafka_bootstrap, tmp_path, "memory://")
+    crashes = []
+
+    async def crash(exc: BaseException) -> None:
+        crashes.append(exc)
+
+    consumer, checkpoint = stream_app.app.consumer, stream_app.checkpoint
+    prepare_before_commits(consumer, checkpoint, crash)
+    synchronous_checkpoints = []
+    checkpoint.commit = lambda: synchronous_checkpoints.append(1)
+    stream_app.tables.sources.data.write(0, "0/engine-b/0/-1", {"instance_id": "engine-b"})  # cannot be encoded
+
+    with pytest.raises(CheckpointError, match="could not be produced"):
+        asyncio.run(consumer.commit())
+    assert len(crashes) == 1 and isinstance(crashes[0], CheckpointError)
+    assert synchronous_checkpoints == []  # Faust's commit never started
 
 
 def test_a_publisher_restart_produces_its_epoch_and_the_sources_row_it_resets_together(kafka_bootstrap, tmp_path):
