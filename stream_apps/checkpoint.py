@@ -28,8 +28,9 @@ FLUSH_TIMEOUT_S = 60.0
 PREPARE_POLL_S = 0.001
 #: How long the agent's offset commits first wait for the acknowledgements with the event loop free
 #: (:func:`prepare_before_commits`; seconds). Long enough for the records a checkpoint produces to come back on
-#: a loaded broker (the output producer has at most 5 requests in flight, one partition each, and a checkpoint
-#: writes to some 40 partitions); what is still unacknowledged after it, the synchronous flush waits for.
+#: a loaded broker (the idempotent output producer has at most 5 requests in flight, and librdkafka puts one
+#: partition in each, its issue 1700; a checkpoint writes to some 40 partitions); what is still
+#: unacknowledged after it, the synchronous flush waits for.
 PRE_COMMIT_WAIT_S = 0.1
 
 
@@ -44,8 +45,9 @@ class Acknowledging(Protocol):
 
     def acknowledge(self, timeout_s: float) -> int:
         """Send what is queued at once and serve delivery reports until every record produced so far is
-        acknowledged or refused, for at most ``timeout_s`` (0: only the reports already in); returns how many
-        records are still unacknowledged."""
+        acknowledged or refused, for at most ``timeout_s``; returns how many records are still unacknowledged.
+        With 0 it only serves the reports already in: librdkafka sends at once only while the call waits, so
+        records produced since go out after the producer's ``linger.ms``."""
 
     def take_delivery_errors(self) -> list[str]:
         """The records the broker refused since the last call (``"topic[partition]: error"``), forgotten here."""
@@ -296,7 +298,10 @@ def prepare_before_commits(consumer, checkpoint: Checkpoint, crash: Callable[[Ba
     every commit (bench/HISTORY.md, "2026-12-05 late morning"). Nothing of the protocol changes: the wait only
     produces and serves acknowledgements earlier, and between its last poll and the checkpoint nothing else
     runs (Faust's ``commit`` reaches the sensor without yielding when no other commit is running; when one is,
-    it waits for that one and commits nothing).
+    it waits for that one). Under a steady load the agent produces something every millisecond, so the wait
+    usually lasts the whole ``wait_s``, and the synchronous flush then waits for the last records, about one
+    broker round trip. A commit that starts while another one waits may run a second checkpoint right after
+    the first: one more flush and persist, nothing committed early.
 
     Args:
         consumer: the app's Faust consumer (``app.consumer``); its ``commit`` is replaced on this instance.
