@@ -219,7 +219,7 @@ async def stop_fetching_paused_changelogs(consumer, is_changelog) -> set:
         paused = consumer.__dict__.setdefault("_fetch_paused", set())
         paused |= idle
         thread = consumer._thread
-        await thread.call_thread(_pause_fetching, thread._ensure_consumer(), idle)
+        await thread.call_thread(_set_fetching, thread._ensure_consumer(), idle, False)
     return idle
 
 
@@ -233,7 +233,7 @@ def _resume_partitions(self, tps) -> None:
         back = paused & tps
         paused -= back
         thread = self._thread
-        task = asyncio.ensure_future(thread.call_thread(_resume_fetching, thread._ensure_consumer(), back))
+        task = asyncio.ensure_future(thread.call_thread(_set_fetching, thread._ensure_consumer(), back, True))
         _resuming.add(task)  # the loop keeps only a weak reference to a task
         task.add_done_callback(_resumed)
 
@@ -248,16 +248,12 @@ def _resumed(task: asyncio.Future) -> None:
         log.error("could not resume changelog partitions in aiokafka: %r", task.exception())
 
 
-def _pause_fetching(client, tps) -> None:
-    """In the consumer's thread: aiokafka stops fetching ``tps`` (those still assigned)."""
+def _set_fetching(client, tps, fetch: bool) -> None:
+    """In the consumer's thread: aiokafka fetches ``tps`` again (``fetch``) or stops fetching them, those of
+    them still assigned."""
     assigned = client.assignment()
-    client.pause(*[TopicPartition(tp.topic, tp.partition) for tp in tps if tp in assigned])
-
-
-def _resume_fetching(client, tps) -> None:
-    """In the consumer's thread: aiokafka fetches ``tps`` again (those still assigned)."""
-    assigned = client.assignment()
-    client.resume(*[TopicPartition(tp.topic, tp.partition) for tp in tps if tp in assigned])
+    partitions = [TopicPartition(tp.topic, tp.partition) for tp in tps if tp in assigned]
+    (client.resume if fetch else client.pause)(*partitions)
 
 
 def install() -> None:
