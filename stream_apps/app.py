@@ -171,8 +171,11 @@ def _write_path(app: faust.App, settings: WorkerSettings) -> tuple[StreamApp, Ag
     path."""
     topics = settings.topics
     tables = define_tables(app, settings)
+    # a success's report costs a Message object (key and value copied) per record, about one per event: only a
+    # store that persists its changelog's offsets needs them (the RocksDB residency store)
     outputs = OutputTopics(settings.bootstrap_servers, topics, settings.schema_registry_url,
-                           residency_changes=settings.residency_changes)
+                           residency_changes=settings.residency_changes,
+                           report_successes=any(table.data.needs_acknowledged_offsets for table in tables.all()))
     for table in tables.all():
         table.data.bind(outputs, bootstrap_servers=settings.bootstrap_servers,
                         cache_entries=settings.residency_cache_entries, recovery_timeout_s=settings.recovery_timeout_s)

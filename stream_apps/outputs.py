@@ -40,17 +40,24 @@ class OutputTopics:
             schemas topic.
         residency_changes: whether :meth:`change` publishes anything (``kvstream worker --residency-changes``);
             a caller on the hot path may check :attr:`residency_changes` to spare the call.
+        report_successes: whether librdkafka's delivery report of every record reaches Python (a
+            ``confluent_kafka.Message`` each, key and value copied), or only of the refused ones
+            (``delivery.report.only.error``). Only a store that persists its changelog's offsets needs the
+            successes (:attr:`stream_apps.store.RocksDBTableStore.needs_acknowledged_offsets`); the checkpoint's
+            flush counts what is unacknowledged either way.
 
     Raises:
         schemas.codec.RegistryRefused: the registry refused an output schema (e.g. not BACKWARD compatible).
     """
 
     def __init__(self, bootstrap_servers: str, topics: TopicNames, schema_registry_url: str = "",
-                 residency_changes: bool = True) -> None:
+                 residency_changes: bool = True, report_successes: bool = True) -> None:
         self.bootstrap_servers = bootstrap_servers
         self.topics = topics
         #: Whether residency transitions are published (the callers skip :meth:`change` when not).
         self.residency_changes = residency_changes
+        #: Whether every record's delivery report reaches its callback (True) or only a refusal's (False).
+        self.report_successes = report_successes
         self._producer: Producer | None = None
         #: Delivery reports of the outputs produced without a callback of their own (residency changes,
         #: occupancy, dead letters): error or None -> the last message reported with it, filled by the dict's
@@ -79,7 +86,8 @@ class OutputTopics:
             if not self._registry:
                 publish_schema(self.bootstrap_servers, self.topics.schemas, self._change_codec.schema,
                                self._occupancy_codec.schema)
-            self._producer = Producer(producer_config(self.bootstrap_servers, on_delivery=self._reports.__setitem__))
+            self._producer = Producer(producer_config(self.bootstrap_servers, on_delivery=self._reports.__setitem__,
+                                                      **{"delivery.report.only.error": not self.report_successes}))
         return self._producer
 
     def change(self, block_hash: bytes, ownership: str | None, instance_id: str, data_parallel_rank: int,

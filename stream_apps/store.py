@@ -94,11 +94,24 @@ class _BoundStore:
     decode: Callable[[bytes], Any]
     changelog: str
 
+    #: Whether :meth:`persist` keeps the offset its partitions' changelog records reached, which only the
+    #: successful delivery reports give: True, the output producer must report every record; False (the
+    #: memory stores, whose changelog is their only durable copy), refusals are all it needs
+    #: (:attr:`stream_apps.outputs.OutputTopics.report_successes`).
+    needs_acknowledged_offsets = False
+
     def bind(self, outputs: OutputTopics, *, bootstrap_servers: str, cache_entries: int = 0,
              recovery_timeout_s: float = 600.0, compiled_entries: bool | None = None) -> None:
         """Give the store the output producer and the settings it needs (``kvstream worker`` options).
         ``compiled_entries``: residency entries as compiled records (True), the dicts (False), or the records where
-        they are built (None; :func:`stream_apps.residency.records.entry_form`)."""
+        they are built (None; :func:`stream_apps.residency.records.entry_form`).
+
+        Raises:
+            ValueError: the store keeps its changelog's offsets and ``outputs`` reports refusals only.
+        """
+        if self.needs_acknowledged_offsets and not outputs.report_successes:
+            raise ValueError(f"{self.table.name}: this store persists its changelog's offsets, which the output "
+                             "producer only learns from every record's delivery report (report_successes=True)")
         self.outputs = outputs
         self.codec = AvroCodec(self.table.value_type.family)
         if self.codec.family == "residency":
@@ -128,7 +141,7 @@ class _BoundStore:
 
     def acknowledged_offsets(self) -> dict[int, int]:
         """Partition -> offset of the last changelog record acknowledged since the previous call (what a
-        checkpoint persists).
+        checkpoint persists); empty where the output producer reports refusals only.
 
         Raises:
             RuntimeError: the broker refused a changelog record since; every later call raises too (the worker
@@ -390,6 +403,9 @@ class RocksDBTableStore(_EntryCache, _BoundStore, faust.stores.rocksdb.Store):
     Written through its partitions' databases, not Faust's ``_set``/``_del``, which remember every key ever
     written in a Python dict (``_key_index``), which grows with the table.
     """
+
+    #: A restarted worker reads each partition's changelog from the offset its last persist wrote.
+    needs_acknowledged_offsets = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

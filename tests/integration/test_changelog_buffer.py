@@ -20,6 +20,7 @@ from schemas import PUBLISHER_RESTARTED, AvroCodec
 from schemas.clear_position import NO_CLEAR
 from stream_apps.app import create_app
 from stream_apps.checkpoint import CheckpointError, prepare_before_commits
+from stream_apps.outputs import OutputTopics
 from stream_apps.residency import DEFAULT_CLEAR_TIERS, ApplyStats, apply_block_event
 from stream_apps.settings import WorkerSettings
 
@@ -356,3 +357,29 @@ def test_an_output_the_broker_refused_fails_the_checkpoint(kafka_bootstrap, tmp_
         stream_app.checkpoint.commit()
     with pytest.raises(CheckpointError, match="earlier checkpoint failed"):
         stream_app.checkpoint.commit()
+
+
+@pytest.mark.parametrize("store, report_successes", [("memory://", False), ("rocksdb://", True)])
+def test_successful_deliveries_reach_python_only_where_a_store_persists_its_changelog_offsets(
+        kafka_bootstrap, tmp_path, store, report_successes):
+    # a success's report is a confluent_kafka.Message per record, about one per event: a memory worker's stores
+    # only look for refusals, the RocksDB store persists the offset the successes reach
+    stream_app = _app(kafka_bootstrap, tmp_path, store)
+    assert stream_app.outputs.report_successes is report_successes
+    residency = stream_app.tables.residency_store
+    residency.write(1, "primary/0c", _entry(12, "GPU"))
+    residency.write(1, "primary/0d", _entry(13, "CPU"))
+    assert stream_app.checkpoint.produce_changelogs() >= 2
+    assert stream_app.outputs.acknowledge(30) == 0  # both acknowledged either way
+
+    offsets = residency._reports.take_offsets()
+    assert offsets == ({1: 1} if report_successes else {})
+    assert [key for _, _, key, _ in _records(kafka_bootstrap, residency.changelog)] == ["primary/0c", "primary/0d"]
+
+
+def test_a_store_that_persists_changelog_offsets_refuses_an_output_producer_without_success_reports(
+        kafka_bootstrap, tmp_path):
+    stream_app = _app(kafka_bootstrap, tmp_path, "rocksdb://")
+    quiet = OutputTopics(kafka_bootstrap, stream_app.settings.topics, report_successes=False)
+    with pytest.raises(ValueError, match="persists its changelog's offsets"):
+        stream_app.tables.residency_store.bind(quiet, bootstrap_servers=kafka_bootstrap)

@@ -294,6 +294,7 @@ class _Outputs:
     """The output producer as the applier and the stores use it: changelog records and residency changes kept."""
 
     residency_changes = True
+    report_successes = True
 
     def __init__(self) -> None:
         from types import SimpleNamespace

@@ -28,6 +28,8 @@ class _Outputs:
     """The output producer as the stores use it, recording the changelog records: its librdkafka producer's
     ``produce(topic, value, key, partition, on_delivery)``, reporting each record delivered at once."""
 
+    report_successes = True
+
     def __init__(self) -> None:
         self.records: list[tuple] = []
         self.producer = SimpleNamespace(produce=self._enqueue)
