@@ -1,7 +1,8 @@
 """Three corrections to faust-streaming 0.15.3 (its aiokafka driver, and mode's flow control) that keep a
 rebalance from skipping messages, one to its offset commit that keeps a restart from committing one offset
 per commit interval or past messages not yet applied, one setting of its consumer that Faust does not
-expose, and the changelog partitions it pauses paused in aiokafka too.
+expose, the changelog partitions it pauses paused in aiokafka too, and its hand-off of each fetched message
+without four tasks.
 
 The two sequences below, which the corrections close, were found by ``make chaos``'s rebalance scenario, which
 lost rows about once in six runs, with or without standby replicas (docs/operations.md, "Standby replicas"). The
@@ -69,6 +70,17 @@ consumer. :func:`_on_recovery_completed` pauses them in aiokafka as well once a 
 :func:`_resume_partitions` resumes them there when Faust does. At 10,000 events/s a request went from 41
 partitions to 25 and the worker used 2-4% less CPU (bench/HISTORY.md, "2026-12-05 morning").
 
+The hand-off: Faust's drain loop passes every fetched message to the conductor (which queues it for the agent or
+a table) through mode's ``Service.wait_first(conductor(message), suspend_flow.wait())``, so that a rebalance can
+abandon a hand-off blocked on a full queue. ``wait_first`` wraps the two coroutines and the service's ``stopped``
+and ``crashed`` events in four tasks, waits for the first to finish and cancels the other three: several rounds
+of the event loop per message, for a conductor call that nearly always finishes without waiting. At low rates
+the agent takes hundreds of small batch messages a second, and each one's hand-off stood between it and the
+previous one (bench/HISTORY.md, "2026-12-05 midday"). :func:`_wait_first` runs the first coroutine's first step
+at once; if it finishes, that is the result ``wait_first`` would have given (nothing else could finish first:
+the flow was not suspended, the service neither stopped nor crashed, and nothing ran in between). If it waits,
+the rest of it and the other coroutine go to ``wait_first`` as before.
+
 :func:`install` applies them once per process; ``pyproject.toml`` pins the faust-streaming and
 mode-streaming versions they were written against, and both are checked.
 """
@@ -77,6 +89,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import types
 from importlib.metadata import version
 
 from aiokafka import TopicPartition
@@ -84,6 +97,7 @@ from faust.tables.recovery import Recovery
 from faust.transport import consumer as faust_consumer
 from faust.transport.drivers import aiokafka as driver
 from faust.types.tuples import ack_lock
+from mode.services import WaitResults
 from mode.utils.queues import FlowControlEvent
 
 log = logging.getLogger(__name__)
@@ -256,8 +270,58 @@ def _set_fetching(client, tps, fetch: bool) -> None:
     (client.resume if fetch else client.pause)(*partitions)
 
 
+_original_wait_first = faust_consumer.Consumer.wait_first
+
+
+async def _wait_first(self, *coros, timeout=None):
+    """mode's ``Service.wait_first`` on Faust's consumer, without its tasks when the first of two coroutines
+    finishes in its first step (the module docstring, "The hand-off"). Returns mode's ``WaitResults``; the first
+    coroutine's exception propagates, as mode's does."""
+    if (len(coros) != 2 or timeout is not None or not all(asyncio.iscoroutine(coro) for coro in coros)
+            or self.suspend_flow.is_set() or self._stopped.is_set() or self._crashed.is_set()):
+        return await _original_wait_first(self, *coros, timeout=timeout)
+    first, other = coros
+    try:
+        waiting_on = first.send(None)
+    except StopIteration as finished:
+        other.close()  # never started: closing it spares the "never awaited" warning
+        return WaitResults([first], [finished.value], False)
+    except BaseException:
+        other.close()
+        raise
+    return await _original_wait_first(self, _go_on(first, waiting_on), other)
+
+
+async def _go_on(coro, waiting_on):
+    """``coro``, whose first step already ran and gave ``waiting_on``, run on to its end (in the task mode's
+    ``wait_first`` makes of this coroutine)."""
+    return await _continue(coro, waiting_on)
+
+
+@types.coroutine
+def _continue(coro, waiting_on):
+    """Delegate to ``coro`` from where it stopped, as ``await coro`` would have from its start: what it waits on
+    goes up to the task, and what the task sends or throws (a cancellation) goes down to it."""
+    while True:
+        try:
+            sent = yield waiting_on
+        except GeneratorExit:
+            coro.close()
+            raise
+        except BaseException as exc:
+            try:
+                waiting_on = coro.throw(exc)
+            except StopIteration as finished:
+                return finished.value
+        else:
+            try:
+                waiting_on = coro.send(sent)
+            except StopIteration as finished:
+                return finished.value
+
+
 def install() -> None:
-    """Replace the seven methods (idempotent).
+    """Replace the eight methods (idempotent).
 
     Raises:
         RuntimeError: another faust-streaming or mode-streaming version is installed; the corrections must be
@@ -274,3 +338,4 @@ def install() -> None:
     faust_consumer.Consumer._new_offset = _new_offset
     Recovery.on_recovery_completed = _on_recovery_completed
     faust_consumer.Consumer.resume_partitions = _resume_partitions
+    faust_consumer.Consumer.wait_first = _wait_first

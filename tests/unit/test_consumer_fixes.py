@@ -15,6 +15,8 @@ import asyncio
 import contextlib
 import random
 import uuid
+import warnings
+from functools import partial
 
 import faust
 import pytest
@@ -115,6 +117,110 @@ def test_a_hole_in_the_topic_counts_as_done_once_the_message_after_it_is_acknowl
     consumer._acked[tp].extend([15, 16, 18])  # 14 not acknowledged, 17 neither: Faust's tolerance of one, then
     assert consumer._new_offset(tp) == 17     # the run stops at the missing 17
     assert consumer._acked[tp] == [18]
+
+
+@contextlib.contextmanager
+def _consumer_in_this_loop():
+    """:func:`_worker_consumer`, made in the running loop (mode's ``wait_first`` makes its tasks on the consumer's
+    loop); the event loop of its never-started thread is closed on exit."""
+    consumer = _worker_consumer()
+    try:
+        yield consumer
+    finally:
+        consumer._thread.thread_loop.close()
+
+
+class _HandOff:
+    """A stand-in for Faust's conductor call on one message: it runs to its end at once, or waits for
+    :attr:`room` first (a full queue), and records what became of it."""
+
+    def __init__(self) -> None:
+        self.room: asyncio.Future | None = None
+        self.ended: list[str] = []
+
+    async def __call__(self, message: str, wait: bool = False) -> str:
+        try:
+            if wait:
+                self.room = asyncio.get_running_loop().create_future()
+                await self.room
+            return f"queued {message}"
+        except asyncio.CancelledError:
+            self.ended.append(f"cancelled {message}")
+            raise
+        finally:
+            self.ended.append(f"ended {message}")
+
+
+def test_a_hand_off_that_finishes_at_once_gives_wait_first_result_without_a_task():
+    hand_off = _HandOff()
+
+    async def scenario():
+        with _consumer_in_this_loop() as consumer:
+            tasks_before = len(asyncio.all_tasks())
+            result = await consumer.wait_first(hand_off("m1"), consumer.suspend_flow.wait())
+            return result, len(asyncio.all_tasks()) - tasks_before
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an unawaited suspend_flow.wait() would warn
+        (winners, results, stopped), new_tasks = asyncio.run(scenario())
+    assert (len(winners), results, stopped, new_tasks) == (1, ["queued m1"], False, 0)
+    assert hand_off.ended == ["ended m1"]
+
+
+def test_a_hand_off_that_waits_goes_on_from_where_it_stopped_until_it_finishes():
+    hand_off = _HandOff()
+
+    async def scenario():
+        with _consumer_in_this_loop() as consumer:
+            waiting = asyncio.ensure_future(consumer.wait_first(hand_off("m2", wait=True),
+                                                                consumer.suspend_flow.wait()))
+            await asyncio.sleep(0.01)
+            assert not waiting.done() and hand_off.ended == []
+            hand_off.room.set_result(None)
+            return await asyncio.wait_for(waiting, WAIT_S)
+
+    winners, results, stopped = asyncio.run(scenario())
+    assert (len(winners), results, stopped) == (1, ["queued m2"], False)
+    assert hand_off.ended == ["ended m2"]
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "mode's own"])
+def test_a_rebalance_abandons_a_waiting_hand_off_as_faust_own_wait_does(fixed):
+    hand_off = _HandOff()
+
+    async def scenario():
+        with _consumer_in_this_loop() as consumer:
+            wait_first = consumer.wait_first if fixed else partial(consumer_fixes._original_wait_first, consumer)
+            waiting = asyncio.ensure_future(wait_first(hand_off("m3", wait=True), consumer.suspend_flow.wait()))
+            await asyncio.sleep(0.01)
+            consumer.stop_flow()  # what Faust's rebalance does first: suspend_flow is set
+            result = await asyncio.wait_for(waiting, WAIT_S)
+            await asyncio.sleep(0)  # the cancellation reaches the hand-off
+            return result
+
+    winners, results, stopped = asyncio.run(scenario())
+    assert (len(winners), results, stopped) == (1, [True], False)  # the flow's event won
+    assert hand_off.ended == ["cancelled m3", "ended m3"]
+
+
+def test_a_hand_off_error_reaches_the_drain_loop_and_a_suspended_flow_takes_faust_own_path():
+    async def refuse(message: str) -> None:
+        raise ValueError(f"cannot decode {message}")
+
+    async def scenario():
+        with _consumer_in_this_loop() as consumer:
+            with pytest.raises(ValueError, match="cannot decode m4"):
+                await consumer.wait_first(refuse("m4"), consumer.suspend_flow.wait())
+            consumer.stop_flow()
+            hand_off = _HandOff()
+            # suspended: mode's own wait_first, where the suspended flow's event is a winner too
+            _, results, _ = await consumer.wait_first(hand_off("m5", wait=True), consumer.suspend_flow.wait())
+            await asyncio.sleep(0)
+            return results, hand_off.ended
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an unawaited suspend_flow.wait() would warn
+        assert asyncio.run(scenario()) == ([True], ["cancelled m5", "ended m5"])
 
 
 @pytest.mark.parametrize("seed", range(20))
