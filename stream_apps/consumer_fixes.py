@@ -79,7 +79,11 @@ the agent takes hundreds of small batch messages a second, and each one's hand-o
 previous one (bench/HISTORY.md, "2026-12-05 midday"). :func:`_wait_first` runs the first coroutine's first step
 at once; if it finishes, that is the result ``wait_first`` would have given (nothing else could finish first:
 the flow was not suspended, the service neither stopped nor crashed, and nothing ran in between). If it waits,
-the rest of it and the other coroutine go to ``wait_first`` as before.
+the rest of it and the other coroutine go to ``wait_first`` as before. Two things change: the drain loop now
+yields to the event loop only every 100 messages (its own ``sleep(0)``) and between fetches, not at every message,
+so a rebalance's ``stop_flow`` may wait for one such burst of hand-offs, as it could already wait for one; and the
+first step runs in the drain loop's task and context, not a copy (nothing on the conductor's path reads the
+current task or sets a context variable).
 
 :func:`install` applies them once per process; ``pyproject.toml`` pins the faust-streaming and
 mode-streaming versions they were written against, and both are checked.
