@@ -1,0 +1,83 @@
+"""bench.latency_ab's command line, its worker options per version, its order of runs and its medians (no broker:
+the runs themselves are the bench's latency step, which make bench exercises)."""
+
+from pathlib import Path
+
+import pytest
+
+from bench.latency_ab import Version, main, missing_compiled_modules, parse_versions, rotation, summarize, worker_argv
+
+HERE = str(Path(__file__).resolve().parents[2])  # this checkout
+
+
+def _checkout(tmp_path: Path, name: str) -> Path:
+    root = tmp_path / name
+    (root / "kvstream").mkdir(parents=True)
+    (root / "kvstream" / "__init__.py").write_text("")
+    return root
+
+
+def test_versions_take_their_own_environment_and_worker_options(tmp_path):
+    before = _checkout(tmp_path, "before")
+    versions = parse_versions([f"before={before}", f"after={HERE}"],
+                              ["after:EXPERIMENT=1", "after:OTHER=a=b"], ["before:--repartition-linger-s=0.01"])
+    assert [(v.name, v.checkout) for v in versions] == [("before", before), ("after", Path(HERE))]
+    assert versions[0].env == {} and versions[0].worker_args == ["--repartition-linger-s=0.01"]
+    assert versions[1].env == {"EXPERIMENT": "1", "OTHER": "a=b"} and versions[1].worker_args == []
+
+
+@pytest.mark.parametrize(("specs", "envs", "args", "message"), [
+    ([f"a={HERE}"], [], [], "at least two versions"),
+    ([f"a={HERE}", f"a={HERE}"], [], [], "given twice"),
+    ([f"a={HERE}", "b"], [], [], "NAME=PATH"),
+    ([f"a={HERE}", "b=/"], [], [], "not a kvstream checkout"),
+    ([f"a={HERE}", f"b={HERE}"], ["c:X=1"], [], "names no version"),
+    ([f"a={HERE}", f"b={HERE}"], ["a:X"], [], "NAME:VAR=VALUE"),
+    ([f"a={HERE}", f"b={HERE}"], [], ["a:linger=1"], "NAME:--option"),
+])
+def test_malformed_versions_are_refused_with_the_reason(specs, envs, args, message):
+    with pytest.raises(ValueError, match=message):
+        parse_versions(specs, envs, args)
+
+
+def test_a_version_replaces_an_option_adds_one_and_loses_those_its_checkout_does_not_know():
+    base = ["--store=memory://", "--repartition-linger-s=0.02", "--residency-changes", "--repartition-nice=10"]
+    version = Version("v", Path(HERE), worker_args=["--repartition-linger-s=0.01", "--standby-replicas=1"])
+    known = {"--store", "--repartition-linger-s", "--residency-changes", "--standby-replicas"}
+    argv, left_out = worker_argv(base, version, known)
+    assert argv == ["--store=memory://", "--residency-changes", "--repartition-linger-s=0.01", "--standby-replicas=1"]
+    assert left_out == ["--repartition-nice=10"]
+
+
+def test_each_round_rotates_the_order_of_the_versions():
+    names = ["a", "b", "c"]
+    assert [rotation(names, r) for r in range(4)] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"],
+                                                      ["a", "b", "c"]]
+
+
+def test_the_summary_gives_medians_per_version_and_the_runs_p99_in_order():
+    def run(p99, worker):
+        return {"p50_ms": 30.0, "p99_ms": p99, "worker_cores": worker, "broker_cores": 0.4, "idle_cores": 0.7}
+
+    summary = summarize({"a": [run(120.0, 0.7), run(80.0, 0.6), run(100.0, 0.8)], "b": []})
+    assert summary == {"a": {"p50_ms": 30.0, "p99_ms": 100.0, "worker_cores": 0.7, "broker_cores": 0.4,
+                             "idle_cores": 0.7, "runs": 3, "p99_by_run": [120.0, 80.0, 100.0]}}
+
+
+def test_a_checkout_without_its_built_extensions_is_named(tmp_path):
+    root = _checkout(tmp_path, "old")
+    (root / "schemas").mkdir()
+    (root / "schemas" / "_hotpath.pyx").write_text("")
+    (root / "schemas" / "_hotpath.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")
+    (root / "stream_apps" / "index").mkdir(parents=True)
+    (root / "stream_apps" / "index" / "_table.pyx").write_text("")
+    assert missing_compiled_modules(root) == ["stream_apps/index/_table.pyx"]
+
+
+def test_the_command_refuses_a_checkout_without_compiled_modules_before_starting_anything(tmp_path, capsys):
+    root = _checkout(tmp_path, "old")
+    (root / "schemas").mkdir()
+    (root / "schemas" / "_hotpath.pyx").write_text("")
+    assert main([f"old={root}", f"new={root}", "--work-dir", str(tmp_path / "work")]) == 1
+    assert "has no compiled module for schemas/_hotpath.pyx" in capsys.readouterr().err
+    assert not (tmp_path / "work").exists()
