@@ -7,15 +7,21 @@ starts a fresh worker (its own app id) on a recreated ``kv-events``, the version
 order, and the broker's first run, always slow, is a warm-up left out of the medians.
 
 A version is a checkout on ``PYTHONPATH`` (the worker runs ``python -m kvstream.cli worker`` from it, with this
-checkout's virtual environment), plus environment variables and worker options of its own. A checkout needs its
-compiled modules built in place, or its workers run the pure-Python path, which is not what the image runs:
-``git worktree add /tmp/before <commit>``, then ``cythonize -i`` each of its ``.pyx`` files (Cython installed in
-any Python 3.11), or run this with ``--allow-pure``. Worker options an older checkout does not know (its
-``kvstream worker --help`` does not list them) are left out for it, and the tool says which.
+checkout's virtual environment, and ``PYTHONSAFEPATH`` set: otherwise ``-m`` puts the current directory, where
+this tool runs, ahead of ``PYTHONPATH``), plus environment variables and worker options of its own. Each version
+gets only the worker options the bench sets (its store, partitions, app id...) and its own, so that every
+checkout runs with its own defaults.
+
+A checkout needs its compiled modules built in place, or its workers run the pure-Python path, which is not what
+the image runs: ``--build`` compiles those it lacks (:func:`build_compiled_modules`), or ``--allow-pure`` runs it
+without them. Options the bench sets that an older checkout does not know (its ``kvstream worker --help`` does not
+list them) are left out for it, and the tool says which; a version's own ``--worker-arg`` that its checkout does
+not know is an error.
 
 Example (the code before a change against the working tree, five rounds)::
 
-    python -m bench.latency_ab before=/tmp/before after=. --rounds 5
+    git worktree add /tmp/before HEAD~1
+    python -m bench.latency_ab before=/tmp/before after=. --rounds 5 --build
     python -m bench.latency_ab base=. lower=. --worker-arg lower:--repartition-linger-s=0.01
 """
 
@@ -31,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,18 +122,78 @@ def missing_compiled_modules(checkout: Path) -> list[str]:
     return missing
 
 
+def build_compiled_modules(checkout: Path, sources: list[str]) -> None:
+    """Compile ``sources`` (``.pyx`` paths relative to ``checkout``) with Cython and put each extension beside
+    its source.
+
+    The build runs in a scratch copy of the sources and the ``.pxd`` files beside them, not in the checkout: an
+    older checkout's ``pyproject.toml`` may not parse with today's setuptools, and ``cythonize`` reads it.
+
+    Raises:
+        RuntimeError: Cython is not installed here (``pip install '.[bench]'`` brings it), or the build failed
+            (its output's end in the message).
+    """
+    import importlib.util
+    import tempfile
+
+    if importlib.util.find_spec("Cython") is None:
+        raise RuntimeError("building a checkout's compiled modules needs Cython: pip install '.[bench]' (or give "
+                           "--allow-pure)")
+    with tempfile.TemporaryDirectory(prefix="latency-ab-build-") as scratch:
+        for source in sources:
+            directory = Path(source).parent
+            for part in (directory, *directory.parents):  # packages, as the checkout has them (not its root)
+                if part != Path("."):
+                    (Path(scratch) / part).mkdir(parents=True, exist_ok=True)
+                    (Path(scratch) / part / "__init__.py").touch()
+            for file in (checkout / directory).iterdir():
+                if file.suffix in (".pyx", ".pxd"):
+                    shutil.copy2(file, Path(scratch) / directory / file.name)
+        done = subprocess.run([sys.executable, "-m", "Cython.Build.Cythonize", "-i", "-q", *sources], cwd=scratch,
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"building {', '.join(sources)} of {checkout} failed: "
+                               f"{(done.stdout + done.stderr)[-800:]}")
+        for source in sources:
+            directory = Path(source).parent
+            for built in (Path(scratch) / directory).glob(f"{Path(source).stem}.*.so"):
+                shutil.copy2(built, checkout / directory / built.name)
+
+
+def checkout_env(checkout: Path) -> dict[str, str]:
+    """The environment that makes ``python -m kvstream.cli`` import ``checkout``'s code: on ``PYTHONPATH``, and
+    ``PYTHONSAFEPATH`` so that the current directory does not come first (Python 3.11's ``-m`` puts it there)."""
+    return {"PYTHONPATH": str(checkout), "PYTHONSAFEPATH": "1"}
+
+
 def known_worker_options(checkout: Path) -> set[str]:
     """The ``--options`` that ``kvstream worker --help`` lists when run from ``checkout``.
 
     Raises:
-        RuntimeError: the command failed (its standard error in the message).
+        RuntimeError: the command failed (its standard error in the message) or did not answer.
     """
-    done = subprocess.run([sys.executable, "-m", "kvstream.cli", "worker", "--help"], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(checkout)}, timeout=120)
+    try:
+        done = subprocess.run([sys.executable, "-m", "kvstream.cli", "worker", "--help"], capture_output=True,
+                              text=True, env={**os.environ, **checkout_env(checkout)}, timeout=120)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"'kvstream worker --help' from {checkout} did not answer within 120 s") from None
     if done.returncode != 0:
         raise RuntimeError(f"'kvstream worker --help' from {checkout} exited with {done.returncode}: "
                            f"{done.stderr[-500:]}")
     return set(re.findall(r"(--[a-z][a-z0-9-]*)", done.stdout))
+
+
+def given_options(argv: list[str], given_fields: set[str]) -> list[str]:
+    """The items of ``argv`` (``kvstream.options.settings_to_argv``'s) for the settings fields in
+    ``given_fields`` (``model_fields_set``: what the bench set), so that the other fields keep the defaults of
+    whichever checkout runs (a boolean field's ``--no-`` form included)."""
+    options = {"--" + name.replace("_", "-") for name in given_fields}
+
+    def option(item: str) -> str:
+        name = item.split("=", 1)[0]
+        return "--" + name[5:] if name.startswith("--no-") and "--" + name[5:] in options else name
+
+    return [item for item in argv if option(item) in options]
 
 
 def worker_argv(base: list[str], version: Version, known: set[str]) -> tuple[list[str], list[str]]:
@@ -141,8 +208,8 @@ def worker_argv(base: list[str], version: Version, known: set[str]) -> tuple[lis
 
 
 def rotation(names: list[str], round_index: int) -> list[str]:
-    """The order of the versions in round ``round_index``: rotated by one each round, so that no version always
-    follows the same other one."""
+    """The order of the versions in round ``round_index``: rotated by one each round, so that each version runs
+    first, second... in turn (the cyclic order stays: with three, b always follows a)."""
     shift = round_index % len(names)
     return names[shift:] + names[:shift]
 
@@ -158,28 +225,41 @@ def summarize(rows: dict[str, list[dict]]) -> dict[str, dict]:
     return summary
 
 
-def _run_versions(args: argparse.Namespace, versions: list[Version]) -> dict:
-    """Every run (the warm-up, then ``args.rounds`` rounds of every version); returns the report."""
-    import psutil
+def unknown_worker_args(versions: list[Version], known: dict[str, set[str]]) -> list[str]:
+    """``NAME:--option`` of each version's own worker option that its checkout's ``kvstream worker --help`` does
+    not list (a typo, or an option of another version)."""
+    return [f"{version.name}:{item}" for version in versions for item in version.worker_args
+            if item.split("=", 1)[0] not in known[version.name]]
+
+
+def _run_versions(args: argparse.Namespace, versions: list[Version], known: dict[str, set[str]]) -> dict:
+    """Every run (the warm-up, then ``args.rounds`` rounds of every version); returns the report, also written to
+    ``args.output`` after every run."""
     from confluent_kafka.admin import AdminClient
 
     import kvstream.worker as worker_module
     from bench.run import Bench, BenchOptions
-    from kafka_io.admin import ensure_topics
     from kvstream import broker
     from kvstream.broker import free_port
-    from schemas.topics import KV_EVENTS
 
-    known = {version.name: known_worker_options(version.checkout) for version in versions}
     work = args.work_dir
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
     status = broker.start(port=free_port(), data_dir=work / "broker")
     rows: dict[str, list[dict]] = {version.name: [] for version in versions}
     warmup: list[dict] = []
-    left_out: dict[str, list[str]] = {}  # version -> the options its checkout does not know
+    left_out: dict[str, list[str]] = {}  # version -> the options the bench sets that its checkout does not know
+
+    def report() -> dict:
+        return {"rate": args.rate, "seconds": args.seconds, "store": args.store,
+                "versions": {v.name: {"checkout": str(v.checkout), "env": v.env, "worker_args": v.worker_args,
+                                      "options_left_out": left_out.get(v.name, [])} for v in versions},
+                "warmup": warmup, "runs": rows, "summary": summarize(rows)}
+
     base_env = dict(os.environ)
     original_argv = worker_module.settings_to_argv
+    admin = None
     try:
         bench = Bench(BenchOptions(output_dir=work / "out", work_dir=work, latency_rate=args.rate,
                                    latency_s=args.seconds))
@@ -191,89 +271,104 @@ def _run_versions(args: argparse.Namespace, versions: list[Version]) -> dict:
             plan += [(f"round {round_index + 1}", name) for name in rotation(list(by_name), round_index)]
         for run_index, (label, name) in enumerate(plan):
             version = by_name[name]
-            _recreate(admin, bench.bootstrap, KV_EVENTS, ensure_topics)
+            _recreate(admin, bench.bootstrap)
             bench._kv_events_messages = 0
 
             def argv_of(settings, version=version):
-                argv, unknown = worker_argv(original_argv(settings), version, known[version.name])
+                argv = given_options(original_argv(settings), set(settings.model_fields_set))
+                argv, unknown = worker_argv(argv, version, known[version.name])
                 if unknown and version.name not in left_out:
                     print(f"[{version.name}] options its checkout does not know, left out: {' '.join(unknown)}",
                           flush=True)
                 left_out[version.name] = unknown
                 return argv
 
-            worker_module.settings_to_argv = argv_of
-            os.environ.clear()
-            os.environ.update(base_env)
-            os.environ.update({"PYTHONPATH": str(version.checkout), **version.env})
+            group = bench._workers(f"latab{run_index}", work, store=args.store, partitions=8,
+                                   residency_changes=True)
             try:
-                group = bench._workers(f"latab{run_index}", work, store=args.store, partitions=8,
-                                       residency_changes=True)
-                group.start(1)
-                _wait_ready(group.ports[0], args.timeout_s)
-            finally:
-                os.environ.clear()
-                os.environ.update(base_env)
-            broker_process = psutil.Process(status.pid)
-            broker_cpu0, idle0, t0 = sum(broker_process.cpu_times()[:2]), psutil.cpu_times().idle, time.time()
-            try:
+                worker_module.settings_to_argv = argv_of
+                os.environ.update({**checkout_env(version.checkout), **version.env})
+                try:
+                    group.start(1)
+                finally:  # the worker has its environment; this process and the next version get theirs back
+                    os.environ.clear()
+                    os.environ.update(base_env)
+                    worker_module.settings_to_argv = original_argv
+                _wait_ready(group, args.timeout_s)
                 bench._latency(group)
             finally:
                 group.stop()
-                # the step's producer is in a reference cycle (its delivery callback): freed now, it does not
-                # log the broker's absence once the broker stops
-                gc.collect()
-            seconds = time.time() - t0
+                gc.collect()  # the step's producer is in a reference cycle (its delivery callback): freed now
             details = bench.results["details"]["latency_p99_ms"]
             row = {"p50_ms": bench.results["figures"]["latency_p50_ms"]["value"],
                    "p99_ms": bench.results["figures"]["latency_p99_ms"]["value"],
                    "worker_cores": details["worker_cpu_cores"],
-                   "broker_cores": round((sum(broker_process.cpu_times()[:2]) - broker_cpu0) / seconds, 3),
-                   "idle_cores": round((psutil.cpu_times().idle - idle0) / seconds, 3),
+                   "broker_cores": details["broker_cpu_cores"],
+                   "idle_cores": details["machine_idle_cores"],
                    "to_repartition_topic_ms": details["to_repartition_topic_ms"],
                    "repartition_topic_to_table_ms": details["repartition_topic_to_table_ms"]}
             (warmup if label == "warm-up" else rows[name]).append({"version": name, "label": label, **row})
+            args.output.write_text(json.dumps(report(), indent=2) + "\n")
             print(f"{label:>9} {name}: p50 {row['p50_ms']:.1f} ms, p99 {row['p99_ms']:.1f} ms, worker "
                   f"{row['worker_cores']:.3f} of a core, broker {row['broker_cores']:.3f}, machine idle "
                   f"{row['idle_cores']:.2f} cores{' (warm-up, left out)' if label == 'warm-up' else ''}", flush=True)
     finally:
         worker_module.settings_to_argv = original_argv
+        # librdkafka's clients log every second once their broker is gone: closed first
+        admin = None
+        gc.collect()
         broker.stop(work / "broker")
-    return {"rate": args.rate, "seconds": args.seconds, "store": args.store,
-            "versions": {v.name: {"checkout": str(v.checkout), "env": v.env, "worker_args": v.worker_args,
-                                  "options_left_out": left_out.get(v.name, [])} for v in versions},
-            "warmup": warmup, "runs": rows, "summary": summarize(rows)}
+    return report()
 
 
-def _recreate(admin, bootstrap: str, topic: str, ensure_topics) -> None:
-    """Delete ``topic`` and create it again (8 partitions), so that a fresh worker reads only its own run."""
-    for future in admin.delete_topics([topic]).values():
-        try:
-            future.result()
-        except Exception as exc:  # noqa: BLE001 - the first run: no such topic yet
-            if "UNKNOWN_TOPIC" not in str(exc):
-                raise
-    deadline = time.monotonic() + 60
-    while topic in admin.list_topics(timeout=10).topics and time.monotonic() < deadline:
-        time.sleep(0.5)
-    time.sleep(2)  # the controller's deletion reaches the partition leaders after the metadata
-    ensure_topics(bootstrap, {topic: 8})
-
-
-def _wait_ready(port: int, timeout_s: float) -> None:
-    """Wait until the worker on ``port`` answers ``/ready/`` (its tables recovered, its feed caught up).
+def _recreate(admin, bootstrap: str) -> None:
+    """Delete ``kv-events`` and create it again (8 partitions), so that a fresh worker reads only its own run.
 
     Raises:
+        RuntimeError: the broker refused the deletion.
+        TimeoutError: the topic was still listed a minute after its deletion.
+    """
+    from confluent_kafka import KafkaException
+
+    from kafka_io.admin import ensure_topics
+    from schemas.topics import KV_EVENTS
+
+    for future in admin.delete_topics([KV_EVENTS]).values():
+        try:
+            future.result()
+        except KafkaException as exc:
+            if "UNKNOWN_TOPIC" not in str(exc):  # the first run: no such topic yet
+                raise RuntimeError(f"could not delete {KV_EVENTS}: {exc}") from None
+    deadline = time.monotonic() + 60
+    while KV_EVENTS in admin.list_topics(timeout=10).topics:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{KV_EVENTS} was still listed 60 s after its deletion")
+        time.sleep(0.5)
+    time.sleep(2)  # the controller's deletion reaches the partition leaders after the metadata
+    ensure_topics(bootstrap, {KV_EVENTS: 8})
+
+
+def _wait_ready(group, timeout_s: float) -> None:
+    """Wait until the group's worker answers ``/ready/`` (its tables recovered, its feed caught up).
+
+    Raises:
+        RuntimeError: the worker exited (the last lines of its log in the message).
         TimeoutError: not ready within ``timeout_s``.
     """
+    port = group.ports[0]
     deadline = time.monotonic() + timeout_s
+    last = "no answer"
     while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready/", timeout=1):
+        group.check_alive()
+        try:  # /ready without the slash: older workers answer only that
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1):
                 return
-        except OSError:
-            time.sleep(0.5)
-    raise TimeoutError(f"the worker on port {port} was not ready within {timeout_s:.0f} s")
+        except urllib.error.HTTPError as exc:
+            last = f"{exc.code}: {exc.read()[:300].decode(errors='replace')}"
+        except OSError as exc:
+            last = str(exc)
+        time.sleep(0.5)
+    raise TimeoutError(f"the worker on port {port} was not ready within {timeout_s:.0f} s (its last answer: {last})")
 
 
 def _cmd(args: argparse.Namespace) -> int:
@@ -282,12 +377,19 @@ def _cmd(args: argparse.Namespace) -> int:
     if not args.allow_pure:
         for version in versions:
             missing = missing_compiled_modules(version.checkout)
+            if missing and args.build:
+                print(f"[{version.name}] building {', '.join(missing)} in {version.checkout}", flush=True)
+                build_compiled_modules(version.checkout, missing)
+                missing = missing_compiled_modules(version.checkout)
             if missing:
                 raise ValueError(f"{version.name} ({version.checkout}) has no compiled module for "
-                                 f"{', '.join(missing)}: build them in place (cythonize -i), or give --allow-pure")
-    report = _run_versions(args, versions)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
+                                 f"{', '.join(missing)}: give --build to compile them, or --allow-pure")
+    known = {version.name: known_worker_options(version.checkout) for version in versions}
+    unknown = unknown_worker_args(versions, known)
+    if unknown:
+        raise ValueError(f"worker options their checkout does not know: {', '.join(unknown)} (its 'kvstream worker "
+                         "--help' lists what it takes; give values as --option=value)")
+    report = _run_versions(args, versions, known)
     print(f"\nmedians over {args.rounds} rounds ({args.rate:,} events/s, {args.seconds:g} s measured each):")
     print(f"{'version':<16} {'p50 ms':>8} {'p99 ms':>8} {'worker':>8} {'broker':>8} {'idle':>6}  p99 by run")
     for name, row in report["summary"].items():
@@ -304,8 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog="Each run takes about a minute (worker start, 5 s of warm-up at the rate, "
                                        "--seconds measured, the catch-up and the read of the results). Figures "
                                        "as the latency step's (bench/README.md); cores are shares of one core "
-                                       "over the run: the worker's processes, the broker, and the machine's "
-                                       "idle time summed over its CPUs.")
+                                       "while the rate ran: the worker's processes, the broker, and the "
+                                       "machine's idle time summed over its CPUs.")
     p.add_argument("versions", nargs="+", metavar="NAME=PATH",
                    help="a version: a name and the checkout its worker runs from ('.' for this one)")
     p.add_argument("--env", action="append", metavar="NAME:VAR=VALUE",
@@ -318,6 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=float, default=20.0, help="measured seconds per run (default: %(default)s)")
     p.add_argument("--store", choices=("memory://", "rocksdb://"), default="memory://",
                    help="the workers' store (default: %(default)s, the latency step's)")
+    p.add_argument("--build", action="store_true",
+                   help="compile the modules a checkout lacks (Cython, from the bench extra) before the runs")
     p.add_argument("--allow-pure", action="store_true",
                    help="run checkouts without their compiled modules (their workers run the pure-Python path)")
     p.add_argument("--work-dir", type=Path, default=Path(".kvstream/latency-ab"),

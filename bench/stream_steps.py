@@ -186,6 +186,8 @@ class StreamSteps:
     def _latency(self, group: _Workers) -> None:
         """Steady produce of fresh blocks at ``latency_rate``; delays from kv-residency-changes, split at the
         repartition topic (the ``ownership_batch`` message that carried each event)."""
+        import psutil
+
         from bench.peers import partition_end_offsets
         from kafka_io.reader import messages_to_end
         from schemas import AvroCodec
@@ -207,6 +209,8 @@ class StreamSteps:
         producer = self._kv_producer(KV_EVENTS)
         sent = 0
         cpu_start = _cpu_seconds(group.pids())
+        broker_pids = [self.broker_pid] if getattr(self, "broker_pid", None) else []
+        broker_start, idle_start = _cpu_seconds(broker_pids), psutil.cpu_times().idle
         t0 = time.perf_counter()
         began = time.time()
         index = 0
@@ -225,6 +229,10 @@ class StreamSteps:
         # The worker's share of a core at this rate (both its processes): lower lingers cut the wait but make
         # more, smaller batch messages, and this is what they cost
         worker_cores = (_cpu_seconds(group.pids()) - cpu_start) / produced_s
+        # the broker's share and the machine's idle cores over the same window: the p99 follows the machine's
+        # other load more than most changes (bench/README.md, "Machine caveats")
+        broker_cores = (_cpu_seconds(broker_pids) - broker_start) / produced_s
+        idle_cores = (psutil.cpu_times().idle - idle_start) / produced_s
         stats = producer.flush()
         self._kv_events_messages += stats.acked
         group.wait_consumed(self._kv_events_messages, self.o.timeout_s, "catch up")
@@ -262,6 +270,8 @@ class StreamSteps:
         details = {"samples": len(delays), "events": sent, "seconds": round(produced_s, 2),
                    "achieved_rate": round(sent / produced_s), "max_ms": round(delays[-1], 1),
                    "worker_cpu_cores": round(worker_cores, 3),
+                   "broker_cpu_cores": round(broker_cores, 3) if broker_pids else None,
+                   "machine_idle_cores": round(idle_cores, 3),
                    "mean_ms": round(statistics.fmean(delays), 1),
                    "warmup_s": LATENCY_WARMUP_S,
                    # per 5 s of event time, the warm-up's first: the transient and the steady state apart

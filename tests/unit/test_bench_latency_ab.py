@@ -1,11 +1,25 @@
 """bench.latency_ab's command line, its worker options per version, its order of runs and its medians (no broker:
 the runs themselves are the bench's latency step, which make bench exercises)."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from bench.latency_ab import Version, main, missing_compiled_modules, parse_versions, rotation, summarize, worker_argv
+from bench.latency_ab import (
+    Version,
+    build_compiled_modules,
+    given_options,
+    known_worker_options,
+    main,
+    missing_compiled_modules,
+    parse_versions,
+    rotation,
+    summarize,
+    unknown_worker_args,
+    worker_argv,
+)
 
 HERE = str(Path(__file__).resolve().parents[2])  # this checkout
 
@@ -49,6 +63,27 @@ def test_a_version_replaces_an_option_adds_one_and_loses_those_its_checkout_does
     assert left_out == ["--repartition-nice=10"]
 
 
+def test_only_the_options_the_bench_set_are_passed_so_each_checkout_keeps_its_own_defaults():
+    argv = ["--bootstrap-servers=b:1", "--store=memory://", "--repartition-linger-s=0.02", "--no-residency-changes",
+            "--changelog-interval-s=0.25"]
+    assert given_options(argv, {"bootstrap_servers", "store", "residency_changes"}) == [
+        "--bootstrap-servers=b:1", "--store=memory://", "--no-residency-changes"]
+
+
+def test_a_checkouts_options_come_from_its_own_code_not_from_the_current_directory(tmp_path, monkeypatch):
+    fake = _checkout(tmp_path, "fake")
+    (fake / "kvstream" / "cli.py").write_text("print('usage: kvstream worker [--only-in-fake S] [--store S]')\n")
+    monkeypatch.chdir(HERE)  # a real checkout, which python -m would import first without PYTHONSAFEPATH
+    assert known_worker_options(fake) == {"--only-in-fake", "--store"}
+
+
+def test_a_versions_own_option_that_its_checkout_does_not_know_is_named():
+    versions = [Version("a", Path(HERE), worker_args=["--store=rocksdb://", "--repartition-lingr-s=0.01"]),
+                Version("b", Path(HERE), worker_args=["--store=memory://"])]
+    known = {"a": {"--store", "--repartition-linger-s"}, "b": {"--store"}}
+    assert unknown_worker_args(versions, known) == ["a:--repartition-lingr-s=0.01"]
+
+
 def test_each_round_rotates_the_order_of_the_versions():
     names = ["a", "b", "c"]
     assert [rotation(names, r) for r in range(4)] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"],
@@ -81,3 +116,20 @@ def test_the_command_refuses_a_checkout_without_compiled_modules_before_starting
     assert main([f"old={root}", f"new={root}", "--work-dir", str(tmp_path / "work")]) == 1
     assert "has no compiled module for schemas/_hotpath.pyx" in capsys.readouterr().err
     assert not (tmp_path / "work").exists()
+
+
+def test_a_checkouts_modules_are_built_beside_their_sources_whatever_its_pyproject_says(tmp_path):
+    pytest.importorskip("Cython", reason="Cython comes with the bench extra (pip install '.[bench]')")
+    root = _checkout(tmp_path, "old")
+    (root / "pyproject.toml").write_text('[project]\nname = "old"\nlicense = "not a table today\'s setuptools takes"\n')
+    (root / "pkg").mkdir()
+    (root / "pkg" / "__init__.py").write_text("")
+    (root / "pkg" / "_fast.pxd").write_text("cdef int answer()\n")
+    (root / "pkg" / "_fast.pyx").write_text("cdef int answer():\n    return 42\n\ndef value():\n    return answer()\n")
+    assert missing_compiled_modules(root) == ["pkg/_fast.pyx"]
+    build_compiled_modules(root, ["pkg/_fast.pyx"])
+    assert missing_compiled_modules(root) == []
+    done = subprocess.run([sys.executable, "-c", "import pkg._fast as f; print(f.__file__, f.value())"],
+                          capture_output=True, text=True, cwd=root, check=True)
+    path, value = done.stdout.split()
+    assert Path(path).parent == root / "pkg" and value == "42"
