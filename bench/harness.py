@@ -193,6 +193,33 @@ class _Workers:
                 raise RuntimeError(f"worker exited with code {process.returncode}; last lines of {log}:\n  "
                                    + "\n  ".join(tail))
 
+    def wait_ready(self, timeout_s: float) -> None:
+        """Wait until the first worker answers ``/ready`` with 200 (assigned, tables recovered, index caught up;
+        asked without the trailing slash, which older workers do not answer).
+
+        Raises:
+            RuntimeError: a worker exited (the last lines of its log in the message).
+            TimeoutError: not ready within ``timeout_s`` (the worker's last answer in the message).
+        """
+        import urllib.error
+        import urllib.request
+
+        url = f"http://127.0.0.1:{self.ports[0]}/ready"
+        deadline = time.monotonic() + timeout_s
+        last = "no answer"
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                with urllib.request.urlopen(url, timeout=5):
+                    return
+            except urllib.error.HTTPError as exc:
+                last = f"{exc.code}: {exc.read()[:300].decode(errors='replace')}"
+            except OSError as exc:
+                last = str(exc)
+            time.sleep(0.5)
+        raise TimeoutError(f"the worker on port {self.ports[0]} was not ready within {timeout_s:.0f} s "
+                           f"(its last answer: {last})")
+
     def wait_first_event(self, timeout_s: float) -> float:
         """Wait until a worker has materialized an event; returns the perf_counter time it was seen."""
         deadline = time.monotonic() + timeout_s

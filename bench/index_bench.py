@@ -1045,18 +1045,7 @@ def _freshness(bench, say) -> None:
     replica = context.Process(target=replica_part, args=(bench.bootstrap, app_id, prefix, theirs), daemon=True)
     try:
         base = f"http://127.0.0.1:{group.ports[0]}"
-        deadline = time.monotonic() + bench.o.timeout_s
-        while True:  # ready: assigned, recovered, its changelog topics created
-            group.check_alive()
-            try:
-                with urllib.request.urlopen(base + "/ready", timeout=5) as response:
-                    if response.status == 200:
-                        break
-            except (OSError, urllib.error.URLError):
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("the freshness worker did not become ready")
-            time.sleep(0.5)
+        group.wait_ready(bench.o.timeout_s)  # assigned, recovered, its changelog topics created
         replica.start()
         answer = ours.recv() if ours.poll(300) else "no answer within 300 s"
         if answer != "ready":

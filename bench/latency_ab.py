@@ -37,8 +37,6 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -187,7 +185,9 @@ def given_options(argv: list[str], given_fields: set[str]) -> list[str]:
     """The items of ``argv`` (``kvstream.options.settings_to_argv``'s) for the settings fields in
     ``given_fields`` (``model_fields_set``: what the bench set), so that the other fields keep the defaults of
     whichever checkout runs (a boolean field's ``--no-`` form included)."""
-    options = {"--" + name.replace("_", "-") for name in given_fields}
+    from kvstream.options import flag
+
+    options = {flag(name) for name in given_fields}
 
     def option(item: str) -> str:
         name = item.split("=", 1)[0]
@@ -294,7 +294,7 @@ def _run_versions(args: argparse.Namespace, versions: list[Version], known: dict
                     os.environ.clear()
                     os.environ.update(base_env)
                     worker_module.settings_to_argv = original_argv
-                _wait_ready(group, args.timeout_s)
+                group.wait_ready(args.timeout_s)
                 bench._latency(group)
             finally:
                 group.stop()
@@ -346,29 +346,6 @@ def _recreate(admin, bootstrap: str) -> None:
         time.sleep(0.5)
     time.sleep(2)  # the controller's deletion reaches the partition leaders after the metadata
     ensure_topics(bootstrap, {KV_EVENTS: 8})
-
-
-def _wait_ready(group, timeout_s: float) -> None:
-    """Wait until the group's worker answers ``/ready/`` (its tables recovered, its feed caught up).
-
-    Raises:
-        RuntimeError: the worker exited (the last lines of its log in the message).
-        TimeoutError: not ready within ``timeout_s``.
-    """
-    port = group.ports[0]
-    deadline = time.monotonic() + timeout_s
-    last = "no answer"
-    while time.monotonic() < deadline:
-        group.check_alive()
-        try:  # /ready without the slash: older workers answer only that
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1):
-                return
-        except urllib.error.HTTPError as exc:
-            last = f"{exc.code}: {exc.read()[:300].decode(errors='replace')}"
-        except OSError as exc:
-            last = str(exc)
-        time.sleep(0.5)
-    raise TimeoutError(f"the worker on port {port} was not ready within {timeout_s:.0f} s (its last answer: {last})")
 
 
 def _cmd(args: argparse.Namespace) -> int:

@@ -209,8 +209,7 @@ class StreamSteps:
         producer = self._kv_producer(KV_EVENTS)
         sent = 0
         cpu_start = _cpu_seconds(group.pids())
-        broker_pids = [self.broker_pid] if getattr(self, "broker_pid", None) else []
-        broker_start, idle_start = _cpu_seconds(broker_pids), psutil.cpu_times().idle
+        broker_start, idle_start = _cpu_seconds([self.broker_pid]), psutil.cpu_times().idle
         t0 = time.perf_counter()
         began = time.time()
         index = 0
@@ -231,7 +230,7 @@ class StreamSteps:
         worker_cores = (_cpu_seconds(group.pids()) - cpu_start) / produced_s
         # the broker's share and the machine's idle cores over the same window: the p99 follows the machine's
         # other load more than most changes (bench/README.md, "Machine caveats")
-        broker_cores = (_cpu_seconds(broker_pids) - broker_start) / produced_s
+        broker_cores = (_cpu_seconds([self.broker_pid]) - broker_start) / produced_s
         idle_cores = (psutil.cpu_times().idle - idle_start) / produced_s
         stats = producer.flush()
         self._kv_events_messages += stats.acked
@@ -270,7 +269,7 @@ class StreamSteps:
         details = {"samples": len(delays), "events": sent, "seconds": round(produced_s, 2),
                    "achieved_rate": round(sent / produced_s), "max_ms": round(delays[-1], 1),
                    "worker_cpu_cores": round(worker_cores, 3),
-                   "broker_cpu_cores": round(broker_cores, 3) if broker_pids else None,
+                   "broker_cpu_cores": round(broker_cores, 3),
                    "machine_idle_cores": round(idle_cores, 3),
                    "mean_ms": round(statistics.fmean(delays), 1),
                    "warmup_s": LATENCY_WARMUP_S,

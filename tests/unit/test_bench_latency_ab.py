@@ -1,8 +1,11 @@
-"""bench.latency_ab's command line, its worker options per version, its order of runs and its medians (no broker:
-the runs themselves are the bench's latency step, which make bench exercises)."""
+"""bench.latency_ab's command line, its worker options per version, its order of runs, its medians and its build, and
+the bench's wait for a worker to be ready (no broker: the runs themselves are the bench's latency step, which make
+bench exercises)."""
 
+import http.server
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -133,3 +136,57 @@ def test_a_checkouts_modules_are_built_beside_their_sources_whatever_its_pyproje
                           capture_output=True, text=True, cwd=root, check=True)
     path, value = done.stdout.split()
     assert Path(path).parent == root / "pkg" and value == "42"
+
+
+class _Readiness(http.server.BaseHTTPRequestHandler):
+    """/ready answers 503 with a reason until ``ready_after`` requests were made, then 200; /ready/ is a 404 (as
+    older workers answer it)."""
+
+    requests = 0
+    ready_after = 2
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        type(self).requests += 1
+        if self.path != "/ready":
+            status, body = 404, b"404: Not Found"
+        elif type(self).requests > self.ready_after:
+            status, body = 200, b'{"ready": true}'
+        else:
+            status, body = 503, b'{"reasons": ["recovering its tables"]}'
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def worker_stand_in():
+    """A _Workers whose one worker is a live process and whose port answers as :class:`_Readiness` says."""
+    from bench.harness import _Workers
+
+    _Readiness.requests = 0
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Readiness)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    group = _Workers("unused:9092", "app", Path("."), processes=[process], ports=[server.server_address[1]])
+    yield group
+    process.kill()
+    process.wait()
+    server.shutdown()
+
+
+def test_a_group_is_ready_once_its_worker_answers_ready_with_200(worker_stand_in):
+    worker_stand_in.wait_ready(30)
+    assert _Readiness.requests == 3  # two 503s, then the 200
+
+
+def test_a_worker_never_ready_times_out_with_its_last_answer(worker_stand_in):
+    _Readiness.ready_after = 10**6
+    try:
+        with pytest.raises(TimeoutError, match=r"its last answer: 503: .*recovering its tables"):
+            worker_stand_in.wait_ready(1.5)
+    finally:
+        _Readiness.ready_after = 2
