@@ -219,6 +219,7 @@ def _stand_in(ns, store_class, *names):
     from stream_apps.store import MemoryTableStore
 
     ns._unproduced, ns.changelog_records, ns.buffers_bytes = {}, 0, store_class.buffers_bytes
+    ns.mirror = store_class.mirror  # no mirror: the worker gives one to tier-occupancy's store only
     ns._reports = ns._changelog_delivery = DeliveryReports()
     _bind(ns, MemoryTableStore, "acknowledged_offsets")
     return _bind(ns, store_class, "produce_changelog", "_changelog_value", *names)
@@ -236,6 +237,7 @@ def make_materializer(store_kind: str, producer, tmp: Path, timers: dict[str, Ti
     from stream_apps.outputs import OutputTopics
     from stream_apps.residency import SourceSettings
     from stream_apps.residency.records import EntryCodec, EntryForm, entry_form
+    from stream_apps.settings import MEMORY_RESIDENCY_CACHE, ROCKSDB_RESIDENCY_CACHE
     from stream_apps.store_settings import ResidencyRocksDBOptions, residency_rocksdb_options
 
     outputs = OutputTopics("unused:0", TopicNames("profile"))
@@ -256,7 +258,8 @@ def make_materializer(store_kind: str, producer, tmp: Path, timers: dict[str, Ti
     if instrument:
         encode = timers["entry encode (residency writer)"].wrap(encode)
     if store_kind == "memory":  # the residency table's memory store, as the worker runs it: Avro bytes + a cache
-        residency = types.SimpleNamespace(data={}, _cache=OrderedDict(), cache_entries=10_000, outputs=outputs,
+        residency = types.SimpleNamespace(data={}, _cache=OrderedDict(), cache_entries=MEMORY_RESIDENCY_CACHE,
+                                          outputs=outputs,
                                           changelog="profile-residency-changelog", encode=encode, codec=codec,
                                           decode=decode, table=types.SimpleNamespace(partitions=PARTITIONS))
         _stand_in(residency, store_module.CompactMemoryTableStore, "entry", "lookup", "_remember", "write", "persist",
@@ -270,7 +273,8 @@ def make_materializer(store_kind: str, producer, tmp: Path, timers: dict[str, Ti
                 dbs[partition] = Rdict(str(tmp / f"residency-{partition}"), options=options)
             return dbs[partition]
 
-        residency = types.SimpleNamespace(_pending=defaultdict(dict), _cache=OrderedDict(), cache_entries=100_000,
+        residency = types.SimpleNamespace(_pending=defaultdict(dict), _cache=OrderedDict(),
+                                          cache_entries=ROCKSDB_RESIDENCY_CACHE,
                                           codec=codec, encode=encode, decode=decode, outputs=outputs,
                                           changelog="profile-residency-changelog", offset_key=b"__faust\0offset__",
                                           _db_for_partition=db_for_partition, _dbs=dbs)
