@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from kafka_io.config import DEFAULT_PARTITIONS
-from kvstream.options import interrupt_on_sigterm, positive_int, run_command
+from kvstream.options import interrupt_on_sigterm, non_negative_int, positive_float, positive_int, run_command
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -21,6 +21,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         unknown = [name for name in only if name not in STEPS]
         if unknown:
             raise ValueError(f"unknown step(s) {', '.join(unknown)}; steps: {', '.join(STEPS)}")
+        if "latency" in only and "stream-1w" not in only:
+            # the latency step runs on stream-1w's caught-up worker; alone it would measure nothing
+            raise ValueError("the latency step runs on the stream-1w step's worker: add stream-1w to --only "
+                             "(e.g. --only stream-1w,latency)")
     options = BenchOptions(output_dir=args.output_dir, work_dir=args.work_dir, quick=args.quick,
                            requests=args.requests, stream_requests=args.stream_requests, rows=args.rows,
                            rows_large=args.rows_large, latency_rate=args.latency_rate, latency_s=args.latency_seconds,
@@ -31,25 +35,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m bench`` argument parser."""
+    from bench.run import STEP_HELP, STEPS
+
     p = argparse.ArgumentParser(prog="python -m bench",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Start a broker of its own on a free port (data under --work-dir, emptied "
                                    "first), then run each step and write its figures to "
                                    "<output-dir>/results.json as soon as they are measured, a table at the end "
                                    "and <output-dir>/results.png. Steps, in order:\n  "
-                                   + "\n  ".join(f"{name:<15} {text}" for name, text in (
-                                       ("baselines", "fastavro decode/encode of the simulator's records"),
-                                       ("memory", "bytes per resident row: memory and RocksDB stores"),
-                                       ("producer", "simulator events -> split -> Avro -> Kafka, acked"),
-                                       ("plain-consumer", "kv-events -> decode -> residency dict, no Faust"),
-                                       ("bridge", "ZMQ publisher process -> bridge -> Kafka, acked"),
-                                       ("stream-1w", "one worker end to end"),
-                                       ("latency", "steady rate into that worker: event-to-table delay"),
-                                       ("stream-2w", "two workers end to end"),
-                                       ("tail", "kvstream tail against kcat on the same topic"),
-                                       ("peers", "worker (rocksdb, memory) vs the Kafka Streams peer"),
-                                       ("rss", "peak RSS at --rows rows (rocksdb store), then recovery"),
-                                       ("rss-large", "peak RSS at --rows-large rows"))),
+                                   + "\n  ".join(f"{name:<17} {STEP_HELP[name]}" for name in STEPS),
                        epilog="Figure definitions: bench/README.md ('Figures') and results.json. A failed step "
                               "is recorded under 'errors' and the others still run (exit code 1). The full run "
                               "takes long (the 10M-row step alone writes and consumes over 10 million events); "
@@ -68,11 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: as --requests; --quick: 600)")
     p.add_argument("--rows", type=positive_int, default=1_000_000, metavar="N",
                    help="resident rows of the RSS and recovery step (default: %(default)s)")
-    p.add_argument("--rows-large", type=int, default=10_000_000, metavar="N",
+    p.add_argument("--rows-large", type=non_negative_int, default=10_000_000, metavar="N",
                    help="resident rows of the large RSS step; 0 skips it (default: %(default)s; --quick: 0)")
     p.add_argument("--latency-rate", type=positive_int, default=10_000, metavar="EVENTS_PER_S",
                    help="steady produce rate of the latency step (default: %(default)s)")
-    p.add_argument("--latency-seconds", type=float, default=30.0, metavar="S",
+    p.add_argument("--latency-seconds", type=positive_float, default=30.0, metavar="S",
                    help="measured duration of the latency step, after 5 s of warm-up at the same rate "
                         "(default: %(default)s)")
     p.add_argument("--memory-rows", type=positive_int, default=200_000, metavar="N",

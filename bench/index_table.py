@@ -31,6 +31,7 @@ import random
 import statistics
 import time
 
+from kvstream.options import positive_int
 from stream_apps.index.fleet_index import FleetIndex, SourceInfo
 from stream_apps.index.scoring import instances_answer, prefix_match_rows, prefix_runs
 from stream_apps.index.table import CompiledBlockTable, PyBlockTable
@@ -229,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.index_table", description=__doc__.split("\n\n")[0])
     parser.add_argument("--python", action="store_true", help="bench the pure-Python twin (small sizes only)")
     parser.add_argument("--quick", action="store_true", help="a tenth of the sizes")
-    parser.add_argument("--queries", type=int, default=50_000, help="timed calls per query figure")
+    parser.add_argument("--queries", type=positive_int, default=50_000, help="timed calls per query figure")
     args = parser.parse_args(argv)
     table_class = PyBlockTable if args.python or CompiledBlockTable is None else CompiledBlockTable
     scale = 10 if args.quick or table_class is PyBlockTable else 1

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from murmurhash2 import murmurhash2
 
+from kvstream.options import positive_int
 from stream_apps.checkpoint import tune_gc
 
 PARTITIONS = 8
@@ -478,10 +479,13 @@ def report(events: int, repartition_s: float, stage2: dict, plain: dict, store_k
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.profile_stages", description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=None, help="trace requests (default: the whole trace)")
-    p.add_argument("--store", choices=("memory", "rocksdb", "both"), default="both")
-    p.add_argument("--producer", choices=("librdkafka", "fake"), default="librdkafka")
-    p.add_argument("--commit-every", type=int, default=25,
+    p.add_argument("--requests", type=positive_int, default=None, help="trace requests (default: the whole trace)")
+    p.add_argument("--store", choices=("memory", "rocksdb", "both"), default="both",
+                   help="the residency store(s) whose stages are measured (default: %(default)s)")
+    p.add_argument("--producer", choices=("librdkafka", "fake"), default="librdkafka",
+                   help="librdkafka: a real producer whose broker never answers (produce() costs its real enqueue); "
+                        "fake: a counting stand-in, no librdkafka (default: %(default)s)")
+    p.add_argument("--commit-every", type=positive_int, default=25,
                    help="batch messages between checkpoints (the worker commits every 2.8 s; default %(default)s)")
     p.add_argument("--cprofile", default=None, metavar="FILE", help="also write a cProfile of stage 2")
     p.add_argument("--json", default=None, metavar="FILE", help="write the figures as JSON too")

@@ -116,9 +116,11 @@ def fold(raw: Path, idle: bool = False) -> dict[str, Counter]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.profile_worker", description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=None, help="trace requests (default: the whole trace)")
-    p.add_argument("--store", choices=("rocksdb://", "memory://"), default="rocksdb://")
+    p.add_argument("--store", choices=("rocksdb://", "memory://"), default="rocksdb://",
+                   help="the worker's residency store (default: %(default)s)")
     p.add_argument("--rate", type=int, default=100, help="py-spy samples per second (default %(default)s)")
-    p.add_argument("--work-dir", type=Path, default=Path(".kvstream/profile-worker"))
+    p.add_argument("--work-dir", type=Path, default=Path(".kvstream/profile-worker"),
+                   help="broker data, worker state and the py-spy output; emptied first (default: %(default)s)")
     p.add_argument("--raw", type=Path, default=None, help="fold this py-spy raw file instead of recording")
     p.add_argument("--events", type=int, default=None, help="with --raw: the events of the recorded run")
     p.add_argument("--cpu", default="", help="with --raw: CPU seconds per process, e.g. worker=47.2,repartition=6.0")

@@ -21,6 +21,8 @@ import time
 import tracemalloc
 from collections import defaultdict
 
+from kvstream.options import positive_int
+
 
 def build(rows: int) -> dict[str, dict]:
     from bench.run import _eviction_free_fleet, _fleet_batches, _records, _shifted
@@ -104,7 +106,8 @@ def _timed(work) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.row_memory", description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", type=int, default=200_000)
+    p.add_argument("--rows", type=positive_int, default=200_000,
+                   help="resident rows built from the trace and measured (default: %(default)s)")
     args = p.parse_args(argv)
     gc.collect()
     tracemalloc.start()

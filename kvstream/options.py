@@ -109,6 +109,22 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """An argparse type: a whole number of at least 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a number above 0 (seconds, rates)."""
+    value = float(text)
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return value
+
+
 def interrupt_on_sigterm() -> None:
     """Make SIGTERM stop the command as Ctrl-C does (KeyboardInterrupt), so it stops what it started."""
     import signal
