@@ -46,9 +46,10 @@ from stream_apps.index.fleet_index import FleetIndex
 from stream_apps.index.liveness import SourceLeases, leases_from_sources_table, unregister_record
 from stream_apps.index.registrations import RegistrationsFeed, RegistrationWriter
 from stream_apps.index.server import open_feed
-from stream_apps.materialize import register_agent
+from stream_apps.materialize import message_applier, register_agent
 from stream_apps.metrics import WorkerMetrics
 from stream_apps.outputs import OutputTopics
+from stream_apps.rekeyed_reader import RekeyedReader
 from stream_apps.repartition import RepartitionService
 from stream_apps.settings import WorkerSettings
 from stream_apps.store import STORE_SCHEMES
@@ -186,8 +187,9 @@ def _write_path(app: faust.App, settings: WorkerSettings) -> tuple[StreamApp, Ag
     materializer = Materializer(tables, outputs, checkpoint, settings.sources)
     by_ownership = app.topic(topics.by_ownership, key_type=bytes, value_type=bytes,
                              partitions=settings.partitions, internal=True)
-    register_agent(app, by_ownership, materializer,
-                   reader_codec("kv_event", settings.bootstrap_servers, settings.schema_registry_url, topics.schemas))
+    apply_message = message_applier(app, materializer, reader_codec("kv_event", settings.bootstrap_servers,
+                                                                    settings.schema_registry_url, topics.schemas))
+    register_agent(app, by_ownership, apply_message)
     repartition = RepartitionService(app, settings.bootstrap_servers, topics, settings.partitions,
                                      batch_size=settings.repartition_batch, within_s=settings.repartition_within_s,
                                      linger_s=settings.repartition_linger_s,
@@ -198,6 +200,11 @@ def _write_path(app: faust.App, settings: WorkerSettings) -> tuple[StreamApp, Ag
     app.service(repartition)
     agent_progress = AgentProgress(topics.by_ownership, repartition.agent_progress)
     app.sensors.add(agent_progress)
+    if settings.rekeyed_reader == "librdkafka":
+        reader = RekeyedReader(app, settings.bootstrap_servers, topics.by_ownership, apply_message,
+                               repartition.agent_progress)
+        reader.install()
+        app.task(reader.run)
     readiness = Readiness(app, lambda: repartition.alive)
     metrics = WorkerMetrics(settings, materializer, checkpoint, repartition, readiness, lambda: app.in_recovery)
     return StreamApp(settings, app, tables, outputs, checkpoint, materializer, repartition, readiness,

@@ -119,9 +119,16 @@ _original_resume = FlowControlEvent.resume
 
 async def _fetch_records(self, consumer, active_partitions, timeout=None, max_records=None):
     """Faust's fetch, with a frozen copy of the active partitions, and no fetch when there are none (aiokafka
-    would read an empty set as every assigned partition)."""
-    active = frozenset(active_partitions)
+    would read an empty set as every assigned partition). Partitions of a topic another reader takes (Faust's
+    consumer's ``_topics_read_elsewhere``, set by :meth:`stream_apps.rekeyed_reader.RekeyedReader.install`) are
+    never handed to Faust's streams; when nothing else is active, the call waits out its timeout (at most a
+    second) rather than return at once into a loop that would call it again."""
+    elsewhere = getattr(self.consumer, "_topics_read_elsewhere", None)
+    active = frozenset(tp for tp in active_partitions if tp.topic not in elsewhere) if elsewhere else \
+        frozenset(active_partitions)
     if not active:
+        if elsewhere and active_partitions:
+            await asyncio.sleep(min(timeout or 0.0, 1.0))
         return {}
     return await _original_fetch_records(self, consumer, active, timeout=timeout, max_records=max_records)
 

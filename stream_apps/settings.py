@@ -97,6 +97,13 @@ class WorkerSettings(BaseSettings):
     repartition_nice: int = Field(10, ge=0, le=19, description="niceness added to the repartition process, so "
                                                                "that the agent gets the CPU first when both "
                                                                "want it; 0: the worker's own priority")
+    #: How the materializing agent reads the re-keyed topic: ``librdkafka``, a consumer of the worker's own that
+    #: fetches in librdkafka's C threads and follows Faust's assignment, flow and commits
+    #: (stream_apps/rekeyed_reader.py); ``faust``, through Faust's aiokafka consumer like every other topic,
+    #: which costs the worker more CPU per message (bench/PROFILE.md, "2026-12-05 afternoon").
+    rekeyed_reader: Literal["librdkafka", "faust"] = Field("librdkafka", description="how the agent reads the "
+                                                                                     "re-keyed topic: librdkafka "
+                                                                                     "(own consumer) or faust")
     #: Each table write is buffered, and every this many seconds the latest value of each key written is
     #: produced to the table's changelog (and at every checkpoint); the global tables' follow
     #: :attr:`global_changelog_interval_s` instead. Standby replicas and the fleet index (its own and every

@@ -617,6 +617,28 @@ def test_case3_with_clear_scope_all_the_clear_also_removes_offloaded_copies(pipe
     assert set(tables[options.app_id]) != set(tables[pipeline["options"].app_id])
 
 
+def test_faust_s_own_reader_of_the_rekeyed_topic_makes_the_same_table(pipeline, kafka_bootstrap):
+    """A second app over the same kv-events whose agent reads the re-keyed topic through Faust's consumer
+    (``--rekeyed-reader faust``) ends with the same residency table as the default librdkafka reader's, the
+    simulator's rows equal to the ground truth, and its group committed the whole re-keyed topic."""
+    options = WorkerSettings(bootstrap_servers=kafka_bootstrap, web_port=free_port(),
+                            data_dir=pipeline["work"] / "data-faust-reader", partitions=PARTITIONS,
+                            app_id="kvstream-test-faust-reader", aggregation="skew=2:REPLICATED",
+                            rekeyed_reader="faust")
+    process = spawn_worker(options, pipeline["work"] / "worker-faust-reader.log")
+    try:
+        wait_until_consumed(kafka_bootstrap, options.app_id, process, timeout_s=300)
+    finally:
+        stop_worker(process)
+    assert "rekeyed reader" not in (pipeline["work"] / "worker-faust-reader.log").read_text()
+    assert "rekeyed reader: generation" in (pipeline["work"] / "worker.log").read_text()
+    tables = [resident_rows(read_table(kafka_bootstrap, changelog_topic(app_id, "residency"), "residency"))
+              for app_id in (pipeline["options"].app_id, options.app_id)]
+    assert tables[0] == tables[1]
+    simulated = {identity: copies for identity, copies in tables[1].items() if identity[0].startswith("sim-")}
+    assert compare_rows(pipeline["result"].ground_truth, simulated).differences == []
+
+
 def _replayed_changes(bootstrap: str, app_id: str) -> dict[tuple, int]:
     """The resident rows an app's kv-residency-changes topic ends with (last change per row wins)."""
     codec = AvroCodec("residency_change")
