@@ -28,7 +28,8 @@ check (``min(acked) - committed > 1``) lets the next commit pass it.
 The corrections:
 
 - :func:`_fetch_records` (Faust's ``AIOKafkaConsumerThread``): fetch with a snapshot of the active set, and
-  nothing at all when it is empty;
+  nothing at all when it is empty; nor any partition of a topic another reader takes
+  (:class:`stream_apps.rekeyed_reader.RekeyedReader`, which follows this consumer);
 - :func:`_seek_to_committed` (the same class): a stream partition with no committed offset goes to its
   beginning (what ``consumer_auto_offset_reset="earliest"`` means); the events read again are ignored as
   duplicates;

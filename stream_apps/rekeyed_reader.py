@@ -16,13 +16,15 @@ and its commits. The reader only follows it:
   :func:`stream_apps.consumer_fixes._seek_to_committed` does for Faust's streams). Each such restart starts a
   new *generation*; batches fetched under an older one are dropped unapplied. Faust seeks at other times too
   (a fetch while its flow is stopped), with the stream partitions still paused in its books: those seeks
-  restart nothing.
+  restart nothing, and neither does a seek that a rebalance overtook (the consumer's generation changed
+  while it ran, or it read the offsets of another assignment). A committed offset the log no longer holds
+  reads from the log's start, as Faust's consumer would.
 - **When it applies.** A rebalance begins with Faust's ``stop_flow`` (``App._on_partitions_revoked``), which shuts
   the reader's gate until the restart that ends its recovery. A message is applied only through an open gate,
   under the current generation, while Faust's flow is active (it is also active while a recovery reads the
-  changelogs, hence the gate), while its partition is not paused in Faust's books, and before the worker
-  begins to stop. A message is applied whole within one step of the event loop, so a revocation never sees one
-  half applied.
+  changelogs, hence the gate), while its partition is not paused in Faust's books (a paused one shuts the
+  gate too: the fetch went past it), and before the worker begins to stop. A message is applied whole within
+  one step of the event loop, so a revocation never sees one half applied.
 - **What it acknowledges.** Each message applied is acknowledged to Faust's consumer (``Consumer.ack``), in offset
   order per partition, so Faust's commit, behind the checkpoint (:class:`stream_apps.checkpoint.Checkpoint`),
   commits exactly what was applied, as it did for the agent's stream. A hole in a partition's offsets is a gap
@@ -99,6 +101,9 @@ class RekeyedReader:
             # no group: Faust's consumer is the member and commits; this one only fetches what it is told
             "group.id": f"kvstream-rekeyed-{uuid.uuid4().hex}", "enable.auto.commit": False,
             "enable.auto.offset.store": False, "queued.max.messages.kbytes": PREFETCH_KBYTES,
+            # a committed offset below the log start (retention) reads from the start, as Faust's consumer does
+            # (consumer_auto_offset_reset="earliest"); librdkafka's default would skip to the end
+            "auto.offset.reset": "earliest",
             # as Faust's consumer of this topic (stream_apps.consumer_fixes.FETCH_MAX_WAIT_MS)
             "fetch.wait.max.ms": 100})
         self._consumer_factory = consumer_factory
@@ -147,14 +152,17 @@ class RekeyedReader:
             stop_flow()
 
         async def seek_to_committed():
+            generation_id = self.app.consumer_generation_id
             committed = await seek()
             # read and restart in one step: no rebalance can come between the assignment and the restart
             tps = {tp for tp in consumer.assignment() if tp.topic == self.topic}
             # Faust pauses the stream partitions in its books at a revocation and resumes them just before the
             # seek that ends the recovery; its other seeks (a fetch while the flow is stopped) come in between
-            # and must not open the gate
-            if not tps & consumer._paused_partitions:
-                self.restart({tp.partition: committed.get(tp) for tp in tps})
+            # and must not open the gate. Nor may a seek that a rebalance overtook: it read the committed
+            # offsets of another assignment (then not every partition assigned now is in them)
+            if (self.app.consumer_generation_id == generation_id and tps <= committed.keys()
+                    and not tps & consumer._paused_partitions):
+                self.restart({tp.partition: committed[tp] for tp in tps})
                 await self._pause_in_aiokafka(consumer, tps)
             return committed
 
@@ -244,6 +252,7 @@ class RekeyedReader:
             partition, offset = message.partition(), message.offset()
             tp = TP(topic, partition)
             if tp in consumer._paused_partitions:  # paused in Faust's books: its table may be being restored
+                self._closed = True  # and nothing more of this generation: the fetch went past this message
                 return
             gap_from = expected.get(partition)
             if gap_from is not None and offset > gap_from:  # a hole (never expected in this topic): as Faust's
