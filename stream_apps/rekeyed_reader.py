@@ -2,8 +2,8 @@
 
 Faust reads every topic of the app through aiokafka, in a thread of its own: each fetch request is built and each
 response decoded in Python, and each batch of records crosses to the event loop through mode's method queue.
-On this worker that path cost about a third of the worker's CPU at 10,000 events/s and capped its rate in bulk
-(bench/PROFILE.md, "2026-12-05 afternoon"). :class:`RekeyedReader` reads ``<app id>-kv-events-by-ownership``
+At 10,000 events/s that thread alone took about a quarter of the worker's CPU (bench/PROFILE.md, "2026-12-05
+afternoon"). :class:`RekeyedReader` reads ``<app id>-kv-events-by-ownership``
 with confluent-kafka instead (librdkafka fetches and decodes in its own C threads) and applies each message in
 the event loop with the agent's own code (:func:`stream_apps.materialize.message_applier`).
 
