@@ -112,12 +112,8 @@ class RekeyedReader:
         self._wanted: tuple[int, dict[int, int]] = (0, {})
         #: Partition -> the next offset expected (a hole before a message is recorded as a gap in Faust's books).
         self._next: dict[int, int] = {}
-        #: Messages applied, in all (``/metrics``).
-        self.applied = 0
-        self._handoffs: asyncio.Queue | None = None
         self._room = threading.Semaphore(HANDOFF_QUEUE)
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
         #: Shut by :meth:`close` (a rebalance began), opened by :meth:`restart` (its recovery ended).
         self._closed = True
@@ -217,10 +213,9 @@ class RekeyedReader:
             RuntimeError: the fetch thread failed (its error is the cause).
         """
         loop = asyncio.get_running_loop()
-        handoffs = self._handoffs = asyncio.Queue()
-        self._thread = threading.Thread(target=self._fetch, args=(loop, handoffs), name="kvstream-rekeyed-fetch",
-                                        daemon=True)
-        self._thread.start()
+        handoffs: asyncio.Queue = asyncio.Queue()
+        threading.Thread(target=self._fetch, args=(loop, handoffs), name="kvstream-rekeyed-fetch",
+                         daemon=True).start()
         consumer = self.app.consumer
         try:
             while True:
@@ -233,14 +228,18 @@ class RekeyedReader:
         finally:
             self._stop.set()
 
+    def _open_for(self, consumer, generation: int) -> bool:
+        """Whether a message fetched under ``generation`` may be applied now (the module docstring's rules)."""
+        return (generation == self.generation and not self._closed and consumer.flow_active
+                and not self.app.should_stop)
+
     async def _apply(self, consumer, generation: int, messages: list) -> None:
         """Apply ``messages`` of ``generation`` while it is current and the flow active; each acknowledged."""
         topic, apply_message, progress, ack = self.topic, self._apply_message, self._progress, consumer.ack
         expected = self._next
         started = time.perf_counter()
-        app = self.app
         for message in messages:
-            if generation != self.generation or self._closed or not consumer.flow_active or app.should_stop:
+            if not self._open_for(consumer, generation):
                 return  # a rebalance or the worker's stop came: the next generation reads from the committed offsets
             error = message.error()
             if error is not None:
@@ -257,19 +256,12 @@ class RekeyedReader:
             gap_from = expected.get(partition)
             if gap_from is not None and offset > gap_from:  # a hole (never expected in this topic): as Faust's
                 await consumer._add_gap(tp, gap_from, offset)  # which yields to the loop: look again
-                if generation != self.generation or self._closed or not consumer.flow_active or app.should_stop:
+                if not self._open_for(consumer, generation):
                     return
             await apply_message(topic, partition, offset, message.key(), message.value())
             ack(_Acknowledged(tp, offset))
             progress[partition] = offset
             expected[partition] = offset + 1
-            self.applied += 1
             if time.perf_counter() - started > YIELD_AFTER_S:
                 await asyncio.sleep(0)
                 started = time.perf_counter()
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop the fetch thread (it closes its consumer)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
