@@ -41,9 +41,16 @@ STAGE_RULES = [
     ("entry read (cache, RocksDB get)", r"^entry \(.*store\.py|_remember"),
     ("write-back, occupancy, sources", r"write_back|^finish \(|add_occupancy|note_applied|^write \(.*store\.py"),
     ("apply bookkeeping",
-     r"^apply(_record)? \(.*applier\.py|_watermark|_retired_epoch|_publisher_keys_of|residency_key"),
+     r"^apply(_record)? \(.*applier\.py|_watermark|_retired_epoch|_publisher_keys_of|residency_key"
+     r"|^apply_message \(.*materialize\.py"),
     ("ownership_batch/kv_event decode (codec)", r"^decode \(.*codec\.py"),
-    ("materialize loop (agent)", r"materialize_residency"),
+    # apply_all: the compiled loop, under the re-keyed topic's reader or Faust's agent (materialize_residency)
+    ("materialize loop (agent)", r"materialize_residency|^apply_all \(.*applier\.py"),
+    ("embedded index feed", r"_feed_index|fleet_index\.py|entry_reader\.py"),
+    ("delivery reports", r"serve_delivery_reports"),
+    # stream_apps/rekeyed_reader.py: its fetch thread, and its loop in the event loop (hand-off, gate, ack)
+    ("re-keyed topic reader: fetch thread", r"^_fetch \(.*rekeyed_reader\.py"),
+    ("re-keyed topic reader: hand-off, gate, ack", r"rekeyed_reader\.py"),
     ("GC (collection)", r"^<gc>|gc_collect"),
 ]
 REPARTITION_RULES = [

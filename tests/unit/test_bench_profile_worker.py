@@ -38,3 +38,24 @@ def test_without_idle_samples_count_per_process_and_a_select_is_not_a_wait(tmp_p
         f"{main};materialize_residency (stream_apps/residency/agent.py:80) 5",
     ])
     assert fold(raw) == {"worker": {"Faust, aiokafka, event loop (other)": 3, "materialize loop (agent)": 5}}
+
+
+def test_the_rekeyed_topic_reader_s_frames_have_stages_of_their_own(tmp_path):
+    """The default reader (stream_apps/rekeyed_reader.py) applies in the event loop and fetches in a thread;
+    without rules of their own its samples all fell in "other", the compiled loop's with them."""
+    loop = f"{WORKER};run_forever (asyncio/base_events.py:607);run (stream_apps/rekeyed_reader.py:227)"
+    fetch = f"{WORKER};_bootstrap_inner (threading.py:1045);run (threading.py:982)"
+    raw = _write(tmp_path, [
+        f"{loop};_apply (stream_apps/rekeyed_reader.py:261);apply_message (stream_apps/materialize.py:79);"
+        "apply_all (stream_apps/applier.py:342) 20",
+        f"{loop};_apply (stream_apps/rekeyed_reader.py:261);apply_message (stream_apps/materialize.py:79);"
+        "apply_all (stream_apps/applier.py:342);entry (stream_apps/store.py:430) 7",
+        f"{loop};_apply (stream_apps/rekeyed_reader.py:261);apply_message (stream_apps/materialize.py:84) 2",
+        f"{loop};_apply (stream_apps/rekeyed_reader.py:252) 3",
+        f"{fetch};_fetch (stream_apps/rekeyed_reader.py:192);_write_to_self (asyncio/selector_events.py:141) 4",
+        f"{WORKER};run_forever (asyncio/base_events.py:607);_feed_index (stream_apps/app.py:262);"
+        "poll (stream_apps/index/follower.py:90);apply_messages (stream_apps/index/fleet_index.py:180) 5",
+    ])
+    assert fold(raw) == {"worker": {"materialize loop (agent)": 20, "entry read (cache, RocksDB get)": 7,
+                                    "apply bookkeeping": 2, "re-keyed topic reader: hand-off, gate, ack": 3,
+                                    "re-keyed topic reader: fetch thread": 4, "embedded index feed": 5}}
