@@ -200,13 +200,14 @@ def _write_path(app: faust.App, settings: WorkerSettings) -> tuple[StreamApp, Ag
     app.service(repartition)
     agent_progress = AgentProgress(topics.by_ownership, repartition.agent_progress)
     app.sensors.add(agent_progress)
+    readiness = Readiness(app, lambda: repartition.alive)
+    metrics = WorkerMetrics(settings, materializer, checkpoint, repartition, readiness, lambda: app.in_recovery)
     if settings.rekeyed_reader == "librdkafka":
         reader = RekeyedReader(app, settings.bootstrap_servers, topics.by_ownership, apply_message,
                                repartition.agent_progress)
         reader.install()
         app.task(reader.run)
-    readiness = Readiness(app, lambda: repartition.alive)
-    metrics = WorkerMetrics(settings, materializer, checkpoint, repartition, readiness, lambda: app.in_recovery)
+        metrics.rekeyed_reader = reader
     return StreamApp(settings, app, tables, outputs, checkpoint, materializer, repartition, readiness,
                      metrics), agent_progress
 

@@ -65,6 +65,9 @@ class WorkerMetrics(Collector):
         self.rebalances = 0
         #: The hot path's implementation, fixed at import (:mod:`stream_apps.hotpath`).
         self.hotpath = hotpath()
+        #: The re-keyed topic's librdkafka reader (:class:`stream_apps.rekeyed_reader.RekeyedReader`, set by
+        #: :func:`stream_apps.app.create_app`); None: Faust's consumer reads the topic (``--rekeyed-reader faust``).
+        self.rekeyed_reader = None
         self._lag: dict[tuple[str, str, int], int] = {}
         self._lag_at = 0.0
         #: The consumer groups' progress, read over one set of clients for the worker's life: the lag metric's and
@@ -174,6 +177,13 @@ class WorkerMetrics(Collector):
             http.add_metric([view, str(status)], count)
         yield http
         yield hotpath_family(self.hotpath)
+        yield InfoMetricFamily("kvstream_rekeyed_reader", "Which consumer reads the re-keyed topic "
+                               "(--rekeyed-reader): librdkafka (the worker's own) or faust",
+                               value={"reader": self.settings.rekeyed_reader})
+        if self.rekeyed_reader is not None:
+            yield CounterMetricFamily("kvstream_rekeyed_reader_restarts", "Times the re-keyed topic's reader "
+                                      "restarted from the committed offsets: once at the end of each recovery "
+                                      "after a rebalance", value=self.rekeyed_reader.generation)
 
 
 def hotpath_family(current: Hotpath) -> InfoMetricFamily:

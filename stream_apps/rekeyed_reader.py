@@ -107,8 +107,9 @@ class RekeyedReader:
             # as Faust's consumer of this topic (stream_apps.consumer_fixes.FETCH_MAX_WAIT_MS)
             "fetch.wait.max.ms": 100})
         self._consumer_factory = consumer_factory
-        #: The generation of the latest restart and what it reads: partition -> start offset.
+        #: Restarts so far, each a generation (``kvstream_rekeyed_reader_restarts_total``); 0: not started yet.
         self.generation = 0
+        #: The current generation and what it reads: partition -> start offset.
         self._wanted: tuple[int, dict[int, int]] = (0, {})
         #: Partition -> the next offset expected (a hole before a message is recorded as a gap in Faust's books).
         self._next: dict[int, int] = {}

@@ -79,6 +79,9 @@ def test_probes_metrics_json_logs_and_a_clean_stop(kafka_bootstrap, tmp_path):
         assert samples["kvstream_events_repartitioned_total"] == 20
         assert samples['kvstream_resident_blocks{instance="ops-engine",ownership="primary",tier="GPU"}'] == 20
         assert samples["kvstream_ready"] == 1 and samples["kvstream_rebalances_total"] >= 1
+        # the re-keyed topic's own reader (the default) applied the 20 events, so it started at least once
+        assert samples['kvstream_rekeyed_reader_info{reader="librdkafka"}'] == 1
+        assert samples["kvstream_rekeyed_reader_restarts_total"] >= 1
         # committed, so produced: one residency record per block (each key written once)
         assert samples['kvstream_changelog_records_total{table="residency"}'] == 20
         assert samples['kvstream_http_requests_total{status="200",view="ready"}'] >= 1

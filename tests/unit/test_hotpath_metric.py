@@ -20,13 +20,15 @@ BOTH = {"codecs": object(), "records": object(), "table": type("Table", (), {})}
 NONE = {"codecs": None, "records": None, "table": None}
 
 
-def worker_metrics(tmp_path) -> WorkerMetrics:
-    """A WorkerMetrics over idle stand-ins of the agent, the checkpoint and the repartition process."""
+def worker_metrics(tmp_path, **settings) -> WorkerMetrics:
+    """A WorkerMetrics over idle stand-ins of the agent, the checkpoint and the repartition process (``settings``:
+    WorkerSettings fields besides the data directory)."""
     tables = SimpleNamespace(residency_store=object(), tier_occupancy={}, all=list)
     materializer = SimpleNamespace(stats=ApplyStats(), materialized=0, outputs=SimpleNamespace(dead_lettered=0),
                                    tables=tables)
-    return WorkerMetrics(WorkerSettings(data_dir=tmp_path), materializer, SimpleNamespace(commits=0, total_seconds=0.0),
-                         SimpleNamespace(counters=dict), SimpleNamespace(reasons=list), lambda: False)
+    return WorkerMetrics(WorkerSettings(data_dir=tmp_path, **settings), materializer,
+                         SimpleNamespace(commits=0, total_seconds=0.0), SimpleNamespace(counters=dict),
+                         SimpleNamespace(reasons=list), lambda: False)
 
 
 @pytest.mark.parametrize(("kwargs", "implementation", "line"), [
