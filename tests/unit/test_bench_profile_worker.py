@@ -54,7 +54,7 @@ def test_the_rekeyed_topic_reader_s_frames_have_stages_of_their_own(tmp_path):
         f"{loop};_apply (stream_apps/rekeyed_reader.py:252) 3",
         f"{fetch};_fetch (stream_apps/rekeyed_reader.py:192);_write_to_self (asyncio/selector_events.py:141) 4",
         f"{WORKER};run_forever (asyncio/base_events.py:607);_feed_index (stream_apps/app.py:262);"
-        "poll (stream_apps/index/follower.py:90);apply_messages (stream_apps/index/fleet_index.py:180) 5",
+        "poll (stream_apps/index/feed.py:161);apply_messages (stream_apps/index/fleet_index.py:180) 5",
     ])
     assert fold(raw) == {"worker": {"materialize loop (agent)": 20, "entry read (cache, RocksDB get)": 7,
                                     "apply bookkeeping": 2, "re-keyed topic reader: hand-off, gate, ack": 3,
