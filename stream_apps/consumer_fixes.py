@@ -244,9 +244,16 @@ async def stop_fetching_paused_changelogs(consumer, is_changelog) -> set:
         # then it is Faust's resumes in the next recovery, mirrored through this set, that fetch them again
         paused = consumer.__dict__.setdefault("_fetch_paused", set())
         paused |= idle
-        thread = consumer._thread
-        await thread.call_thread(_set_fetching, thread._ensure_consumer(), idle, False)
+        await pause_fetching(consumer, idle)
     return idle
+
+
+async def pause_fetching(consumer, tps) -> None:
+    """Make aiokafka stop fetching ``tps`` for ``consumer`` (Faust's), in its thread; Faust's own books are left
+    as they are. Those no longer assigned there are skipped."""
+    if tps:
+        thread = consumer._thread
+        await thread.call_thread(_set_fetching, thread._ensure_consumer(), tps, False)
 
 
 def _resume_partitions(self, tps) -> None:

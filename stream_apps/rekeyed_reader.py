@@ -50,6 +50,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartiti
 from faust.types import TP
 
 from kafka_io.config import client_config
+from stream_apps.consumer_fixes import pause_fetching
 
 log = logging.getLogger(__name__)
 
@@ -160,18 +161,11 @@ class RekeyedReader:
             if (self.app.consumer_generation_id == generation_id and tps <= committed.keys()
                     and not tps & consumer._paused_partitions):
                 self.restart({tp.partition: committed[tp] for tp in tps})
-                await self._pause_in_aiokafka(consumer, tps)
+                await pause_fetching(consumer, tps)
             return committed
 
         consumer.stop_flow = stop_flow_and_close
         consumer.seek_to_committed = seek_to_committed
-
-    async def _pause_in_aiokafka(self, consumer, tps: set) -> None:
-        from stream_apps.consumer_fixes import _set_fetching
-
-        thread = consumer._thread
-        if tps:
-            await thread.call_thread(_set_fetching, thread._ensure_consumer(), tps, False)
 
     # -- fetching (its own thread) -------------------------------------------------------------------------
 
