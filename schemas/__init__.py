@@ -23,6 +23,8 @@ SOURCE_STALE = "kvstream.v1.SourceStale"
 #: Events the producers make for liveness (schema v4): the source is alive / the source was deregistered.
 SOURCE_HEARTBEAT = "kvstream.v1.SourceHeartbeat"
 SOURCE_UNREGISTERED = "kvstream.v1.SourceUnregistered"
+#: The bridge saw its engine go (schema v6): its ZMQ connection dropped, or its replay socket stopped answering.
+SOURCE_DISCONNECTED = "kvstream.v1.SourceDisconnected"
 #: Not an Avro branch: the residency rules' kind of a BlockStored whose source runs in vLLM's full report mode
 #: (kv_event v5 ``BlockStored.report_mode`` ``"full"``), which may re-announce a block it already holds
 #: (``stream_apps.residency.apply_block``). The block events of the materializing stage carry it.
@@ -42,6 +44,7 @@ __all__ = [
     "BLOCK_STORED_OR_REUSED",
     "FULL_REPORT_MODE",
     "PUBLISHER_RESTARTED",
+    "SOURCE_DISCONNECTED",
     "SOURCE_HEARTBEAT",
     "SOURCE_STALE",
     "SOURCE_UNREGISTERED",

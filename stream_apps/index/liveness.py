@@ -72,6 +72,12 @@ class SourceLeases:
         self._refreshed_at = -1.0
         #: sources key -> (instance, data-parallel rank, last written, seconds since the Unix epoch).
         self._heard: dict[str, tuple[str, int, float]] = {}
+        #: (instance, data-parallel rank) -> when an index's events feed last read one of its events or heartbeats
+        #: (seconds since the Unix epoch): evidence straight from kv-events, not through a worker's table.
+        self._direct: dict[tuple[str, int], float] = {}
+        #: (instance, data-parallel rank) -> when its bridge said it disconnected (``SourceDisconnected``): down
+        #: from then until an event or heartbeat read after it (:meth:`heard`), whatever the tables say.
+        self._down_marks: dict[tuple[str, int], float] = {}
         self._lock = threading.Lock()
 
     def note(self, key: str, instance_id: str, data_parallel_rank: int, written_at: float) -> None:
@@ -80,6 +86,29 @@ class SourceLeases:
             known = self._heard.get(key)
             if known is None or written_at >= known[2]:
                 self._heard[key] = (instance_id, data_parallel_rank, written_at)
+
+    def heard(self, instance_id: str, data_parallel_rank: int, at: float) -> None:
+        """An event or heartbeat of the source was read from kv-events at ``at`` (seconds since the Unix epoch):
+        it renews the lease, and lifts a down mark older than it."""
+        source = (instance_id, data_parallel_rank)
+        with self._lock:
+            if at >= self._direct.get(source, 0.0):
+                self._direct[source] = at
+            mark = self._down_marks.get(source)
+            if mark is not None and at > mark:
+                del self._down_marks[source]
+
+    def mark_down(self, instance_id: str, data_parallel_rank: int | None, at: float) -> None:
+        """The source's bridge saw its engine go (``SourceDisconnected``, read at ``at``): down at once, every rank
+        of the instance when ``data_parallel_rank`` is None, until :meth:`heard` hears of it after ``at``."""
+        with self._lock:
+            ranks = [data_parallel_rank] if data_parallel_rank is not None else sorted(
+                {rank for instance, rank, _ in self._heard.values() if instance == instance_id}
+                | {rank for instance, rank in self._direct if instance == instance_id} or {0})
+            for rank in ranks:
+                source = (instance_id, rank)
+                if at > self._down_marks.get(source, 0.0):
+                    self._down_marks[source] = at
 
     def forget(self, key: str) -> None:
         """``key`` was deleted (the source was unregistered)."""
@@ -103,8 +132,23 @@ class SourceLeases:
                 source = (instance, rank)
                 if written > newest.get(source, 0.0):
                     newest[source] = written
-        return {source: SourceState(True, heard, None) if now - heard <= self.lease_s
-                else SourceState(False, heard, heard + self.lease_s) for source, heard in newest.items()}
+            for source, heard in self._direct.items():
+                if heard > newest.get(source, 0.0):
+                    newest[source] = heard
+            marks = dict(self._down_marks)
+        states = {}
+        for source, heard in newest.items():
+            mark = marks.get(source)
+            if mark is not None:
+                states[source] = SourceState(False, heard, mark)
+            elif now - heard <= self.lease_s:
+                states[source] = SourceState(True, heard, None)
+            else:
+                states[source] = SourceState(False, heard, heard + self.lease_s)
+        for source, mark in marks.items():
+            if source not in states:
+                states[source] = SourceState(False, mark, mark)
+        return states
 
     def down(self, now: float | None = None) -> frozenset[tuple[str, int]]:
         """The (instance, data-parallel rank) pairs that are down now. A source never heard of is not in it: its
