@@ -220,7 +220,7 @@ def lookup_figures(table_class, blocks: int, queries: int, rng: random.Random) -
     whole = blocks // 4 // CHAIN
     chains = [[(((c * CHAIN + d) * GOLDEN) & MASK).to_bytes(8, "big") for d in range(CHAIN)]
               for c in (rng.randrange(whole) for _ in range(4096))]
-    detail = index.query_hashes(chains[0])["kvstream"]
+    detail = index.query_hashes(chains[0])["kvstream"]["ranks"]
     assert all(ranks["1"]["prefix_blocks"] == {"CPU": CHAIN, "GPU": 20} for ranks in detail.values()), detail
     print(f"  query_hashes, {blocks // 4:,} blocks of 2 instances x 2 ranks x (GPU, CPU):")
     print(f"  {'':<56}{_timed(index.query_hashes, chains, queries)}")

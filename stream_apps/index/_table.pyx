@@ -112,14 +112,14 @@ cdef uint32_t MAX_INFO_ID = 1 << 24
 cdef enum:
     #: Tier indices of the holder metadata (schemas.TIERS: GPU, CPU, STORAGE, EXTERNAL, UNKNOWN).
     NTIERS = 5
-    #: Cumulative tier classes of the runs (scoring.TIER_CLASSES: GPU, CPU, DISK).
+    #: Ordered boundaries of the runs (scoring.PHASES: gpu, cpu, disk).
     NCLASSES = 3
     #: ``HInfo.tier`` of a holder id never given to set_holder.
     NO_TIER = 0xFF
-#: Tier index -> bit i set when the tier counts in class i: GPU in all three, CPU in CPU and DISK, STORAGE and
-#: EXTERNAL in DISK, UNKNOWN in none (scoring._CLASS_MASK; the differential tests compare the two).
-cdef uint8_t TIER_CLASS_MASK[5]
-TIER_CLASS_MASK[:] = [7, 6, 4, 4, 0]
+#: Tier index -> bit i set when phase i of the ordered walk reads the tier: GPU the gpu phase, CPU the cpu phase,
+#: STORAGE and EXTERNAL the disk phase, UNKNOWN none (scoring._PHASE_BITS; the differential tests compare the two).
+cdef uint8_t TIER_PHASE_BITS[5]
+TIER_PHASE_BITS[:] = [1, 2, 4, 4, 0]
 
 cdef enum:
     #: The block has a parent.
@@ -1379,7 +1379,8 @@ cdef class BlockTable:
         of ``scoring.prefix_runs`` in one call; see ``PyBlockTable.chain_runs`` (same answer and errors).
 
         O(len(chain) + links walked + groups of block 0) in C; Python objects only for the answer (and the
-        calls of a callable ``allowed``). Returns ``[(group, any, score, (5 tier runs), (3 class runs))]``.
+        calls of a callable ``allowed``). Returns ``[(group, any, score, (5 tier runs), (3 ordered boundaries:
+        gpu, cpu, disk))]``.
         """
         cdef double w[NTIERS]
         cdef Py_ssize_t depths
@@ -1504,7 +1505,7 @@ cdef class BlockTable:
         cdef uint32_t stamp = self._next_stamp()
         cdef size_t nruns = 0, npresent, begin = 0, i
         cdef uint32_t h, g, d, bits, classes
-        cdef int t, c
+        cdef int t
         cdef double best = 0
         cdef bint first
         cdef GState* gs
@@ -1555,13 +1556,18 @@ cdef class BlockTable:
                         if first or w[t] > best:
                             best = w[t]
                             first = False
-                        classes |= TIER_CLASS_MASK[t]
+                        classes |= TIER_PHASE_BITS[t]
                         if run.tiers[t] == d:
                             run.tiers[t] = d + 1
                 run.score += best
-                for c in range(NCLASSES):
-                    if classes >> c & 1 and run.classes[c] == d:
-                        run.classes[c] = d + 1
+                # scoring.advance_phases: GPU, then CPU, then disk, never back; a block the walk cannot read ends it
+                if run.classes[2] == d:
+                    if run.classes[0] == d and classes & 1:
+                        run.classes[0] = run.classes[1] = run.classes[2] = d + 1
+                    elif run.classes[1] == d and classes & 2:
+                        run.classes[1] = run.classes[2] = d + 1
+                    elif classes & 4:
+                        run.classes[2] = d + 1
             begin = ends[d]
         out = []
         for i in range(nruns):

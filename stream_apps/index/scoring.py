@@ -2,8 +2,9 @@
 
 A lookup walks a request's blocks in prefix order and gets, per depth, the holders of that block (a holder is
 one (instance, data-parallel rank, tier, ownership)). :func:`prefix_runs` turns that into, per (instance,
-data-parallel rank), how far from block 0 the request is held without a gap: on any tier, on each tier, and on
-the cumulative tier classes Mooncake's and Dynamo's indexers report. The two answer shapes are built from it:
+data-parallel rank), how far from block 0 the request is held without a gap: on any tier, on each tier, and the
+three ordered boundaries of Mooncake's conductor (an engine's load order, :data:`PHASES`). The two answer shapes
+are built from it:
 
 * :func:`prefix_match_rows`: kvstream's own ``POST /prefix-match/`` (blocks per tier and an llm-d-style score:
   the sum over the matched blocks of the best weight among the tiers holding each, llm-d's
@@ -27,21 +28,21 @@ from schemas.tiers import TIERS
 #: Weight of a tier the weights do not name (``POST /prefix-match/``'s score).
 OTHER_TIER_WEIGHT = 0.25
 
-#: The cumulative tier classes of Mooncake's and Dynamo's answers, and the kvstream tiers each takes in: ``GPU``
-#: counts blocks on the GPU; ``CPU`` blocks on the GPU or in CPU memory; ``DISK`` blocks on any of those or on
-#: a storage or external offload tier (kvstream's ``STORAGE`` is their ``DISK``; ``EXTERNAL``, a secondary tier
-#: outside the engine such as a remote KV store, is farther than memory, so it counts there too). So
-#: ``GPU <= CPU <= DISK <= longest_matched``; ``UNKNOWN`` counts only in ``longest_matched``.
-TIER_CLASSES: dict[str, tuple[str, ...]] = {
-    "GPU": ("GPU",),
-    "CPU": ("GPU", "CPU"),
-    "DISK": ("GPU", "CPU", "STORAGE", "EXTERNAL"),
+#: The three phases of Mooncake's conductor's walk (its ``indexer-api-design.md``, "Result fields"), and the
+#: kvstream tiers each phase reads: per (instance, rank), a run of consecutive blocks on the GPU; at the first GPU
+#: miss, the same block and the next ones in CPU memory; at the first CPU miss, the same block and the next ones
+#: on disk (kvstream's ``STORAGE``, and ``EXTERNAL``, a secondary tier outside the engine such as a remote KV
+#: store); the first disk miss ends the walk, which never goes back to a higher tier. ``UNKNOWN`` is in no phase.
+#: The boundaries are cumulative: ``gpu <= cpu <= disk <= longest prefix on any tier``.
+PHASES: dict[str, tuple[str, ...]] = {
+    "gpu": ("GPU",),
+    "cpu": ("CPU",),
+    "disk": ("STORAGE", "EXTERNAL"),
 }
-_CLASS_NAMES = tuple(TIER_CLASSES)
-assert _CLASS_NAMES == ("GPU", "CPU", "DISK"), "instances_answer names the three classes"
-#: tier -> bit mask of the classes it counts in.
-_CLASS_MASK = {tier: sum(1 << i for i, name in enumerate(_CLASS_NAMES) if tier in TIER_CLASSES[name])
-               for tier in TIERS}
+_PHASE_NAMES = tuple(PHASES)
+assert _PHASE_NAMES == ("gpu", "cpu", "disk"), "instances_answer names the three boundaries"
+#: tier -> bit mask of the phases that read it (bit 0 gpu, 1 cpu, 2 disk); ``_table.pyx``'s TIER_PHASE_BITS.
+_PHASE_BITS = {tier: sum(1 << i for i, name in enumerate(_PHASE_NAMES) if tier in PHASES[name]) for tier in TIERS}
 #: tier -> its index in the block table's holder metadata (``set_holder``'s ``tier``): ``schemas.TIERS``'s order.
 TIER_INDEX = {tier: i for i, tier in enumerate(TIERS)}
 #: (tier, index) in tier-name order: a table run's per-tier runs become a dict already in the order in which
@@ -75,8 +76,27 @@ class PrefixRun:
         self.score = score
         #: tier -> longest consecutive prefix held on that tier alone (tiers of 0 absent).
         self.tiers: dict[str, int] = {} if tiers is None else tiers
-        #: Longest consecutive prefix per class of :data:`TIER_CLASSES`, in its order.
-        self.classes = [0] * len(_CLASS_NAMES) if classes is None else classes
+        #: The ordered boundaries of :data:`PHASES` in blocks, ``[gpu, cpu, disk]``: where the engine's load order
+        #: (GPU, then CPU, then disk, never back) ends for this rank (:func:`advance_phases`).
+        self.classes = [0] * len(_PHASE_NAMES) if classes is None else classes
+
+
+def advance_phases(bounds: list[int], depth: int, bits: int) -> None:
+    """One block of Mooncake's ordered walk: ``bounds`` (``[gpu, cpu, disk]`` in blocks, cumulative) after block
+    ``depth``, held on the phases of ``bits`` (:data:`PHASES`: bit 0 GPU, 1 CPU, 2 disk), changed in place.
+
+    The walk is at ``depth`` while ``disk == depth``. Still in the GPU phase (``gpu == depth``), a block on the
+    GPU moves all three boundaries; else, still in the GPU or CPU phase (``cpu == depth``), a block in CPU memory
+    moves ``cpu`` and ``disk``; else a block on disk moves ``disk``; a block on none of the tiers the walk may
+    still read ends it (the later blocks leave every boundary where it is)."""
+    if bounds[2] != depth:
+        return  # the walk ended earlier
+    if bounds[0] == depth and bits & 1:
+        bounds[0] = bounds[1] = bounds[2] = depth + 1
+    elif bounds[1] == depth and bits & 2:
+        bounds[1] = bounds[2] = depth + 1
+    elif bits & 4:
+        bounds[2] = depth + 1
 
 
 def prefix_runs(holders_per_depth: Sequence[Sequence[int]], holders: Sequence[HolderInfo],
@@ -132,10 +152,10 @@ def runs_by_group(holders_per_depth: Sequence[Sequence[int]], identify: Callable
                 continue  # did not hold block 0: nothing it holds later counts
             seen = present.get(key)
             if seen is None:
-                present[key] = [{tier}, _CLASS_MASK.get(tier, 0)]
+                present[key] = [{tier}, _PHASE_BITS.get(tier, 0)]
             else:
                 seen[0].add(tier)
-                seen[1] |= _CLASS_MASK.get(tier, 0)
+                seen[1] |= _PHASE_BITS.get(tier, 0)
         extended = False
         for key, (tiers, mask) in present.items():
             run = runs.get(key)
@@ -149,10 +169,7 @@ def runs_by_group(holders_per_depth: Sequence[Sequence[int]], identify: Callable
             for tier in tiers:
                 if run.tiers.get(tier, 0) == depth:
                     run.tiers[tier] = depth + 1
-            classes = run.classes
-            for i in range(len(classes)):
-                if mask >> i & 1 and classes[i] == depth:
-                    classes[i] = depth + 1
+            advance_phases(run.classes, depth, mask)
         if not extended:
             break  # every run has ended: deeper blocks change nothing
     return runs
@@ -242,6 +259,25 @@ def prefix_match_rows(runs: Mapping[tuple[str, int], PrefixRun]) -> list[dict]:
             for score, _, instance, rank, run in ranked]
 
 
+def _boundaries(gpu: int, cpu: int, disk: int) -> dict[str, int]:
+    return {"gpu": gpu, "cpu": cpu, "disk": disk}
+
+
+def instance_row(ranks: Mapping[str, dict[str, int]]) -> dict:
+    """One instance of Mooncake's ``instances`` from its ranks' boundaries (``{rank: {"gpu", "cpu", "disk"}}``, in
+    tokens, ranks as decimal strings): ``longest_matched`` (the instance's ``disk``), ``gpu``, ``cpu`` and ``disk``
+    (each the best rank's), ``dp`` (each rank's ``gpu``) and ``rank_matches`` (the ranks' boundaries), as the
+    conductor's ``indexer-api-design.md`` defines them; then the same figures under the names of its older API
+    (``GPU``, ``CPU``, ``DISK``, ``DP``), which older clients read (docs/querying.md)."""
+    gpu = max((r["gpu"] for r in ranks.values()), default=0)
+    cpu = max((r["cpu"] for r in ranks.values()), default=0)
+    disk = max((r["disk"] for r in ranks.values()), default=0)
+    dp = {rank: r["gpu"] for rank, r in ranks.items()}
+    return {"longest_matched": disk, "gpu": gpu, "cpu": cpu, "disk": disk, "dp": dp,
+            "rank_matches": {rank: dict(r) for rank, r in ranks.items()},
+            "GPU": gpu, "CPU": cpu, "DISK": disk, "DP": dict(dp)}
+
+
 def instances_answer(runs: Mapping[tuple[str, int], PrefixRun], block_size_of) -> dict:
     """Mooncake's and Dynamo's ``/query`` answer from prefix runs, in tokens.
 
@@ -249,13 +285,14 @@ def instances_answer(runs: Mapping[tuple[str, int], PrefixRun], block_size_of) -
         block_size_of: instance id -> tokens per block of that instance.
 
     Returns:
-        ``{"instances": {instance: {"longest_matched", "GPU", "CPU", "DISK", "DP": {rank: tokens}}},
-        "scores": {instance: {rank: tokens}}, "kvstream": {instance: {rank: {"matched_blocks", "prefix_blocks",
-        "score"}}}}``: per instance the best of its data-parallel ranks (a request goes to one rank), per rank
-        its own longest match (Dynamo's ``scores``), and kvstream's breakdown in blocks. Ranks are strings, as
-        JSON keys are.
+        ``{"instances": {instance: row}, "scores": {instance: {rank: tokens}}, "kvstream": {"ranks": {instance:
+        {rank: {"matched_blocks", "block_size", "prefix_blocks", "score"}}}}}``: ``row`` is :func:`instance_row` of
+        the instance's ranks' ordered boundaries (:data:`PHASES`); ``scores`` is Dynamo's per-rank map, each rank's
+        longest prefix on any tier; ``kvstream`` is kvstream's own breakdown in blocks (the longest prefix on any
+        tier, on each tier, and the tier-weighted score of ``/prefix-match/``). Ranks are decimal strings, as JSON
+        keys are. Every (instance, rank) of ``runs`` is named, even with boundaries of 0 (a run on ``UNKNOWN``).
     """
-    instances: dict[str, dict] = {}
+    ranks: dict[str, dict] = {}
     scores: dict[str, dict] = {}
     detail: dict[str, dict] = {}
     # (instance, rank) is unique, so sorting the keys orders the runs as sorting the items did
@@ -266,25 +303,17 @@ def instances_answer(runs: Mapping[tuple[str, int], PrefixRun], block_size_of) -
             continue
         instance, rank = key
         size = block_size_of(instance)
-        tokens = matched * size
         gpu, cpu, disk = run.classes
         rank_key = str(rank)
         tiers = run.tiers
         rank_detail = {"matched_blocks": matched, "block_size": size,
                        "prefix_blocks": {tier: tiers[tier] for tier in sorted(tiers) if tiers[tier]},
                        "score": round(run.score, 6)}
-        answer = instances.get(instance)
-        if answer is None:  # the common case: one rank per instance
-            instances[instance] = {"longest_matched": tokens, "GPU": gpu * size, "CPU": cpu * size,
-                                   "DISK": disk * size, "DP": {rank_key: tokens}}
-            scores[instance] = {rank_key: tokens}
-            detail[instance] = {rank_key: rank_detail}
-            continue
-        answer["longest_matched"] = max(answer["longest_matched"], tokens)
-        answer["GPU"] = max(answer["GPU"], gpu * size)
-        answer["CPU"] = max(answer["CPU"], cpu * size)
-        answer["DISK"] = max(answer["DISK"], disk * size)
-        answer["DP"][rank_key] = tokens
-        scores[instance][rank_key] = tokens
+        bounds = _boundaries(gpu * size, cpu * size, disk * size)
+        if instance not in ranks:
+            ranks[instance], scores[instance], detail[instance] = {}, {}, {}
+        ranks[instance][rank_key] = bounds
+        scores[instance][rank_key] = matched * size
         detail[instance][rank_key] = rank_detail
-    return {"instances": instances, "scores": scores, "kvstream": detail}
+    return {"instances": {instance: instance_row(by_rank) for instance, by_rank in ranks.items()},
+            "scores": scores, "kvstream": {"ranks": detail}}

@@ -44,7 +44,7 @@ from stream_apps.index.table_keys import block_key, residency_key_block
 #: A block's dump: ``(block, parent | None, content | None, ((scope, holder), ...))``, links sorted.
 Item = tuple[int, "int | None", "int | None", tuple[tuple[int, int], ...]]
 #: A group's prefix runs (:meth:`PyBlockTable.chain_runs`): ``(group, any, score, (runs per tier index: 5),
-#: (runs per cumulative class GPU, GPU+CPU, GPU+CPU+STORAGE+EXTERNAL: 3))``, in blocks.
+#: (the ordered boundaries gpu, cpu, disk of Mooncake's walk: 3, ``scoring.PHASES``))``, in blocks.
 Run = tuple[int, int, float, tuple[int, int, int, int, int], tuple[int, int, int]]
 
 _U64 = 1 << 64
@@ -361,7 +361,8 @@ class PyBlockTable:
         A group's runs, in blocks from block 0, over its allowed holders: ``any``, the blocks held without a gap
         on some tier (each block on any of the group's tiers); ``score``, the sum over those blocks of the
         highest weight among the tiers holding the block; per tier, the blocks held without a gap on that tier;
-        per cumulative class (GPU; GPU or CPU; GPU, CPU, STORAGE or EXTERNAL), the same over the class's tiers.
+        and the three boundaries of Mooncake's ordered walk (``scoring.advance_phases``: consecutive blocks on the
+        GPU, then from the first GPU miss in CPU memory, then from the first CPU miss on STORAGE or EXTERNAL).
         The walk stops before the first absent block, the scoring at the first block that extends no run.
 
         Args:
@@ -375,7 +376,7 @@ class PyBlockTable:
 
         Returns:
             One :data:`Run` per group holding block 0 through an allowed holder, in the order of their smallest
-            such holder id: ``(group, any, score, tier runs (5), class runs (3))``; ``any >= 1``.
+            such holder id: ``(group, any, score, tier runs (5), ordered boundaries (3))``; ``any >= 1``.
 
         Raises:
             OverflowError, TypeError: a key out of range or not an integer; a weight that is not a number, or

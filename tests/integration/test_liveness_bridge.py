@@ -83,7 +83,7 @@ def _answers(url: str, chain: list[int], instances: tuple[str, ...]) -> dict:
     status, prefix = _post(f"{url}/prefix-match/", {"block_hashes": [h.to_bytes(8, "big").hex() for h in chain]})
     prefix_blocks = {m["instance_id"]: m["matched_blocks"] for m in prefix["matches"]} if status == 200 else status
     status, by_hash = _post(f"{url}/query_by_hash", {"seq_hashes": chain})
-    hash_blocks = ({instance: ranks["0"]["matched_blocks"] for instance, ranks in by_hash["kvstream"].items()}
+    hash_blocks = ({instance: ranks["0"]["matched_blocks"] for instance, ranks in by_hash["kvstream"]["ranks"].items()}
                    if status == 200 else status)
     status, residency = _get(f"{url}/residency/{chain[0].to_bytes(8, 'big').hex()}/")
     holders = sorted({row["instance_id"] for row in residency["rows"]}) if status == 200 else status

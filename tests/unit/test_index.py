@@ -17,6 +17,16 @@ from stream_apps.index.scoring import HolderInfo, instances_answer, prefix_runs
 BLOCK = 4
 
 
+def _answer_row(ranks: dict[str, tuple[int, int, int]]) -> dict:
+    """An instance of ``/query``'s ``instances`` as the conductor's document words it, from each rank's ordered
+    boundaries ``(gpu, cpu, disk)`` in tokens, with the older API's names beside (docs/querying.md)."""
+    gpu, cpu, disk = (max((b[i] for b in ranks.values()), default=0) for i in range(3))
+    dp = {rank: b[0] for rank, b in ranks.items()}
+    return {"longest_matched": disk, "gpu": gpu, "cpu": cpu, "disk": disk, "dp": dp,
+            "rank_matches": {rank: {"gpu": b[0], "cpu": b[1], "disk": b[2]} for rank, b in ranks.items()},
+            "GPU": gpu, "CPU": cpu, "DISK": disk, "DP": dp}
+
+
 @pytest.fixture(params=["python", "compiled"])
 def index(request):
     from stream_apps.index import table
@@ -62,7 +72,7 @@ def test_a_query_by_tokens_equals_the_query_by_engine_hashes(index):
     hashes = _store_chain(index, "e1", TOKENS, seed=1)
     by_tokens = index.query_tokens(TOKENS)
     assert by_tokens["instances"] == index.query_hashes(hashes)["instances"]
-    assert by_tokens["instances"]["e1"] == {"longest_matched": 16, "GPU": 16, "CPU": 16, "DISK": 16, "DP": {"0": 16}}
+    assert by_tokens["instances"]["e1"] == _answer_row({"0": (16, 16, 16)})
     # a longer prompt matches its held prefix; a prompt diverging at block 2 matches two blocks
     assert index.query_tokens(TOKENS + [1] * 8)["instances"]["e1"]["longest_matched"] == 16
     assert index.query_tokens(TOKENS[:8] + [0] * 8)["instances"]["e1"]["longest_matched"] == 8
@@ -84,7 +94,7 @@ def test_a_tokenless_copy_of_another_ownership_inherits_the_content(index):
     for h in hashes:  # the GPU copies are evicted
         index.apply_entry(_key(h), None)
     answer = index.query_tokens(TOKENS)["instances"]["e1"]
-    assert answer == {"longest_matched": 16, "GPU": 0, "CPU": 0, "DISK": 16, "DP": {"0": 16}}
+    assert answer == _answer_row({"0": (0, 0, 16)})  # the walk misses on the GPU and in CPU memory, then reads disk
 
 
 def test_equal_content_under_unequal_engine_hashes_is_found_and_counted(index):
@@ -95,13 +105,14 @@ def test_equal_content_under_unequal_engine_hashes_is_found_and_counted(index):
     assert stats["mixed_hash_queries"] == 1 and stats["mixed_hash_instances"] == [["seed-a", "seed-b"]]
 
 
-def test_tier_classes_are_cumulative_and_ranks_apart(index):
+def test_tier_boundaries_follow_the_load_order_and_ranks_apart(index):
     hashes = _store_chain(index, "e1", TOKENS, seed=7, rows=[_row("e1", "GPU"), _row("e1", "CPU", dp=1)])
     # block 2 leaves the GPU of rank 0 but is on its CPU; block 3 only on rank 1's CPU
     index.apply_entry(_key(hashes[2]), _entry(hashes[2], [_row("e1", "CPU"), _row("e1", "CPU", dp=1)]))
     index.apply_entry(_key(hashes[3]), _entry(hashes[3], [_row("e1", "CPU", dp=1)]))
     answer = index.query_tokens(TOKENS)["instances"]["e1"]
-    assert answer == {"longest_matched": 16, "GPU": 8, "CPU": 16, "DISK": 16, "DP": {"0": 12, "1": 16}}
+    # rank 0: GPU to block 2, then its CPU copy of block 2, then nothing; rank 1: CPU memory from block 0
+    assert answer == _answer_row({"0": (8, 12, 12), "1": (0, 16, 16)})
 
 
 def test_model_tenant_and_block_size_come_from_registration(index):
@@ -173,8 +184,7 @@ def test_instances_answer_takes_the_best_rank_per_instance():
     holders = [HolderInfo("e1", 0, "GPU", None), HolderInfo("e1", 1, "CPU", None)]
     runs = prefix_runs([(0, 1), (1,)], holders, {"GPU": 1.0, "CPU": 0.8})
     answer = instances_answer(runs, lambda instance: 16)
-    assert answer["instances"]["e1"] == {"longest_matched": 32, "GPU": 16, "CPU": 32, "DISK": 32,
-                                         "DP": {"0": 16, "1": 32}}
+    assert answer["instances"]["e1"] == _answer_row({"0": (16, 16, 16), "1": (0, 32, 32)})
     assert answer["scores"] == {"e1": {"0": 16, "1": 32}}
 
 
@@ -243,7 +253,7 @@ def test_answers_equal_the_python_scoring_of_the_walks(index):
         answers = (index.prefix_match(chain), index.query_hashes(chain), index.query_tokens(TOKENS, block_size=BLOCK))
         # equal as JSON too: the same keys in the same order, the same ints and floats
         assert json.dumps(answers) == json.dumps((match, by_hash, by_tokens))
-    e1_rank_1 = index.query_hashes(hashes)["kvstream"]["e1"]["1"]  # a gap on CPU at block 2, EXTERNAL there
+    e1_rank_1 = index.query_hashes(hashes)["kvstream"]["ranks"]["e1"]["1"]  # a gap on CPU at block 2, EXTERNAL there
     assert (e1_rank_1["matched_blocks"], e1_rank_1["prefix_blocks"]) == (4, {"CPU": 2, "EXTERNAL": 3})
     # registered instances: the model filter leaves the others out, the same in both
     api = IndexAPI(index, list)
@@ -273,7 +283,7 @@ def test_a_tier_outside_the_canonical_five_is_scored_in_python(index):
     hashes = _store_chain(index, "e1", TOKENS, seed=23, rows=[_row("e1", "GPU"), _row("e1", "HBM")])
     answer = index.query_hashes(hashes)
     assert answer == _reference_answers(index, hashes, TOKENS)[1]
-    assert answer["kvstream"]["e1"]["0"]["prefix_blocks"] == {"GPU": 4, "HBM": 4}
+    assert answer["kvstream"]["ranks"]["e1"]["0"]["prefix_blocks"] == {"GPU": 4, "HBM": 4}
     assert index.prefix_match(hashes)[0]["prefix_blocks"] == {"GPU": 4, "HBM": 4}
 
 
@@ -300,26 +310,28 @@ def _prefix_match_rows_before(runs):
     return sorted(rows, key=lambda r: (-r["score"], -r["matched_blocks"], r["instance_id"], r["data_parallel_rank"]))
 
 
-def _instances_answer_before(runs, block_size_of):
-    """instances_answer as it was written before (the oracle of its rewrite)."""
-    names = ("GPU", "CPU", "DISK")
+def _instances_answer_by_words(runs, block_size_of):
+    """instances_answer written from the conductor's document, instance by instance (the oracle of the rewrite):
+    per rank its boundaries in tokens, the instance's the best rank's, ``dp`` each rank's GPU boundary."""
     instances, scores, detail = {}, {}, {}
     for (instance, rank), run in sorted(runs.items(), key=lambda item: item[0]):
         if not run.any:
             continue
         size = block_size_of(instance)
-        answer = instances.get(instance)
-        if answer is None:
-            answer = instances[instance] = {"longest_matched": 0, **{name: 0 for name in names}, "DP": {}}
-        answer["longest_matched"] = max(answer["longest_matched"], run.any * size)
-        for name, blocks in zip(names, run.classes):
-            answer[name] = max(answer[name], blocks * size)
-        answer["DP"][str(rank)] = run.any * size
+        gpu, cpu, disk = (blocks * size for blocks in run.classes)
+        answer = instances.setdefault(instance, {"longest_matched": 0, "gpu": 0, "cpu": 0, "disk": 0, "dp": {},
+                                                 "rank_matches": {}})
+        answer["dp"][str(rank)] = gpu
+        answer["rank_matches"][str(rank)] = {"gpu": gpu, "cpu": cpu, "disk": disk}
+        for name, value in (("gpu", gpu), ("cpu", cpu), ("disk", disk), ("longest_matched", disk)):
+            answer[name] = max(answer[name], value)
         scores.setdefault(instance, {})[str(rank)] = run.any * size
         detail.setdefault(instance, {})[str(rank)] = {
             "matched_blocks": run.any, "block_size": size,
             "prefix_blocks": {tier: n for tier, n in sorted(run.tiers.items()) if n}, "score": round(run.score, 6)}
-    return {"instances": instances, "scores": scores, "kvstream": detail}
+    for answer in instances.values():
+        answer.update(GPU=answer["gpu"], CPU=answer["cpu"], DISK=answer["disk"], DP=dict(answer["dp"]))
+    return {"instances": instances, "scores": scores, "kvstream": {"ranks": detail}}
 
 
 @settings(max_examples=300, deadline=None)
@@ -338,4 +350,4 @@ def test_the_answers_are_built_as_before(spec):
             for key, (matched, score, tiers, classes) in spec.items()}
     sizes = {"a": 16, "b": 512, "c": 1, "e10": 16}.__getitem__
     assert json.dumps(prefix_match_rows(runs)) == json.dumps(_prefix_match_rows_before(runs))
-    assert json.dumps(instances_answer(runs, sizes)) == json.dumps(_instances_answer_before(runs, sizes))
+    assert instances_answer(runs, sizes) == _instances_answer_by_words(runs, sizes)

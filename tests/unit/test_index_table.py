@@ -301,8 +301,9 @@ def test_chain_runs_per_group_tier_and_class(table):
     _runs_table(table)
     assert table.chain_runs([10, 11, 12, 13], WEIGHTS) == [
         # group 0: block 0 on GPU, 1 on CPU and STORAGE, 2 on STORAGE, 3 on GPU: any 4; GPU run 1 (a gap at 1),
-        # CPU 0, STORAGE 0 (not at block 0); classes GPU 1, GPU+CPU 2, DISK 4; score 1 + 0.8 + 0.5 + 1
-        (0, 4, 3.3, (1, 0, 0, 0, 0), (1, 2, 4)),
+        # CPU 0, STORAGE 0 (not at block 0); the ordered walk: GPU to 1, CPU to 2, disk to 3 (block 3 is on the
+        # GPU only, which the disk phase does not go back to); score 1 + 0.8 + 0.5 + 1
+        (0, 4, 3.3, (1, 0, 0, 0, 0), (1, 2, 3)),
         # group 7: GPU and UNKNOWN at 0, GPU at 1, UNKNOWN at 2, nothing at 3
         (7, 3, 2.25, (2, 0, 0, 0, 1), (2, 2, 2)),
     ]
@@ -336,7 +337,7 @@ def test_chain_runs_filters_by_holder(table):
         calls.append(holder)
         return holder != 4
 
-    assert table.chain_runs(chain, WEIGHTS, no_unknown) == [(0, 4, 3.3, (1, 0, 0, 0, 0), (1, 2, 4)),
+    assert table.chain_runs(chain, WEIGHTS, no_unknown) == [(0, 4, 3.3, (1, 0, 0, 0, 0), (1, 2, 3)),
                                                             (7, 2, 2.0, (2, 0, 0, 0, 0), (2, 2, 2))]
     assert calls == [0, 1, 2, 3, 4, 5]  # each holder of the walk once, ascending, before the scoring
     calls.clear()
@@ -614,8 +615,8 @@ def test_compiled_and_python_agree_on_a_large_random_run(seed):
 
 # -- scored lookups, compiled against Python and against a brute force ---------------------------------------
 
-#: The cumulative classes' tiers (scoring.TIER_CLASSES): GPU; GPU, CPU; GPU, CPU, STORAGE, EXTERNAL.
-CLASS_TIERS = ({GPU}, {GPU, CPU}, {GPU, CPU, STORAGE, EXTERNAL})
+#: The tiers each phase of the ordered walk reads (scoring.PHASES): GPU; CPU; STORAGE or EXTERNAL.
+PHASE_TIERS = ({GPU}, {CPU}, {STORAGE, EXTERNAL})
 
 
 def brute_force_runs(held, info, weights, counts):
@@ -631,6 +632,16 @@ def brute_force_runs(held, info, weights, counts):
             depth += 1
         return depth
 
+    def ordered(group, depths):
+        """The conductor's walk by its words: consume GPU blocks, test the first miss in CPU and go on there,
+        test the first CPU miss on disk and go on there; the first disk miss ends it. Boundaries cumulative."""
+        depth, bounds = 0, []
+        for tiers in PHASE_TIERS:
+            while depth < depths and tiers_at(group, depth) & tiers:
+                depth += 1
+            bounds.append(depth)
+        return tuple(bounds)
+
     groups = []
     for h in (held[0] if held else ()):
         if counts(h) and info[h][0] not in groups:
@@ -641,8 +652,7 @@ def brute_force_runs(held, info, weights, counts):
         score = 0.0
         for depth in range(matched):
             score += max(weights[t] for t in tiers_at(group, depth))
-        out.append((group, matched, score, tuple(run_of(group, {t}) for t in range(5)),
-                    tuple(run_of(group, tiers) for tiers in CLASS_TIERS)))
+        out.append((group, matched, score, tuple(run_of(group, {t}) for t in range(5)), ordered(group, matched)))
     return out
 
 
