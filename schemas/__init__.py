@@ -1,6 +1,6 @@
 """The event contract: what a KV cache event is once it is in Kafka.
 
-* ``kv_event_v5.avsc`` (and v1 to v4): one block-level KV event (topic ``kv-events``).
+* ``kv_event_v6.avsc`` (and v1 to v5): one block-level KV event (topic ``kv-events``).
 * ``residency_v3.avsc`` (and v1, v2): one residency-table entry (the stream app's changelog).
 * ``tier_occupancy_v1.avsc``, ``clear_watermark_v1.avsc``: the stream app's other tables.
 * ``ownership_batch_v1.avsc``: the stream app's repartition topic ``<app id>-kv-events-by-ownership``.
@@ -35,7 +35,7 @@ STORE_KINDS = frozenset({BLOCK_STORED, BLOCK_STORED_OR_REUSED})
 FULL_REPORT_MODE = "full"
 #: Events without a block hash, written to every partition of kv-events.
 SOURCE_WIDE_EVENTS = frozenset({ALL_BLOCKS_CLEARED, PUBLISHER_RESTARTED, SOURCE_STALE, SOURCE_HEARTBEAT,
-                                SOURCE_UNREGISTERED})
+                                SOURCE_UNREGISTERED, SOURCE_DISCONNECTED})
 
 __all__ = [
     "ALL_BLOCKS_CLEARED",

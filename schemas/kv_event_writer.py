@@ -39,12 +39,12 @@ class KvEventWriter:
 
     fastavro's generic writer resolves every union and looks up every field of every record; a
     producer writes hundreds of thousands of records per second that share most of their bytes. This
-    writer encodes the field layout of ``kv_event_v5.avsc`` directly and gives the pieces that
+    writer encodes the field layout of ``kv_event_v6.avsc`` directly and gives the pieces that
     :class:`producers.split.BlockEncoder` reuses across the blocks of one engine event. The
     output is checked against fastavro in ``tests/unit/test_split.py``.
 
     Args:
-        codec: a ``kv_event`` codec writing version 5 (its framing header is reused).
+        codec: a ``kv_event`` codec writing version 6 (its framing header is reused).
 
     Raises:
         ValueError: the codec writes another family or version (the field layout coded here would not
@@ -52,7 +52,7 @@ class KvEventWriter:
     """
 
     #: The writer schema whose field layout this class encodes.
-    VERSION = 5
+    VERSION = 6
 
     def __init__(self, codec: AvroCodec) -> None:
         if codec.family != "kv_event" or codec.schema.version != self.VERSION:
@@ -183,6 +183,8 @@ class KvEventWriter:
         elif kind == "kvstream.v1.SourceUnregistered":
             event = (b"\x01" if body.get("all_ranks", True) else b"\x00") + avro_optional(body.get("reason"),
                                                                                           avro_string)
+        elif kind == "kvstream.v1.SourceDisconnected":
+            event = avro_optional(body.get("reason"), avro_string)
         else:
             raise ValueError(f"{kind!r} is not a branch of the kv_event event union")
         return b"".join((

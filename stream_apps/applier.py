@@ -2,8 +2,9 @@
 
 The residency rules themselves are pure functions (:mod:`stream_apps.residency`); this module reads the rows
 they need, writes back what changed, keeps ``tier-occupancy`` and ``sources`` in step and publishes every
-residency transition. Source-wide events (``AllBlocksCleared``, ``PublisherRestarted``, ``SourceStale``)
-are rare and scan the partition's rows.
+residency transition. Source-wide events (``AllBlocksCleared``, ``PublisherRestarted``, ``SourceStale``,
+``SourceUnregistered``) are rare and scan the partition's rows; ``SourceHeartbeat`` renews a source's lease in
+``sources``, and ``SourceDisconnected`` changes nothing here (the indexes read it from kv-events).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from schemas import (
     ALL_BLOCKS_CLEARED,
     BLOCK_STORED,
     BLOCK_STORED_OR_REUSED,
+    SOURCE_DISCONNECTED,
     SOURCE_HEARTBEAT,
     SOURCE_STALE,
     SOURCE_UNREGISTERED,
@@ -185,8 +187,13 @@ class Materializer:
     def apply_source_event(self, partition: int, record: dict, occupancy: dict[tuple, int]) -> None:
         """``PublisherRestarted``: retire the earlier epochs' rows on ``partition``; ``SourceStale``: mark the
         source stale (both reported by the bridge); ``SourceHeartbeat``: renew the source's lease (its ``sources``
-        row is written again, which is when the workers' clock says it was last heard of)."""
+        row is written again, which is when the workers' clock says it was last heard of); ``SourceDisconnected``
+        (the bridge lost its engine): nothing. It removes no row, and it must not renew the lease as a write of
+        the ``sources`` row would: the indexes read it from kv-events themselves and take the source out of their
+        answers at once (``stream_apps.index.liveness.SourceLeases.mark_down``)."""
         kind, body = record["event"]
+        if kind == SOURCE_DISCONNECTED:
+            return
         if kind == SOURCE_UNREGISTERED:
             self.apply_unregister(partition, record, occupancy)
             return

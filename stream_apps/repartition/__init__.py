@@ -26,7 +26,8 @@ and, per batch:
    a block's events can reach a partition in either order);
 3. makes one ``ownership_batch`` message per destination partition (split at
    :data:`MAX_BATCH_BYTES`); source-wide events (clears, the bridge's
-   ``PublisherRestarted`` and ``SourceStale``) keep their partition number;
+   ``PublisherRestarted``, ``SourceStale`` and ``SourceDisconnected``, the producers'
+   ``SourceHeartbeat``, ``SourceUnregistered``) keep their partition number;
 4. runs the worker's checkpoint protocol (:class:`stream_apps.checkpoint.Checkpoint`, whose docstring has the order
    and why): produce the batch's messages and changed clear histories, wait for every acknowledgement, and only
    then commit the batch's offsets (asynchronously: the next batch does not wait for the commit): at least once.

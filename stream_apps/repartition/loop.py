@@ -452,7 +452,9 @@ class Repartitioner:
     def _source_wide(self, message, record: dict, kind: str, source: tuple[int, str, int],
                      history: ClearHistory | None, outgoing: dict[int, PartitionBatch],
                      changed: dict[tuple[int, str, int], ClearHistory]) -> None:
-        """A clear (recorded in the source's history), PublisherRestarted or SourceStale: same partition number."""
+        """A clear (recorded in the source's history), or another source-wide event (PublisherRestarted, SourceStale,
+        SourceHeartbeat, SourceUnregistered, SourceDisconnected): same partition number, stamped with the source's
+        latest clear before it."""
         partition, offset = source[0], message.offset()
         if kind == ALL_BLOCKS_CLEARED:
             if history is None:

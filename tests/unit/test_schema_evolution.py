@@ -10,16 +10,17 @@ import fastavro
 import pytest
 
 from producers.split import Publisher, source_event, split_event
-from schemas import PUBLISHER_RESTARTED, AvroCodec, DecodeError
+from schemas import PUBLISHER_RESTARTED, SOURCE_DISCONNECTED, SOURCE_HEARTBEAT, AvroCodec, DecodeError
 from schemas.codec import SCHEMA_DIR
 
 PUBLISHER = Publisher("evolve", publisher_epoch=5)
-V1, V2, V3, V4, V5 = (AvroCodec("kv_event", version) for version in (1, 2, 3, 4, 5))
-#: The BlockStored fields each version added, with their defaults.
+V1, V2, V3, V4, V5, V6 = (AvroCodec("kv_event", version) for version in (1, 2, 3, 4, 5, 6))
+VERSIONS = (V1, V2, V3, V4, V5, V6)
+#: The BlockStored fields each version added, with their defaults (version 6 added an event type only).
 ADDED = {2: {"parent_known": None}, 3: {"cache_salt": None, "token_id_width": None}, 4: {"content_hash": None},
          5: {"report_mode": None}}
 #: Every (older, newer) pair of versions.
-PAIRS = [(old, new) for i, old in enumerate((V1, V2, V3, V4, V5)) for new in (V1, V2, V3, V4, V5)[i + 1:]]
+PAIRS = [(old, new) for i, old in enumerate(VERSIONS) for new in VERSIONS[i + 1:]]
 
 
 def _stored(**body_fields) -> dict:
@@ -61,9 +62,24 @@ def test_new_event_type_is_a_clear_error_for_an_old_reader():
         V1.decode(V2.encode(record))
 
 
+def test_a_source_disconnected_is_read_by_v6_and_a_clear_error_for_older_readers():
+    """Version 6's new event: a v6 reader (today's) reads it; a reader of v5 or older cannot decode it and says so
+    (the repartition process dead-letters such a record with the reason), while the older events still cross."""
+    record = source_event(PUBLISHER, SOURCE_DISCONNECTED, {"reason": "disconnected"}, 41, 3.0)
+    written = V6.encode(record)
+    assert V6.decode(written) == {**record, "event": (SOURCE_DISCONNECTED, {"reason": "disconnected"})}
+    assert V6.decode(V6.encode(source_event(PUBLISHER, SOURCE_DISCONNECTED, {}, -1, 3.0)))["event"] == (
+        SOURCE_DISCONNECTED, {"reason": None})
+    for old in (V4, V5):
+        with pytest.raises(DecodeError, match="kv_event"):
+            old.decode(written)
+        heartbeat = source_event(PUBLISHER, SOURCE_HEARTBEAT, {"evidence": "replay"}, 41, 3.0)
+        assert old.decode(V6.encode(heartbeat))["event"] == (SOURCE_HEARTBEAT, {"evidence": "replay"})
+
+
 def test_a_tier_symbol_from_a_newer_writer_reads_as_the_enum_default():
     """A future schema adds tier HBM; readers of today's schema see UNKNOWN (the enum's default)."""
-    future = json.loads((SCHEMA_DIR / "kv_event_v5.avsc").read_text())
+    future = json.loads((SCHEMA_DIR / "kv_event_v6.avsc").read_text())
     tier_field = next(f for f in future["fields"] if f["name"] == "tier")
     tier_enum = copy.deepcopy(tier_field["type"][1])
     tier_enum["symbols"].append("HBM")
@@ -71,7 +87,7 @@ def test_a_tier_symbol_from_a_newer_writer_reads_as_the_enum_default():
     writer = fastavro.parse_schema(future)
     out = io.BytesIO()
     fastavro.schemaless_writer(out, writer, {**_stored(), "tier": "HBM"})
-    read = fastavro.schemaless_reader(io.BytesIO(out.getvalue()), writer, V5.schema.parsed,
+    read = fastavro.schemaless_reader(io.BytesIO(out.getvalue()), writer, V6.schema.parsed,
                                       return_record_name=True, return_record_name_override=True)
     assert read["tier"] == "UNKNOWN"
 
@@ -80,8 +96,8 @@ def test_every_version_is_kept_and_distinct():
     from schemas.codec import schema_versions
 
     versions = schema_versions("kv_event")
-    assert [v.version for v in versions] == [1, 2, 3, 4, 5]
-    assert len({v.fingerprint for v in versions}) == 5
+    assert [v.version for v in versions] == [1, 2, 3, 4, 5, 6]
+    assert len({v.fingerprint for v in versions}) == 6
 
 
 RESIDENCY_ROW = {"instance_id": "e", "data_parallel_rank": 0, "tier": "CPU", "medium": "CPU", "locality": None,

@@ -155,7 +155,7 @@ def test_block_encoder_writes_the_bytes_of_split_event_and_fastavro():
 
 def test_kv_event_writer_encodes_every_event_type_like_fastavro():
     from producers.split import source_event
-    from schemas import PUBLISHER_RESTARTED, SOURCE_STALE
+    from schemas import PUBLISHER_RESTARTED, SOURCE_DISCONNECTED, SOURCE_STALE
     from schemas.avro_writers import KvEventWriter
 
     codec = AvroCodec("kv_event")
@@ -164,10 +164,12 @@ def test_kv_event_writer_encodes_every_event_type_like_fastavro():
     records = [source_event(publisher, PUBLISHER_RESTARTED, {"previous_epoch": 3}, -1, 1.5),
                source_event(publisher, PUBLISHER_RESTARTED, {"previous_epoch": None}, -1, 1.5),
                source_event(publisher, SOURCE_STALE, {"first_lost_seq": 3, "last_lost_seq": 1 << 50}, 9, 1.5),
+               source_event(publisher, SOURCE_DISCONNECTED, {"reason": "replay-silent"}, 9, 1.5),
+               source_event(publisher, SOURCE_DISCONNECTED, {"reason": None}, -1, 1.5),
                *(r for args in _simulated_events(60) for r in split_event(*args))]
     assert [writer.encode(r) for r in records] == [codec.encode(r) for r in records]
-    with pytest.raises(ValueError, match="kv_event v5"):
-        KvEventWriter(AvroCodec("kv_event", version=4))
+    with pytest.raises(ValueError, match="kv_event v6"):
+        KvEventWriter(AvroCodec("kv_event", version=5))
 
 
 @pytest.mark.parametrize("engine, kind",
