@@ -4,16 +4,20 @@ Every worker (Faust's web server, :mod:`stream_apps.views`) and ``kvstream index
 :mod:`stream_apps.index.server`) serve the same handlers: each takes the request body and its headers and gives
 a :class:`Reply`. The APIs are the ones routers already speak (docs/querying.md, "For router authors"):
 
-* ``POST /query`` ``{token_ids, model_name|model, lora_name, cache_salt, block_size, tenant_id}``: Mooncake's
-  indexer API (RFC #1403) and Dynamo's standalone indexer; ``token_ids`` may be a msgpack bin of little-endian
-  int32, as Mooncake's cache-aware proxy sends it;
-* ``POST /query_by_hash`` ``{seq_hashes}`` (Mooncake's name; ``block_hashes`` too): a chain of the engines' own
-  block hashes, answered like ``/query``;
-* ``POST /prefix-match/`` ``{block_hashes}``: kvstream's own answer (per rank, blocks per tier, a score);
-* ``POST /register``: Mooncake's conductor body; ``GET /workers``; ``GET /dump`` (JSON lines).
+* Mooncake's conductor API as its current document states it (``indexer-api-design.md``, the rules in
+  :mod:`stream_apps.index.conductor`): ``POST /query`` ``{model, block_size, token_ids, tenant_id, lora_name,
+  cache_salt, instance_id}`` (``token_ids`` a msgpack bin of little-endian int32, or an array), ``POST /register``,
+  ``POST /unregister``, ``GET /services``, ``GET /global_view``; its error maps (``error``, ``reason``, ``field``,
+  ``index``), ``404`` for an unknown service key, ``405`` for a wrong method;
+* Dynamo's standalone indexer: ``/query`` with ``model_name``, and its ``scores``;
+* ``POST /query_by_hash`` ``{seq_hashes}`` (``block_hashes`` too): a chain of the engines' own block hashes,
+  answered like ``/query``;
+* kvstream's own: ``POST /prefix-match/`` ``{block_hashes}`` (per rank, blocks per tier, a score), ``GET /workers``,
+  ``GET /dump`` (JSON lines).
 
-Bodies are JSON or msgpack (``Content-Type: application/msgpack``); the answer has the type the request asked
-for (``Accept``), else the request's own type.
+Bodies are msgpack (``Content-Type: application/msgpack``) or, more leniently than the conductor, JSON; the answer
+has the type the request asked for (``Accept``), else the request's own type. Unknown fields are refused on every
+endpoint, as the conductor refuses them.
 """
 
 from __future__ import annotations
@@ -26,7 +30,24 @@ import msgspec
 from schemas import InvalidBlockHash, canonical_block_hash, parse_block_hash
 from schemas.compiled import choose
 from schemas.content_hash import token_bytes
-from stream_apps.index.fleet_index import FleetIndex, SourceInfo
+from stream_apps.index import conductor
+from stream_apps.index.conductor import (
+    INVALID_JSON,
+    INVALID_MSGPACK,
+    INVALID_TYPE,
+    INVALID_VALUE,
+    METHOD_NOT_ALLOWED,
+    MISSING_FIELD,
+    TOO_LARGE,
+    APIError,
+    finish_answer,
+    service_key,
+    service_not_found,
+    unknown_fields,
+    validation_error,
+)
+from stream_apps.index.fleet_index import DEFAULT_TENANT, FleetIndex, SourceInfo
+from stream_apps.index.registrations import reduced_registration
 
 #: Largest request body, bytes (Dynamo's standalone indexer takes 8 MiB).
 MAX_BODY_BYTES = 8 << 20
@@ -46,11 +67,12 @@ _msgpack_decode = msgspec.msgpack.Decoder().decode
 _TokenId = Annotated[int, msgspec.Meta(ge=-(1 << 31), lt=1 << 32)]
 
 
-class _QueryFields(msgspec.Struct, kw_only=True):
-    """The fields of ``POST /query`` beside its token ids. Unknown fields are ignored, as Mooncake's and
-    Dynamo's are."""
+class _QueryFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The fields of ``POST /query`` beside its token ids. An unknown field is refused, as the conductor refuses
+    it (a misspelled ``modle`` would otherwise answer for every model)."""
 
-    #: The model the request is for (``model`` is Mooncake's proxy's name, ``model_name`` Dynamo's); None: any.
+    #: The model the request is for (``model`` is Mooncake's name, ``model_name`` Dynamo's); None: any (kvstream:
+    #: the conductor requires it).
     model_name: str | None = None
     model: str | None = None
     #: The request's LoRA adapter and cache salt, which change its blocks' content hashes as vLLM's extra keys do.
@@ -60,6 +82,8 @@ class _QueryFields(msgspec.Struct, kw_only=True):
     block_size: Annotated[int, msgspec.Meta(ge=1)] | None = None
     #: Mooncake's tenant namespace; None: ``default``.
     tenant_id: str | None = None
+    #: The conductor's filter: answer for this instance alone (an unknown one: no instance).
+    instance_id: str | None = None
 
 
 class QueryRequest(_QueryFields, kw_only=True):
@@ -96,9 +120,11 @@ def _token_bytes_python(raw: bytes | memoryview) -> bytes:
         message = str(exc)
         at = " - at `$"
         message = message.replace(at, at + ".token_ids", 1) if at in message else f"{message}{at}.token_ids`"
-        raise BadRequest(f"{message} (expected an array of int32 or u32 token ids)") from None
+        mapped = validation_error(message, "token_ids")
+        raise BadRequest(f"{message} (expected an array of int32 or u32 token ids)", mapped.reason, mapped.field,
+                         mapped.index) from None
     except msgspec.DecodeError as exc:  # msgspec.Raw holds valid JSON, so only a caller's own bytes get here
-        raise BadRequest(f"token_ids is not JSON: {exc}") from None
+        raise BadRequest(f"token_ids is not JSON: {exc}", INVALID_JSON, "token_ids") from None
 
 
 def token_ids_bytes(raw: bytes | memoryview, compiled: bool | None = None) -> bytes:
@@ -151,8 +177,13 @@ class Reply(NamedTuple):
     content_type: str
 
 
-class BadRequest(ValueError):
-    """A request the API refuses (HTTP 400); the message is the reason."""
+class BadRequest(APIError):
+    """A request the API refuses (HTTP 400): the message, and the conductor's ``reason``, ``field`` and ``index``
+    where they apply (:class:`~stream_apps.index.conductor.APIError`)."""
+
+    def __init__(self, error: str, reason: str | None = INVALID_VALUE, field: str | None = None,
+                 index: int | None = None) -> None:
+        super().__init__(error, reason, field, index)
 
 
 def wants_msgpack(content_type: str | None, accept: str | None) -> bool:
@@ -164,6 +195,16 @@ def wants_msgpack(content_type: str | None, accept: str | None) -> bool:
     return bool(content_type and "msgpack" in content_type)
 
 
+def prefers_msgpack(content_type: str | None, accept: str | None) -> bool:
+    """:func:`wants_msgpack` for the conductor's own views (``GET /services``, ``/global_view``, a ``405``), which
+    answer msgpack unless JSON is asked for (in ``Accept``, or by a JSON request)."""
+    if accept and "msgpack" in accept:
+        return True
+    if accept and "json" in accept:
+        return False
+    return not (content_type and "json" in content_type)
+
+
 def encode(value, msgpack: bool, status: int = 200) -> Reply:
     """A :class:`Reply` of ``value`` in msgpack or JSON."""
     if msgpack:
@@ -171,22 +212,36 @@ def encode(value, msgpack: bool, status: int = 200) -> Reply:
     return Reply(status, _json_encode(value), JSON)
 
 
+def error_reply(exc: APIError, msgpack: bool) -> Reply:
+    """The :class:`Reply` of a refusal: its status and error map."""
+    return encode(exc.body(), msgpack, exc.status)
+
+
+def _too_large(size: int, limit: int) -> BadRequest:
+    return BadRequest(f"request body of {size} bytes (limit {limit})", TOO_LARGE)
+
+
 def decode_body(body: bytes, content_type: str | None) -> dict:
     """The request's body as a dict, from msgpack or JSON.
 
     Raises:
-        BadRequest: too large, not decodable, or not a map.
+        BadRequest: too large (``too_large``), not decodable or not a map (the conductor's ``Invalid msgpack
+            object``, ``invalid_msgpack``; for JSON ``invalid_json``, or ``invalid_type`` for another value).
     """
     if len(body) > MAX_BODY_BYTES:
-        raise BadRequest(f"request body of {len(body)} bytes (limit {MAX_BODY_BYTES})")
+        raise _too_large(len(body), MAX_BODY_BYTES)
     msgpack = bool(content_type and "msgpack" in content_type)
     try:
         value = _msgpack_decode(body) if msgpack else _json_decode(body)
     except msgspec.DecodeError as exc:
-        kind = "msgpack" if msgpack else "JSON (send Content-Type: application/msgpack for msgpack)"
-        raise BadRequest(f"request body is not {kind}: {exc}") from None
+        if msgpack:
+            raise BadRequest("Invalid msgpack object", INVALID_MSGPACK) from None
+        raise BadRequest(f"request body is not JSON (send Content-Type: application/msgpack for msgpack): {exc}",
+                         INVALID_JSON) from None
     if not isinstance(value, dict):
-        raise BadRequest(f"request body must be a map, not {type(value).__name__}")
+        if msgpack:
+            raise BadRequest("Invalid msgpack object", INVALID_MSGPACK)
+        raise BadRequest(f"request body must be a map, not {type(value).__name__}", INVALID_TYPE)
     return value
 
 
@@ -195,18 +250,9 @@ def _optional_str(request: dict, *names: str) -> str | None:
         value = request.get(name)
         if value is not None:
             if not isinstance(value, str):
-                raise BadRequest(f"{name} must be a string")
+                raise BadRequest(f"{name} must be a string", INVALID_TYPE, name)
             return value or None
     return None
-
-
-def _optional_int(request: dict, name: str, minimum: int) -> int | None:
-    value = request.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise BadRequest(f"{name} must be an integer of at least {minimum}")
-    return value
 
 
 def chain_of(request: dict, *names: str) -> list[bytes]:
@@ -216,29 +262,28 @@ def chain_of(request: dict, *names: str) -> list[bytes]:
     Raises:
         BadRequest: missing, empty, too long, or a value that is not a block hash.
     """
-    hashes = next((request[name] for name in names if name in request), None)
+    name = next((name for name in names if name in request), names[0])
+    hashes = request.get(name)
+    if name not in request:
+        raise BadRequest(f'expected {{"{names[0]}": [hash, ...]}} with at least one hash (integer or hex)',
+                         MISSING_FIELD, names[0])
     if not isinstance(hashes, list) or not hashes:
-        raise BadRequest(f'expected {{"{names[0]}": [hash, ...]}} with at least one hash (integer or hex)')
+        raise BadRequest(f'expected {{"{names[0]}": [hash, ...]}} with at least one hash (integer or hex)',
+                         INVALID_TYPE if not isinstance(hashes, list) else INVALID_VALUE, name)
     if len(hashes) > MAX_CHAIN_BLOCKS:
-        raise BadRequest(f"{len(hashes)} block hashes (limit {MAX_CHAIN_BLOCKS})")
-    try:
-        return [parse_block_hash(h) if isinstance(h, str) else canonical_block_hash(h) for h in hashes]
-    except InvalidBlockHash as exc:
-        raise BadRequest(str(exc)) from None
+        raise BadRequest(f"{len(hashes)} block hashes (limit {MAX_CHAIN_BLOCKS})", TOO_LARGE, name)
+    chain = []
+    for position, value in enumerate(hashes):
+        try:
+            chain.append(parse_block_hash(value) if isinstance(value, str) else canonical_block_hash(value))
+        except InvalidBlockHash as exc:
+            raise BadRequest(str(exc), INVALID_VALUE, name, position) from None
+    return chain
 
 
-def _instance_request(body: bytes, content_type: str | None) -> tuple[dict, str, int | None]:
-    """The body of ``/register`` or ``/unregister`` (Mooncake's conductor body), its ``instance_id`` and its
-    ``dp_rank`` (None when not given).
-
-    Raises:
-        BadRequest: not a map, no ``instance_id``, or a ``dp_rank`` that is not an integer of at least 0.
-    """
-    request = decode_body(body, content_type)
-    instance = _optional_str(request, "instance_id")
-    if instance is None:
-        raise BadRequest("instance_id is required")
-    return request, instance, _optional_int(request, "dp_rank", 0)
+#: The fields of ``POST /query_by_hash`` and ``POST /prefix-match/``.
+_BY_HASH_FIELDS = ("seq_hashes", "block_hashes", "model_name", "model", "tenant_id", "instance_id")
+_PREFIX_MATCH_FIELDS = ("block_hashes",)
 
 
 class IndexAPI:
@@ -285,50 +330,65 @@ class IndexAPI:
             if refusal is not None:
                 return refusal
             return encode(answer(request), msgpack)
-        except BadRequest as exc:
-            return encode({"error": str(exc)}, msgpack, 400)
+        except APIError as exc:
+            return error_reply(exc, msgpack)
 
     def query(self, body: bytes, content_type: str | None = None, accept: str | None = None) -> Reply:
-        """``POST /query``: who holds the longest prefix of these tokens (tokens per instance, tier class, rank)."""
+        """``POST /query``: per instance the cached prefix of these tokens, in tokens: the conductor's ordered
+        tier boundaries per rank, every registered rank of the query's context (0 when nothing is cached), and
+        kvstream's own breakdown with why instances were left out (docs/querying.md)."""
         msgpack = wants_msgpack(content_type, accept)
         if len(body) > MAX_BODY_BYTES:
-            return encode({"error": f"request body of {len(body)} bytes (limit {MAX_BODY_BYTES})"}, msgpack, 400)
+            return error_reply(_too_large(len(body), MAX_BODY_BYTES), msgpack)
         is_msgpack = bool(content_type and "msgpack" in content_type)
         try:
-            if is_msgpack:
-                request = _query_msgpack(body)
-                tokens = request.token_ids
-            else:
-                request, tokens = read_json_query(body)
-        except BadRequest as exc:
-            return encode({"error": str(exc)}, msgpack, 400)
-        except msgspec.ValidationError as exc:
-            return encode({"error": f"{exc} (expected {{\"token_ids\": [int32, ...], \"model\": ..., "
-                                    f"\"block_size\": int >= 1, ...}})"}, msgpack, 400)
-        except msgspec.DecodeError as exc:
-            kind = "msgpack" if is_msgpack else "JSON (send Content-Type: application/msgpack for msgpack)"
-            return encode({"error": f"request body is not {kind}: {exc}"}, msgpack, 400)
-        count = len(tokens) // 4 if isinstance(tokens, bytes) else len(tokens)
-        if isinstance(tokens, bytes) and len(tokens) % 4:
-            return encode({"error": f"token_ids as bytes must be little-endian int32, 4 bytes per token "
-                                    f"({len(tokens)} bytes given)"}, msgpack, 400)
-        if count > MAX_TOKENS:
-            return encode({"error": f"{count} token ids (limit {MAX_TOKENS})"}, msgpack, 400)
+            try:
+                if is_msgpack:
+                    request = _query_msgpack(body)
+                    tokens = request.token_ids
+                else:
+                    request, tokens = read_json_query(body)
+            except msgspec.ValidationError as exc:
+                refused = validation_error(str(exc))
+                if is_msgpack and refused.field is None and refused.reason == INVALID_TYPE:
+                    raise BadRequest("Invalid msgpack object", INVALID_MSGPACK) from None  # not a map
+                raise refused from None
+            except msgspec.DecodeError as exc:
+                if is_msgpack:
+                    raise BadRequest("Invalid msgpack object", INVALID_MSGPACK) from None
+                raise BadRequest(f"request body is not JSON (send Content-Type: application/msgpack for msgpack): "
+                                 f"{exc}", INVALID_JSON) from None
+            for name in ("model", "model_name"):
+                if getattr(request, name) == "":
+                    raise BadRequest(f"{name} must be a non-empty string", INVALID_VALUE, name)
+            if isinstance(tokens, bytes) and len(tokens) % 4:
+                raise BadRequest(f"token_ids as bytes must be little-endian int32, 4 bytes per token "
+                                 f"({len(tokens)} bytes given)", INVALID_VALUE, "token_ids")
+            count = len(tokens) // 4 if isinstance(tokens, bytes) else len(tokens)
+            if count > MAX_TOKENS:
+                raise BadRequest(f"{count} token ids (limit {MAX_TOKENS})", TOO_LARGE, "token_ids")
+        except APIError as exc:
+            return error_reply(exc, msgpack)
         refusal = self._refusal(msgpack)
         if refusal is not None:
             return refusal
+        model = request.model_name or request.model or None
+        tenant = request.tenant_id or None
         answer = self.index.query_tokens(tokens, block_size=request.block_size, lora_name=request.lora_name or None,
-                                         cache_salt=request.cache_salt or None,
-                                         model_name=request.model_name or request.model or None,
-                                         tenant_id=request.tenant_id or None)
-        return encode(answer, msgpack)
+                                         cache_salt=request.cache_salt or None, model_name=model, tenant_id=tenant)
+        return encode(finish_answer(self.index, answer, model=model, tenant=tenant, block_size=request.block_size,
+                                    instance_id=request.instance_id), msgpack)
 
     def query_by_hash(self, body: bytes, content_type: str | None = None, accept: str | None = None) -> Reply:
         """``POST /query_by_hash``: ``/query``'s answer for a chain of the engines' own block hashes."""
         def answer(request: dict) -> dict:
+            unknown_fields(request, _BY_HASH_FIELDS)
             chain = chain_of(request, "seq_hashes", "block_hashes")
-            return self.index.query_hashes(chain, model_name=_optional_str(request, "model_name", "model"),
-                                           tenant_id=_optional_str(request, "tenant_id"))
+            model = _optional_str(request, "model_name", "model")
+            tenant = _optional_str(request, "tenant_id")
+            found = self.index.query_hashes(chain, model_name=model, tenant_id=tenant)
+            return finish_answer(self.index, found, model=model, tenant=tenant,
+                                 instance_id=_optional_str(request, "instance_id"))
         return self._handle(body, content_type, accept, answer)
 
     def prefix_match(self, body: bytes, content_type: str | None = None, accept: str | None = None) -> Reply:
@@ -336,41 +396,33 @@ class IndexAPI:
         max_bytes, max_blocks = self.prefix_match_limits
 
         def answer(request: dict) -> dict:
+            unknown_fields(request, _PREFIX_MATCH_FIELDS)
             chain = chain_of(request, "block_hashes")
             if len(chain) > max_blocks:
-                raise BadRequest(f"{len(chain)} block hashes (limit {max_blocks})")
+                raise BadRequest(f"{len(chain)} block hashes (limit {max_blocks})", TOO_LARGE, "block_hashes")
             return {"block_count": len(chain), "weights": self.index.weights,
                     "matches": self.index.prefix_match(chain)}
         if len(body) > max_bytes:
-            return encode({"error": f"request body of {len(body)} bytes (limit {max_bytes})"},
-                          wants_msgpack(content_type, accept), 400)
+            return error_reply(_too_large(len(body), max_bytes), wants_msgpack(content_type, accept))
         return self._handle(body, content_type, accept, answer)
 
     def register(self, body: bytes, content_type: str | None = None, accept: str | None = None) -> Reply:
-        """``POST /register`` with Mooncake's conductor body (``endpoint``, ``type``, ``modelname``,
-        ``instance_id``, ``block_size``, ``dp_rank``, ``tenant_id``, ``lora_name``, ``hash_profile``): records the
-        instance's metadata; answers ``{"status": "registered successfully", "instance_id": ...}``."""
+        """``POST /register`` with the conductor's body (``endpoint``, ``type``, ``modelname``, ``instance_id``,
+        ``block_size``, ``dp_rank``, ``hash_profile``; ``replay_endpoint``, ``lora_name``, ``tenant_id``,
+        ``cache_group``), checked as the document states: answers ``{"status": "registered successfully",
+        "instance_id": ...}``; the exact same registration again changes nothing; one that conflicts with an
+        active registration is a 400 ``invalid_registration`` (:func:`~stream_apps.index.conductor.
+        register_conflicts`)."""
         msgpack = wants_msgpack(content_type, accept)
         try:
-            request, instance, rank = _instance_request(body, content_type)
-            profile = request.get("hash_profile")
-            if profile is not None and not isinstance(profile, dict):
-                raise BadRequest("hash_profile must be a map")
-            info = SourceInfo(instance, model_name=_optional_str(request, "modelname", "model_name", "model"),
-                              block_size=_optional_int(request, "block_size", 1),
-                              tenant_id=_optional_str(request, "tenant_id") or "default",
-                              endpoint=_optional_str(request, "endpoint"),
-                              replay_endpoint=_optional_str(request, "replay_endpoint"),
-                              engine_type=_optional_str(request, "type"),
-                              dp_ranks=set() if rank is None else {rank},
-                              lora_name=_optional_str(request, "lora_name"), hash_profile=profile)
-            try:
-                with self.index.lock:
-                    info = self.index.sources.merged(info)
-            except ValueError as exc:
-                raise BadRequest(str(exc)) from None
-        except BadRequest as exc:
-            return encode({"error": str(exc)}, msgpack, 400)
+            registration = conductor.parse_registration(decode_body(body, content_type))
+            with self.index.lock:
+                info = conductor.register_conflicts(self.index.sources, registration)
+        except APIError as exc:
+            return error_reply(exc, msgpack)
+        success = {"status": "registered successfully", "instance_id": registration.instance_id}
+        if info is None:
+            return encode(success, msgpack)  # the exact same active registration: nothing to write
         if self._on_register is not None:
             self._on_register(info)
         if self._registrations is not None:
@@ -380,29 +432,66 @@ class IndexAPI:
                 return encode({"error": f"the registration was not written: {exc}; retry"}, msgpack, 503)
         with self.index.lock:
             self.index.sources.put(info)
-        return encode({"status": "registered successfully", "instance_id": instance}, msgpack)
+        return encode(success, msgpack)
+
+    def _known_from_events(self, instance: str, rank: int) -> bool:
+        """Whether the index knows (instance, rank) from its events: a lease, or blocks it holds."""
+        leases = self.index.leases
+        if leases is not None and (instance, rank) in leases.states():
+            return True
+        return any(w["instance_id"] == instance and w["data_parallel_rank"] == rank and w["blocks"]
+                   for w in self.index.workers())
 
     def unregister(self, body: bytes, content_type: str | None = None, accept: str | None = None) -> Reply:
-        """``POST /unregister`` with Mooncake's conductor body (``instance_id``, and optionally ``dp_rank``,
-        ``type``, ``modelname``, ``block_size``, ``tenant_id``): writes a ``SourceUnregistered`` to ``kv-events``,
-        so every worker and every index removes the instance's rows on every tier, in order; answers
-        ``{"status": "unregistered successfully", "removed_instances": [...]}``."""
+        """``POST /unregister`` with the conductor's body (``instance_id``, ``dp_rank``, ``tenant_id``): writes a
+        ``SourceUnregistered`` of the rank to ``kv-events``, so every worker and every index removes its rows on
+        every tier, in order, and removes the rank from the instance's registration; answers ``{"status":
+        "unregistered successfully", "removed_instances": ["<instance>|<tenant>|<rank>"]}``, or 404 ``service not
+        found: ...`` for a service key neither registered nor known from events."""
         msgpack = wants_msgpack(content_type, accept)
         try:
-            _, instance, rank = _instance_request(body, content_type)
-        except BadRequest as exc:
-            return encode({"error": str(exc)}, msgpack, 400)
+            instance, rank, tenant = conductor.parse_unregistration(decode_body(body, content_type))
+        except APIError as exc:
+            return error_reply(exc, msgpack)
+        with self.index.lock:
+            known = self.index.sources.get(instance)
+        registered = known is not None and known.tenant_id == tenant and rank in (known.dp_ranks or {0})
+        if not registered and not (tenant == DEFAULT_TENANT and self._known_from_events(instance, rank)):
+            return error_reply(service_not_found(instance, tenant, rank), msgpack)
         if self._on_unregister is None:
             return encode({"error": "this process cannot write to kv-events"}, msgpack, 501)
+        remaining = None
         try:
             self._on_unregister(instance, rank, "POST /unregister")
-            if self._registrations is not None:
-                self._registrations.remove(instance)
+            if registered:
+                remaining = reduced_registration(known, rank)
+                if self._registrations is not None:
+                    if remaining is None:
+                        self._registrations.remove(instance)
+                    else:
+                        self._registrations.write(remaining)
         except (RuntimeError, OSError) as exc:
             return encode({"error": f"the unregistration was not written: {exc}; retry"}, msgpack, 503)
-        with self.index.lock:
-            self.index.sources.unregister(instance)
-        return encode({"status": "unregistered successfully", "removed_instances": [instance]}, msgpack)
+        if registered:
+            with self.index.lock:
+                if remaining is None:
+                    self.index.sources.unregister(instance)
+                else:
+                    self.index.sources.put(remaining)
+        return encode({"status": "unregistered successfully",
+                       "removed_instances": [service_key(instance, tenant, rank)]}, msgpack)
+
+    def services(self, accept: str | None = None, content_type: str | None = None) -> Reply:
+        """``GET /services``: every registered rank with its configuration, in the conductor's casing."""
+        return encode(conductor.services(self.index.sources), prefers_msgpack(content_type, accept))
+
+    def global_view(self, accept: str | None = None, content_type: str | None = None) -> Reply:
+        """``GET /global_view``: the registrations' cache-sharing contexts, their hash profiles and ranks."""
+        return encode(conductor.global_view(self.index), prefers_msgpack(content_type, accept))
+
+    def method_not_allowed(self, accept: str | None = None, content_type: str | None = None) -> Reply:
+        """The ``405`` of a path asked with a method it does not take (``GET /query``, ``POST /services``)."""
+        return encode({"error": METHOD_NOT_ALLOWED}, prefers_msgpack(content_type, accept), 405)
 
     def workers(self, accept: str | None = None) -> Reply:
         """``GET /workers``: every instance and rank known, its blocks per tier, and the index's own figures."""
@@ -413,3 +502,4 @@ class IndexAPI:
         """``GET /dump``: the whole index as JSON lines, one block per line."""
         for block in self.index.dump():
             yield _json_encode(block) + b"\n"
+

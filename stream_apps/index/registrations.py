@@ -75,6 +75,17 @@ def merge_registration(known: SourceInfo | None, given: SourceInfo) -> SourceInf
         hash_profile=given.hash_profile if given.hash_profile is not None else known.hash_profile)
 
 
+def reduced_registration(info: SourceInfo, rank: int) -> SourceInfo | None:
+    """``info`` without data-parallel rank ``rank``, or None when no rank is left (the registration goes)."""
+    ranks = (info.dp_ranks or {0}) - {rank}
+    if not ranks:
+        return None
+    return SourceInfo(info.instance_id, model_name=info.model_name, block_size=info.block_size,
+                      tenant_id=info.tenant_id, endpoint=info.endpoint, replay_endpoint=info.replay_endpoint,
+                      engine_type=info.engine_type, dp_ranks=ranks, lora_name=info.lora_name,
+                      hash_profile=info.hash_profile)
+
+
 def read_registrations(bootstrap_servers: str, topic: str, timeout_s: float = 30.0,
                        codec: AvroCodec | None = None) -> dict[str, SourceInfo]:
     """Every instance's registration in ``topic``, read to its end as of the call (empty when the topic does not
