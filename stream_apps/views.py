@@ -107,6 +107,9 @@ class WorkerViews:
                                     ("/register", "register", self.api.register),
                                     ("/unregister", "unregister", self.api.unregister)):
             self._post(path, name, handler)
+        for path, name, handler in (("/services", "services", self.api.services),
+                                    ("/global_view", "global_view", self.api.global_view)):
+            self._conductor_view(path, name, handler)
         for path, name, view in (("/workers", "workers", self.workers), ("/dump", "dump", self.dump),
                                  ("/occupancy/", "occupancy", self.occupancy), ("/sources/", "sources", self.sources),
                                  ("/stats/", "stats", self.stats), ("/health", "health", self.health),
@@ -138,11 +141,38 @@ class WorkerViews:
                 answer = handler(body, request.headers.get("Content-Type"), request.headers.get("Accept"))
                 requests[(name, answer.status)] += 1
                 return _reply(self, answer)
+
+            async def get(self, request):  # the conductor's 405, its error map (not Faust's)
+                return _reply(self, api.method_not_allowed(request.headers.get("Accept"),
+                                                           request.headers.get("Content-Type")))
+        api = self.api
         IndexView.__name__ = IndexView.__qualname__ = f"{name.title().replace('-', '').replace('_', '')}View"
         IndexView.__doc__ = handler.__doc__
         documented, other = _with_and_without_slash(path)
         self.app.page(documented)(IndexView)
         self.app.page(other)(type(IndexView.__name__ + "Slash", (IndexView,), {}))
+
+    def _conductor_view(self, path: str, name: str, handler) -> None:
+        """``GET path`` (with and without its trailing slash) answered by an :class:`IndexAPI` view of Mooncake's
+        conductor (``/services``, ``/global_view``), in a thread (``/global_view`` walks the whole index); a POST
+        answers the conductor's 405."""
+        requests, api = self.metrics.http_requests, self.api
+
+        class ConductorView(faust.web.View):
+            async def get(self, request):
+                answer = await asyncio.to_thread(handler, request.headers.get("Accept"),
+                                                 request.headers.get("Content-Type"))
+                requests[(name, answer.status)] += 1
+                return _reply(self, answer)
+
+            async def post(self, request):
+                return _reply(self, api.method_not_allowed(request.headers.get("Accept"),
+                                                           request.headers.get("Content-Type")))
+        ConductorView.__name__ = ConductorView.__qualname__ = f"{name.title().replace('_', '')}View"
+        ConductorView.__doc__ = handler.__doc__
+        documented, other = _with_and_without_slash(path)
+        self.app.page(documented)(ConductorView)
+        self.app.page(other)(type(ConductorView.__name__ + "Slash", (ConductorView,), {}))
 
     # -- /residency/: the tables, not the index --------------------------------------------------------------
 

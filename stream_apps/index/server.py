@@ -27,6 +27,7 @@ from kafka_io.schema_registry import reader_codec
 from schemas.topics import TopicNames
 from stream_apps.hotpath import log_hotpath
 from stream_apps.index.api import IndexAPI, Reply
+from stream_apps.index.conductor import finish_answer
 from stream_apps.index.feed import ChangelogFeed
 from stream_apps.index.fleet_index import DEFAULT_BLOCK_SIZE, FleetIndex
 from stream_apps.index.liveness import DEFAULT_LEASE_S, SourceLeases, SourcesFeed, write_unregister
@@ -84,6 +85,10 @@ def _response(reply: Reply) -> web.Response:
     return web.Response(status=reply.status, body=reply.body, content_type=reply.content_type)
 
 
+#: The paths that take POST only (a GET answers 405, as the conductor's).
+POST_PATHS = ("/query", "/query_by_hash", "/prefix-match", "/register", "/unregister")
+
+
 def build_web_app(api: IndexAPI, feed: ChangelogFeed, metrics: IndexMetrics) -> web.Application:
     """The aiohttp application of ``kvstream index``: the router APIs, ``/health``, ``/ready``, ``/metrics``.
 
@@ -124,6 +129,19 @@ def build_web_app(api: IndexAPI, feed: ChangelogFeed, metrics: IndexMetrics) -> 
     async def metrics_view(request: web.Request) -> web.Response:
         return web.Response(body=metrics.render(), content_type="text/plain")
 
+    def conductor_view(view: str, handler):
+        async def serve(request: web.Request) -> web.Response:
+            # in a thread: /global_view walks the whole index (under its lock, a batch at a time)
+            reply = await asyncio.to_thread(handler, request.headers.get("Accept"), request.headers.get("Content-Type"))
+            counts[(view, reply.status)] += 1
+            return _response(reply)
+        return serve
+
+    async def not_allowed(request: web.Request) -> web.Response:
+        reply = api.method_not_allowed(request.headers.get("Accept"), request.headers.get("Content-Type"))
+        counts[("method_not_allowed", reply.status)] += 1
+        return _response(reply)
+
     routes = [("POST", "/query", post("query", api.query)),
               ("POST", "/query_by_hash", post("query_by_hash", api.query_by_hash)),
               ("POST", "/prefix-match", post("prefix-match", api.prefix_match)),
@@ -131,6 +149,11 @@ def build_web_app(api: IndexAPI, feed: ChangelogFeed, metrics: IndexMetrics) -> 
               ("POST", "/unregister", post("unregister", api.unregister)),
               ("GET", "/workers", workers), ("GET", "/dump", dump), ("GET", "/health", health),
               ("GET", "/ready", ready), ("GET", "/metrics", metrics_view)]
+    # Mooncake's conductor: its two views, and a 405 for a path asked with the other method (its error map)
+    routes += [("GET", "/services", conductor_view("services", api.services)),
+               ("GET", "/global_view", conductor_view("global_view", api.global_view))]
+    routes += [("GET", path, not_allowed) for path in POST_PATHS] + [("POST", path, not_allowed) for path in
+                                                                      ("/services", "/global_view")]
     for method, path, handler in routes:
         app.router.add_route(method, path, handler)
         app.router.add_route(method, path + "/", handler)
@@ -261,13 +284,20 @@ class EmbeddedIndex:
         """True once the index has caught up with the changelog."""
         return self.feed.caught_up
 
-    def query_tokens(self, token_ids: Sequence[int] | bytes, **options) -> dict:
-        """:meth:`FleetIndex.query_tokens` (``/query``'s answer as a dict)."""
-        return self.index.query_tokens(token_ids, **options)
+    def query_tokens(self, token_ids: Sequence[int] | bytes, instance_id: str | None = None, **options) -> dict:
+        """``/query``'s answer as a dict: :meth:`FleetIndex.query_tokens` (``options`` are its), finished as the
+        HTTP API finishes it (every registered rank of the query's context, ``instance_id`` alone if given, why
+        instances were left out: :func:`~stream_apps.index.conductor.finish_answer`)."""
+        return finish_answer(self.index, self.index.query_tokens(token_ids, **options),
+                             model=options.get("model_name"), tenant=options.get("tenant_id"),
+                             block_size=options.get("block_size"), instance_id=instance_id)
 
-    def query_hashes(self, chain: Sequence[bytes], **options) -> dict:
-        """:meth:`FleetIndex.query_hashes` (``/query_by_hash``'s answer as a dict)."""
-        return self.index.query_hashes(chain, **options)
+    def query_hashes(self, chain: Sequence[bytes], instance_id: str | None = None, **options) -> dict:
+        """``/query_by_hash``'s answer as a dict: :meth:`FleetIndex.query_hashes`, finished as :meth:`query_tokens`
+        finishes it."""
+        return finish_answer(self.index, self.index.query_hashes(chain, **options),
+                             model=options.get("model_name"), tenant=options.get("tenant_id"),
+                             instance_id=instance_id)
 
     def prefix_match(self, chain: Sequence[bytes]) -> list[dict]:
         """:meth:`FleetIndex.prefix_match` (``/prefix-match/``'s ``matches``)."""
