@@ -130,3 +130,14 @@ def _watermarks(consumer: Consumer, partition: TopicPartition, retry_s: float = 
                 raise
             time.sleep(0.2)
 
+
+def take_available(consumer: Consumer, most: int, timeout_s: float) -> list:
+    """Up to ``most`` messages, waiting at most ``timeout_s`` for the first one only. ``consume(most, timeout)``
+    returns when it has ``most`` messages or the timeout ran out, so at a few hundred messages a second it holds
+    every message for most of the timeout; a wait for the first, then what is already there, holds none."""
+    if timeout_s <= 0:
+        return consumer.consume(most, 0)
+    first = consumer.poll(timeout_s)
+    if first is None:
+        return []
+    return [first, *consumer.consume(most - 1, 0)]

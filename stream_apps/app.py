@@ -43,9 +43,10 @@ from stream_apps.checkpoint import (
 )
 from stream_apps.health import Readiness
 from stream_apps.index.fleet_index import FleetIndex
+from stream_apps.index.fresh import CLEAR_TIERS
 from stream_apps.index.liveness import SourceLeases, leases_from_sources_table, unregister_record
 from stream_apps.index.registrations import RegistrationsFeed, RegistrationWriter
-from stream_apps.index.server import open_feed
+from stream_apps.index.server import open_events_feed, open_feed
 from stream_apps.materialize import message_applier, register_agent
 from stream_apps.metrics import WorkerMetrics
 from stream_apps.outputs import OutputTopics
@@ -97,6 +98,8 @@ class StreamApp:
     #: The worker's fleet index and its feed from the residency changelog (set by :func:`create_app`).
     index: FleetIndex | None = None
     index_feed: object | None = None
+    #: The index's feed straight from kv-events (:mod:`stream_apps.index.events_feed`), set with the index.
+    index_events_feed: object | None = None
 
     def counters(self) -> dict[str, int]:
         """This worker's event counters: the agent's and the repartition process's."""
@@ -227,6 +230,14 @@ def _read_path(stream_app: StreamApp) -> None:
     sources_store = tables.sources.data
     index.leases = stream_app.metrics.leases = leases = SourceLeases(settings.source_lease_s, refresh=lambda leases: (
         leases_from_sources_table(leases, tables.sources.items(), getattr(sources_store, "written_at", {}))))
+    # the fresh path: kv-events applied to the index as they arrive, the changelog its recovery point and check;
+    # a clear's own tiers per instance are the changelog's to settle (the default scope is applied at once)
+    events_feed = open_events_feed(index, settings.bootstrap_servers, topics, settings.schema_registry_url,
+                                   settings.source_lease_s,
+                                   None if settings.clear_scope.split(",")[0] == "all" else CLEAR_TIERS)
+    stream_app.index_events_feed = events_feed
+    stream_app.metrics.read_path.leases = leases
+    events_feed.on_applied = stream_app.metrics.read_path.applied
     kv_event_codec = AvroCodec("kv_event")
 
     def unregister(instance: str, rank: int | None, reason: str) -> None:
@@ -260,6 +271,7 @@ def _read_path(stream_app: StreamApp) -> None:
 
     @app.task
     async def _feed_index() -> None:
+        events_feed.start_thread()
         await index_feed.run()
 
     @app.timer(REGISTRATIONS_EVERY_S)

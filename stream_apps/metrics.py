@@ -25,6 +25,7 @@ from stream_apps.checkpoint import GC_PAUSES, Checkpoint
 from stream_apps.fleet import InputLagReader, occupancy_rows
 from stream_apps.health import Readiness
 from stream_apps.hotpath import Hotpath, hotpath
+from stream_apps.index.observe import ReadPathMetrics
 from stream_apps.repartition import RepartitionService, repartition_group
 from stream_apps.settings import WorkerSettings
 
@@ -77,6 +78,9 @@ class WorkerMetrics(Collector):
         self.input_lag = InputLagReader.for_app(self._progress, settings.topics)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
+        #: The read path's histograms and per-source gauge (:mod:`stream_apps.index.observe`), registered here too.
+        self.read_path = ReadPathMetrics()
+        self.registry.register(self.read_path)
 
     def describe(self) -> list:
         return []  # collected at scrape time only

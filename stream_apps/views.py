@@ -11,6 +11,7 @@ ownership seen and forwards the lookups of keys other workers hold to them (Faus
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from urllib.parse import quote
 
@@ -134,11 +135,14 @@ class WorkerViews:
     def _post(self, path: str, name: str, handler) -> None:
         """``POST path`` (with and without its trailing slash) answered by an :class:`IndexAPI` handler."""
         requests = self.metrics.http_requests
+        timer = self.metrics.read_path.queries.labels(name)
 
         class IndexView(faust.web.View):
             async def post(self, request):
                 body = await _read_body(request, MAX_INDEX_REQUEST_BYTES)
+                started = time.perf_counter()
                 answer = handler(body, request.headers.get("Content-Type"), request.headers.get("Accept"))
+                timer.observe(time.perf_counter() - started)
                 requests[(name, answer.status)] += 1
                 return _reply(self, answer)
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
 from kafka_io.config import client_config
+from kafka_io.reader import take_available
 from schemas import AvroCodec, DecodeError
 from stream_apps.index.compacted_feed import TopicLook
 from stream_apps.index.entry_reader import IndexEntryReader
@@ -151,7 +152,7 @@ class ChangelogFeed:
         index; returns the records read."""
         if self._consumer is None and not self._open():
             return 0
-        messages = self._consumer.consume(POLL_BATCH, timeout_s)
+        messages = take_available(self._consumer, POLL_BATCH, timeout_s)
         if not messages:
             return 0
         apply_messages = getattr(self.index, "apply_messages", None)

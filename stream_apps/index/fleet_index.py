@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from schemas.content_hash import block_content_digests, token_bytes
 from schemas.engine_hashes import HashProfile, engine_block_hashes
 from stream_apps.index.entry_reader import index_entry_of
+from stream_apps.index.fresh import DEFAULT_WINDOW_S, FreshLayer
 from stream_apps.index.liveness import SourceLeases
 from stream_apps.index.scoring import HolderInfo, PrefixRun, instances_answer, prefix_match_rows, table_prefix_runs
 from stream_apps.index.sources import DEFAULT_BLOCK_SIZE, DEFAULT_TENANT, SourceInfo, SourceRegistry
@@ -59,10 +60,12 @@ class FleetIndex:
         weights: tier -> weight of the prefix-match score (llm-d's convention; others 0.25).
         default_block_size: tokens per block of an instance that registered none.
         table: the block table (tests pass a pure-Python one); default: the compiled one where built.
+        fresh_window_s: seconds an override of the fresh layer outlives a changelog record that disagrees with
+            it (:mod:`stream_apps.index.fresh`).
     """
 
     def __init__(self, weights: Mapping[str, float] | None = None, default_block_size: int = DEFAULT_BLOCK_SIZE,
-                 table=None) -> None:
+                 table=None, fresh_window_s: float = DEFAULT_WINDOW_S) -> None:
         self.weights = dict(weights or {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5})
         self.sources = SourceRegistry(default_block_size)
         self.counters = IndexCounters()
@@ -75,6 +78,8 @@ class FleetIndex:
         self._holders: list[HolderInfo] = []
         self._holder_ids: dict[HolderInfo, int] = {}
         self._scopes: dict[str | None, int] = {}
+        #: scope id -> its ownership (the inverse of ``_scopes``).
+        self._scope_owners: list[str | None] = []
         #: ownership -> (instance_id, data_parallel_rank, tier) -> holder id: :meth:`apply_rows`'s look-up, by the
         #: row tuples it is given (so no HolderInfo is built per row).
         self._row_holders: dict[str | None, dict[tuple, int]] = {}
@@ -82,6 +87,10 @@ class FleetIndex:
         self._verdict_cache: dict[tuple, tuple[tuple, bytes]] = {}
         #: (model, tenant) -> (stamp, block sizes): :meth:`_block_sizes`'s cache.
         self._size_cache: dict[tuple, tuple[tuple, list[int]]] = {}
+        #: The engines' block events applied as they arrive, over the changelog (:mod:`stream_apps.index.fresh`);
+        #: fed by :class:`~stream_apps.index.events_feed.EventsFeed` with the lock held.
+        self.fresh = FreshLayer(self._table, self._scope, self._scope_owners.__getitem__, self._holder_id,
+                                self._holders, fresh_window_s)
 
     # -- feeding ---------------------------------------------------------------------------------------------
 
@@ -96,6 +105,7 @@ class FleetIndex:
         scope = self._scopes.get(ownership)
         if scope is None:
             scope = self._scopes[ownership] = len(self._scopes)
+            self._scope_owners.append(ownership)
         return scope
 
     def apply_entry(self, key: str, entry: dict | None) -> None:
@@ -138,6 +148,7 @@ class FleetIndex:
             scope = self._scope(ownership)
             if rows is None:
                 self._table.replace(block, scope, (), None, None)
+                self.fresh.after_changelog((key.encode(),), self._scopes)
                 return
             known = self._row_holders.get(ownership)
             if known is None:
@@ -151,6 +162,7 @@ class FleetIndex:
                 holders = [known[row] for row in rows]
             self._table.replace(block, scope, holders, None if parent is None else block_key(parent),
                                 None if content is None else content & _U64)
+            self.fresh.after_changelog((key.encode(),), self._scopes)
 
     def apply_messages(self, messages: Sequence, positions: dict[int, int],
                        read: Callable[[bytes], tuple]) -> tuple[list[tuple[object, Exception]], list]:
@@ -180,6 +192,8 @@ class FleetIndex:
                 applied, failures, errors = compiled(messages, positions, read, self._scopes, self._row_holders,
                                                      self._scope, self._new_row_holder)
             self.counters.entries_applied += applied
+            if len(self.fresh):
+                self.fresh.after_changelog([m.key() for m in messages if m.error() is None], self._scopes)
         return failures, errors
 
     def _apply_messages_python(self, messages: Sequence, positions: dict[int, int],
@@ -219,9 +233,12 @@ class FleetIndex:
             ``(position in records, error)`` of each record not applied (a key that is not ``<ownership>/<block
             hash hex>``, or a value ``read`` refused); the others are applied.
         """
+        records = list(records)
         with self.lock:
             applied, failures = self._apply_records(records, read)
             self.counters.entries_applied += applied
+            if len(self.fresh):
+                self.fresh.after_changelog([key for key, _ in records], self._scopes)
         return failures
 
     def _apply_records(self, records: Iterable[tuple[bytes, bytes | None]],
@@ -272,6 +289,8 @@ class FleetIndex:
         """Forget every block (the feed starts over)."""
         with self.lock:
             self._table.clear()
+            self.fresh = FreshLayer(self._table, self._scope, self._scope_owners.__getitem__, self._holder_id,
+                                    self._holders, self.fresh.window_s)
 
     # -- lookups ---------------------------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
@@ -28,9 +29,12 @@ from schemas.topics import TopicNames
 from stream_apps.hotpath import log_hotpath
 from stream_apps.index.api import IndexAPI, Reply
 from stream_apps.index.conductor import finish_answer
+from stream_apps.index.events_feed import EventsFeed
 from stream_apps.index.feed import ChangelogFeed
 from stream_apps.index.fleet_index import DEFAULT_BLOCK_SIZE, FleetIndex
+from stream_apps.index.fresh import CLEAR_TIERS
 from stream_apps.index.liveness import DEFAULT_LEASE_S, SourceLeases, SourcesFeed, write_unregister
+from stream_apps.index.observe import ReadPathMetrics
 from stream_apps.index.registrations import RegistrationsFeed, RegistrationWriter
 
 log = logging.getLogger(__name__)
@@ -43,6 +47,15 @@ def open_feed(index: FleetIndex, bootstrap_servers: str, topics: TopicNames, sch
     return ChangelogFeed(index, bootstrap_servers, topics.changelog("residency"), codec)
 
 
+def open_events_feed(index: FleetIndex, bootstrap_servers: str, topics: TopicNames, schema_registry_url: str = "",
+                     history_s: float = 0.0, clear_tiers: frozenset[str] | None = CLEAR_TIERS) -> EventsFeed:
+    """A feed of ``index``'s fresh layer and leases straight from ``kv-events`` (not started;
+    :mod:`stream_apps.index.events_feed`): ``history_s`` seconds read back at start for liveness."""
+    codec = reader_codec("kv_event", bootstrap_servers, schema_registry_url, topics.schemas)
+    return EventsFeed(index, bootstrap_servers, topics.kv_events, codec, history_s=history_s,
+                      clear_tiers=clear_tiers)
+
+
 class IndexMetrics:
     """``GET /metrics`` of an index: its size, the feed's progress and lag, and the answers by view and status."""
 
@@ -52,6 +65,9 @@ class IndexMetrics:
         self.http_requests: Counter = Counter()
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(self)
+        #: The read path's histograms and per-source gauge (:mod:`stream_apps.index.observe`).
+        self.read_path = ReadPathMetrics(index.leases)
+        self.registry.register(self.read_path)
 
     def collect(self):
         """The metric families (prometheus_client's collector protocol)."""
@@ -97,8 +113,13 @@ def build_web_app(api: IndexAPI, feed: ChangelogFeed, metrics: IndexMetrics) -> 
     counts = metrics.http_requests
 
     def post(view: str, handler):
+        timer = metrics.read_path.queries.labels(view)
+
         async def serve(request: web.Request) -> web.Response:
-            reply = handler(await request.read(), request.headers.get("Content-Type"), request.headers.get("Accept"))
+            body = await request.read()
+            started = time.perf_counter()
+            reply = handler(body, request.headers.get("Content-Type"), request.headers.get("Accept"))
+            timer.observe(time.perf_counter() - started)
             counts[(view, reply.status)] += 1
             return _response(reply)
         return serve
@@ -212,6 +233,8 @@ def run_index(settings) -> int:
     feed = open_feed(index, settings.bootstrap_servers, settings.topics, settings.schema_registry_url)
     sources = open_sources_feed(index, settings.bootstrap_servers, settings.topics, settings.schema_registry_url,
                                 settings.source_lease_s)
+    events = open_events_feed(index, settings.bootstrap_servers, settings.topics, settings.schema_registry_url,
+                              settings.source_lease_s)
     registrations = open_registrations_feed(index, settings.bootstrap_servers, settings.topics,
                                             settings.schema_registry_url)
 
@@ -221,15 +244,19 @@ def run_index(settings) -> int:
 
     api = IndexAPI(index, feed.not_ready, on_unregister=unregister,
                    registrations=RegistrationWriter(settings.bootstrap_servers, settings.topics.instances))
-    app = build_web_app(api, feed, IndexMetrics(index, feed))
+    metrics = IndexMetrics(index, feed)
+    events.on_applied = metrics.read_path.applied
+    app = build_web_app(api, feed, metrics)
 
     async def start_feed(app: web.Application) -> None:
         app["feed"] = asyncio.get_running_loop().create_task(feed.run())
         app["sources"] = asyncio.get_running_loop().create_task(_follow(sources, registrations))
+        events.start_thread()
 
     async def stop_feed(app: web.Application) -> None:
         app["feed"].cancel()
         app["sources"].cancel()
+        events.close()
         feed.close()
         sources.close()
         registrations.close()
@@ -264,6 +291,7 @@ class EmbeddedIndex:
         topics = TopicNames(app_id, topic_prefix)
         self.feed = open_feed(self.index, bootstrap_servers, topics, schema_registry_url)
         self.sources = open_sources_feed(self.index, bootstrap_servers, topics, schema_registry_url, source_lease_s)
+        self.events = open_events_feed(self.index, bootstrap_servers, topics, schema_registry_url, source_lease_s)
         self.registrations = open_registrations_feed(self.index, bootstrap_servers, topics, schema_registry_url)
         self._stop = threading.Event()
 
@@ -274,6 +302,7 @@ class EmbeddedIndex:
             TimeoutError: not caught up within ``wait_s`` (the reasons in the message).
         """
         self.feed.start_thread()
+        self.events.start_thread()
         threading.Thread(target=self._follow_sources, name="kvstream-index-sources", daemon=True).start()
         if wait_s is not None and not self.feed.wait_caught_up(wait_s):
             raise TimeoutError("; ".join(self.feed.not_ready()))
@@ -317,6 +346,7 @@ class EmbeddedIndex:
     def close(self) -> None:
         """Stop the feeds."""
         self._stop.set()
+        self.events.close()
         self.feed.close()
 
     def __enter__(self) -> EmbeddedIndex:
