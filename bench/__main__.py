@@ -25,11 +25,20 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             # the latency step runs on stream-1w's caught-up worker; alone it would measure nothing
             raise ValueError("the latency step runs on the stream-1w step's worker: add stream-1w to --only "
                              "(e.g. --only stream-1w,latency)")
+    index_parts = None
+    if args.index_parts:
+        from bench.index_bench import PARTS
+
+        index_parts = tuple(name.strip() for name in args.index_parts.split(",") if name.strip())
+        unknown = [name for name in index_parts if name not in dict(PARTS)]
+        if unknown:
+            raise ValueError(f"unknown index part(s) {', '.join(unknown)}; parts: {', '.join(dict(PARTS))}")
     options = BenchOptions(output_dir=args.output_dir, work_dir=args.work_dir, quick=args.quick,
                            requests=args.requests, stream_requests=args.stream_requests, rows=args.rows,
                            rows_large=args.rows_large, latency_rate=args.latency_rate, latency_s=args.latency_seconds,
                            memory_rows=args.memory_rows, partitions=args.partitions, timeout_s=args.timeout,
-                           only=only, peer_rounds=args.peer_rounds, schema_registry=args.schema_registry)
+                           only=only, peer_rounds=args.peer_rounds, schema_registry=args.schema_registry,
+                           index_parts=index_parts)
     return run_bench(options)
 
 
@@ -75,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="partitions of kv-events and the app's topics (default: %(default)s)")
     p.add_argument("--only", default=None, metavar="STEP[,STEP...]",
                    help="run only these steps (stream-1w is needed for latency)")
+    p.add_argument("--index-parts", default=None, metavar="PART[,PART...]",
+                   help="run only these parts of the index step: http, embedded, memory, catch-up, "
+                        "changelog-freshness, freshness (default: all)")
     p.add_argument("--peer-rounds", type=positive_int, default=3, metavar="N",
                    help="runs of each contestant of the peers step, medians reported (default: %(default)s; "
                         "--quick: 1)")

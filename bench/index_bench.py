@@ -44,6 +44,8 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from bench.freshness import FRESHNESS_DEFINITIONS, freshness_part
+
 #: Serving instances the trace's requests are stored on (request i on ``sim-<i mod 4>``).
 INSTANCES = 4
 #: Blocks of a ``/query`` prompt: 8 blocks of 512 tokens, 4,096 tokens.
@@ -143,17 +145,19 @@ INDEX_DEFINITIONS: dict[str, dict] = {
                       "index_rows rows (entries of 4 rows, written with the workers' encoder): seconds from the "
                       "feed's creation to caught up. Scaled linearly to 10M rows when fewer were measured "
                       "(details: measured_rows, measured_s)."},
-    "index_freshness_p50_ms": {
+    "index_changelog_freshness_p50_ms": {
         "unit": "ms", "target": None, "better": "lower", "baseline": None,
-        "definition": "A steady --latency-rate of fresh blocks (the trace shifted, the simulator's fleet) into a "
+        "definition": "The changelog path alone: a steady --latency-rate of fresh blocks (the trace shifted, the "
+                      "simulator's fleet) into a "
                       "worker's kv-events (topic prefix 'index.'), --latency-seconds after 5 s of warm-up: per "
                       "block stored in the measured window, the time an index replica in another process (a "
                       "ChangelogFeed over the worker's residency changelog) applied the block's first record, "
                       "minus the wall clock when its event was produced. Includes the producer's linger, the "
                       "worker's apply and its --changelog-interval-s."},
-    "index_freshness_p99_ms": {
-        "unit": "ms", "target": 500, "better": "lower", "baseline": None,
-        "definition": "99th percentile of index_freshness_p50_ms's delays."},
+    "index_changelog_freshness_p99_ms": {
+        "unit": "ms", "target": None, "better": "lower", "baseline": None,
+        "definition": "99th percentile of index_changelog_freshness_p50_ms's delays."},
+    **FRESHNESS_DEFINITIONS,
 }
 
 
@@ -1109,11 +1113,11 @@ def _freshness(bench, say) -> None:
                    "worker_behind_at_end_s": round(behind_s, 1), **halves,
                    "warm_events": warmed, "warm_consumed_s": round(warm_s, 1),
                    "replica_records": seen["records"], "warmup_s": LATENCY_WARMUP_S, "load_average": _load_average()}
-        bench._set("index_freshness_p50_ms", p50, **details)
-        bench._set("index_freshness_p99_ms", p99)
+        bench._set("index_changelog_freshness_p50_ms", p50, **details)
+        bench._set("index_changelog_freshness_p99_ms", p99)
         say(f"      {sent:,} events at {sent / produced_s:,.0f}/s; {len(delays):,} blocks seen by the replica "
             f"({details['missing']:,} never): p50 {p50:,.0f} ms, p99 {p99:,.0f} ms, max {delays[-1]:,.0f} ms "
-            f"(target p99 <= 500); p50/p99 to the worker's table {halves['to_table_ms']}, from there to the "
+            f"(the changelog path alone); p50/p99 to the worker's table {halves['to_table_ms']}, from there to the "
             f"replica {halves['table_to_replica_ms']}; p99 per 5 s {details['p99_ms_per_5s']}")
         shift = FRESHNESS_REPETITION << 40
         sent_ids = [i for i, r in enumerate(bench._trace_requests()) if len(r.hash_ids) >= PROMPT_BLOCKS
@@ -1152,7 +1156,7 @@ def _worker_http(bench, say, base: str, pid: int, request_ids: list[int], instan
 
 #: The step's parts in run order: (name, function). The last two need the broker.
 PARTS = (("http", _http_part), ("embedded", _embedded_and_mixed), ("memory", _memory), ("catch-up", _catch_up),
-         ("freshness", _freshness))
+         ("changelog-freshness", _freshness), ("freshness", freshness_part))
 
 
 def run_step(bench, say) -> None:
@@ -1164,6 +1168,8 @@ def run_step(bench, say) -> None:
     errors = []
     bench.results["details"]["index_load_average"] = {"start": _load_average()}
     for name, part in PARTS:
+        if bench.o.index_parts is not None and name not in bench.o.index_parts:
+            continue
         say(f"    [{name}]")
         started = time.perf_counter()
         try:

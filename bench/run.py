@@ -81,6 +81,8 @@ class BenchOptions:
     timeout_s: float = 7200.0
     #: Steps to run (None: all); names as in :data:`STEPS`.
     only: tuple[str, ...] | None = None
+    #: Parts of the index step to run (None: all); names as in ``bench.index_bench.PARTS``.
+    index_parts: tuple[str, ...] | None = None
     #: Runs of each contestant of the peers step (medians reported; quick: 1). Three, not two: the first
     #: contestant of a run pays about twice the broker CPU per event of the later rounds (cause unknown; see
     #: bench/HISTORY.md), and the peer's rate moves by up to 40% between rounds; a median of two is their mean.

@@ -202,6 +202,10 @@ def _register_bridge_sources(settings, endpoints) -> list:
     return register_sources(settings.bootstrap_servers, TopicNames(prefix=settings.topic_prefix).instances, infos)
 
 
+#: librdkafka's ``linger.ms`` of the bridge's producer (the other producers keep kafka_io.config's 5 ms).
+BRIDGE_LINGER_MS = 1
+
+
 def _cmd_bridge(args: argparse.Namespace) -> int:
     from prometheus_client import start_http_server
 
@@ -214,7 +218,9 @@ def _cmd_bridge(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level, settings.log_format)
     endpoints = _bridge_endpoints(settings)
     registered = _register_bridge_sources(settings, endpoints)
-    producer = KvEventProducer.from_settings(settings)
+    # a live engine's events wait at most 1 ms for their batch, not librdkafka's 5: the index applies kv-events
+    # as they arrive, so the linger is a fifth of an event's way to a router (docs/architecture.md)
+    producer = KvEventProducer.from_settings(settings, **{"linger.ms": BRIDGE_LINGER_MS})
     metrics = BridgeMetrics()
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.metrics_bind, registry=metrics.registry)

@@ -70,7 +70,7 @@ class KvEventProducer:
     """
 
     @classmethod
-    def from_settings(cls, settings) -> KvEventProducer:
+    def from_settings(cls, settings, **config_overrides) -> KvEventProducer:
         """The producer a command's settings describe (``producers.settings``: ``bootstrap_servers``,
         ``events_topic``, ``dead_letter_topic``, ``schemas_topic``, ``partitions``, ``schema_registry_url``).
 
@@ -88,7 +88,7 @@ class KvEventProducer:
         codec = writer_codec("kv_event", settings.bootstrap_servers, settings.events_topic,
                              settings.schema_registry_url, settings.schemas_topic)
         return cls(settings.bootstrap_servers, settings.events_topic, codec=codec,
-                   dead_letter_topic=settings.dead_letter_topic)
+                   dead_letter_topic=settings.dead_letter_topic, config_overrides=config_overrides or None)
 
     def __init__(self, bootstrap_servers: str = DEFAULT_BOOTSTRAP_SERVERS, topic: str = KV_EVENTS, *,
                  config_overrides: dict | None = None, codec: AvroCodec | None = None,
