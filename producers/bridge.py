@@ -19,7 +19,7 @@ in one module per concern, and every name other modules use is importable from h
   replay on connect's answer) and the state file;
 * :mod:`producers.bridge_liveness`: connection events, replay requests in flight, heartbeats
   (:func:`heartbeat_evidence`, :data:`EVENTS`, :data:`REPLAY`, :data:`CONNECTED`, :data:`PRODUCING`,
-  :data:`PROBE`);
+  :data:`PROBE`), and ``SourceDisconnected`` when an engine goes (:data:`DISCONNECTED`, :data:`REPLAY_SILENT`);
 * :mod:`producers.bridge_follower`: ``--follow-registrations`` (:class:`RegistrationFollower`).
 """
 
@@ -45,10 +45,12 @@ from producers.bridge_endpoints import (
 from producers.bridge_follower import RegistrationFollower
 from producers.bridge_liveness import (
     CONNECTED,
+    DISCONNECTED,
     EVENTS,
     PROBE,
     PRODUCING,
     REPLAY,
+    REPLAY_SILENT,
     ZMTP_PING_MS,
     ZMTP_TIMEOUT_MS,
     BridgeLiveness,
@@ -61,7 +63,8 @@ from producers.bridge_sink import BatchSink, BridgeMetrics, KafkaBatchSink
 from producers.split import Publisher
 
 __all__ = [
-    "END_SEQ", "EVENTS", "REPLAY", "CONNECTED", "PRODUCING", "PROBE", "ZMTP_PING_MS", "ZMTP_TIMEOUT_MS",
+    "END_SEQ", "EVENTS", "REPLAY", "CONNECTED", "PRODUCING", "PROBE", "DISCONNECTED", "REPLAY_SILENT", "ZMTP_PING_MS",
+    "ZMTP_TIMEOUT_MS",
     "heartbeat_evidence", "PublisherEndpoint", "offset_endpoint", "data_parallel_endpoints", "registration_endpoints",
     "BatchSink", "BridgeMetrics", "KafkaBatchSink", "Bridge", "RegistrationFollower",
 ]
@@ -257,18 +260,7 @@ class Bridge(BridgeSequencing, BridgeLiveness):
             endpoint = self._sockets.get(sock)
             if endpoint is None:  # a probe closed earlier in this round
                 continue
-            while True:
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                handled += 1
-                self.links[endpoint].live_events = True
-                if len(frames) != 3 or len(frames[1]) != 8:
-                    self.sink_dead_letter(endpoint, frames[-1], f"live message of {len(frames)} frames "
-                                                                f"(expected topic, 8-byte seq, payload)")
-                    continue
-                self.on_live(endpoint, int.from_bytes(frames[1], "big"), frames[2])
+            handled += self._receive_live(sock, endpoint)
         now = self._monotonic()
         for probe in [p for p in self._probes.values() if p.deadline <= now]:
             self._give_up(probe)
@@ -278,6 +270,34 @@ class Bridge(BridgeSequencing, BridgeLiveness):
                 self._next_tick = now + self.heartbeat_interval_s
             self._heartbeat_interval()
         return handled
+
+    def _receive_live(self, sock: zmq.Socket, endpoint: PublisherEndpoint) -> int:
+        """Handle every live message ``sock`` holds now; returns how many. Each is evidence that the engine is alive
+        while its connection is up; one on a source that was down brings it back (no heartbeat needed: its events
+        renew its lease)."""
+        link = self.links[endpoint]
+        handled = 0
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return handled
+            handled += 1
+            if link.down is None or link.connected:
+                link.live_events = True
+                if link.down is not None:
+                    self._came_back(endpoint, EVENTS)
+            if len(frames) != 3 or len(frames[1]) != 8:
+                self.sink_dead_letter(endpoint, frames[-1], f"live message of {len(frames)} frames "
+                                                            f"(expected topic, 8-byte seq, payload)")
+                continue
+            self.on_live(endpoint, int.from_bytes(frames[1], "big"), frames[2])
+
+    def _drain_live(self, endpoint: PublisherEndpoint) -> int:
+        """Handle the live messages of ``endpoint`` already received (before its ``SourceDisconnected``); returns
+        how many."""
+        sock = next((s for s, e in self._sockets.items() if e == endpoint), None)
+        return 0 if sock is None else self._receive_live(sock, endpoint)
 
     def sink_dead_letter(self, endpoint: PublisherEndpoint, payload: bytes, reason: str) -> None:
         """Dead-letter a whole message that is not even a batch (only with a Kafka sink)."""

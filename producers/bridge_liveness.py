@@ -14,6 +14,15 @@ The connections are watched with ZMQ's socket monitor (``EVENT_CONNECTED``,
 ``EVENT_DISCONNECTED``) and ZMTP heartbeats (:data:`ZMTP_PING_MS`); whenever a
 connection comes up, the bridge asks the replay socket for what it has not seen
 (docs/ingesting.md, "Heartbeats and replay on connect").
+
+Down at once: when a contacted source's connection drops (``EVENT_DISCONNECTED``), or a heartbeat's probe of its
+replay socket gets no answer in time, the bridge writes a ``SourceDisconnected`` (:data:`schemas.SOURCE_DISCONNECTED`,
+reason :data:`DISCONNECTED` or :data:`REPLAY_SILENT`) at once, after the batches it had already received, and
+sends no heartbeat for the source until the engine shows it is alive and the same run (:func:`heartbeat_evidence`
+with ``down``): a live batch once connected again, or a replay answer that holds the last seq the bridge
+delivered (a connection that never dropped: any answer). A connection that comes back up is not evidence by
+itself. A restarted engine is found as before (seq going back, an empty replay): ``PublisherRestarted`` first,
+then the new epoch's heartbeats.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from producers.bridge_endpoints import END_SEQ, PublisherEndpoint, replay_frames, state_key
 from producers.bridge_sink import BatchSink, BridgeMetrics
-from schemas import SOURCE_HEARTBEAT
+from schemas import SOURCE_DISCONNECTED, SOURCE_HEARTBEAT
 
 if TYPE_CHECKING:
     from producers.bridge_sequence import SourceState
@@ -43,6 +52,9 @@ log = logging.getLogger("producers.bridge")
 EVENTS, REPLAY, CONNECTED, PRODUCING = "events", "replay", "connected", "producing"
 #: :func:`heartbeat_evidence`'s answer when only the replay socket can tell: probe it.
 PROBE = "probe"
+#: Why a ``SourceDisconnected`` was sent (kv_event v6 ``SourceDisconnected.reason``): the socket monitor saw the SUB
+#: connection drop; a heartbeat's probe of the replay socket got no end marker within the probe timeout.
+DISCONNECTED, REPLAY_SILENT = "disconnected", "replay-silent"
 
 #: ZMTP heartbeats on each SUB connection (libzmq >= 4.2): a PING every second, and a connection whose peer has
 #: answered nothing for 3 seconds is dropped, so a dead engine host (no TCP FIN ever comes) shows up as
@@ -51,7 +63,7 @@ ZMTP_PING_MS, ZMTP_TIMEOUT_MS = 1000, 3000
 
 
 def heartbeat_evidence(*, contacted: bool, live_events: bool, replay_answered: bool, connected: bool,
-                       has_replay: bool) -> str | None:
+                       has_replay: bool, down: bool = False) -> str | None:
     """What one source's heartbeat of this interval can say (the rule of docs/ingesting.md, "Heartbeats").
 
     Args:
@@ -62,6 +74,9 @@ def heartbeat_evidence(*, contacted: bool, live_events: bool, replay_answered: b
             a gap's catch-up).
         connected: the SUB connection is up (socket monitor).
         has_replay: the publisher has a replay socket.
+        down: the bridge said the source was down (``SourceDisconnected``) and has had no evidence since. Then an
+            open connection is no evidence (it may be a new process's, or the same hung one's), nor an answer from
+            before: only live batches, or a probe's answer (:meth:`BridgeLiveness._replay_answered` judges it).
 
     Returns:
         :data:`EVENTS`, :data:`REPLAY`, :data:`CONNECTED`; :data:`PROBE`: ask the replay socket, and heartbeat
@@ -73,6 +88,8 @@ def heartbeat_evidence(*, contacted: bool, live_events: bool, replay_answered: b
         return EVENTS
     if not connected:
         return None
+    if down:
+        return PROBE if has_replay else None
     if replay_answered:
         return REPLAY
     # with a replay socket, a connection alone is weak evidence (a hung engine's kernel keeps it open): ask
@@ -118,6 +135,9 @@ class Link:
     unconfirmed: bool = False
     #: An empty replay answer without a reason has been logged (once per source).
     warned_empty: bool = False
+    #: The reason of the ``SourceDisconnected`` the bridge sent (:data:`DISCONNECTED`, :data:`REPLAY_SILENT`) while it
+    #: has had no evidence since that the engine is alive; None: not down.
+    down: str | None = None
 
 
 class BridgeLiveness:
@@ -143,6 +163,7 @@ class BridgeLiveness:
     _probes: dict[zmq.Socket, Probe]
     _saved: dict[str, dict]
     _monotonic: Callable[[], float]
+    _drain_live: Callable[[PublisherEndpoint], int]
 
     # ------------------------------------------------------------------ replay requests in flight
 
@@ -200,6 +221,8 @@ class BridgeLiveness:
         if probe.heartbeat:
             self.metrics.heartbeats_skipped.labels(*self._labels(probe.endpoint)).inc()
             self._note_evidence(probe.endpoint, None, "its replay socket did not answer")
+            if self.links[probe.endpoint].connected:  # else it is down as disconnected already
+                self._went_down(probe.endpoint, REPLAY_SILENT)
 
     def _on_probe_reply(self, sock: zmq.Socket) -> None:
         probe = self._probes[sock]
@@ -228,10 +251,16 @@ class BridgeLiveness:
         if (state.epoch if state else None, state.last_seq if state else None) == (probe.epoch, probe.last_seq):
             self._apply_replay(endpoint, state, probe.start, [b for b in probe.batches if b[0] >= probe.start])
         # else live batches came meanwhile and decided first contact, a gap or a restart themselves
-        if probe.heartbeat and endpoint in self.state:
+        link = self.links[endpoint]
+        if link.down is not None:
+            # evidence only of the same run (an answer that held the last seq, on a connection that may have been
+            # another process's) or of a restart found, whose PublisherRestarted went first: up again at once
+            if link.connected and not link.unconfirmed and endpoint in self.state:
+                self._came_back(endpoint, REPLAY)
+        elif probe.heartbeat and endpoint in self.state:
             self._heartbeat(endpoint, REPLAY)
         elif not probe.heartbeat:
-            self.links[endpoint].replay_answered = True
+            link.replay_answered = True
 
     # ------------------------------------------------------------------ connections and heartbeats
 
@@ -253,6 +282,41 @@ class BridgeLiveness:
                 log.warning("%s: disconnected from %s (ZMQ reconnects)", endpoint.label, endpoint.endpoint)
                 link.connected = False
                 link.unconfirmed = True  # the engine may come back as a new process
+                if link.probe is not None:  # asked of the process that went: the replay on reconnect asks again
+                    self._close_probe(link.probe)
+                self._went_down(endpoint, DISCONNECTED)
+
+    def _went_down(self, endpoint: PublisherEndpoint, reason: str) -> None:
+        """The bridge lost a source's engine (``reason``: :data:`DISCONNECTED`, :data:`REPLAY_SILENT`): a
+        ``SourceDisconnected`` now, unless it is down already or was never contacted (no epoch to name), and no
+        heartbeat until there is evidence again. The batches already received go first, so that nothing of the
+        engine follows the disconnect in kv-events."""
+        link = self.links[endpoint]
+        if link.down is not None or endpoint not in self.state:
+            return
+        self._drain_live(endpoint)
+        link.down = reason
+        link.live_events = link.replay_answered = False  # what they said is from before
+        state = self.state[endpoint]
+        self.sink.source_event(self._publisher(endpoint, state), SOURCE_DISCONNECTED, {"reason": reason},
+                               -1 if state.last_seq is None else state.last_seq)
+        self.metrics.disconnects.labels(*self._labels(endpoint), reason).inc()
+        poll_sink = getattr(self.sink, "poll", None)
+        if poll_sink is not None:
+            poll_sink()
+        log.warning("%s: the engine is gone (%s): SourceDisconnected sent; no heartbeat until it is back",
+                    endpoint.label, "its connection dropped" if reason == DISCONNECTED
+                    else "its replay socket did not answer")
+
+    def _came_back(self, endpoint: PublisherEndpoint, evidence: str) -> None:
+        """A source that was down shows it is alive and the same run (or a new one, announced by
+        ``PublisherRestarted``): heartbeats again, the first one now for an answer of its replay socket (a live
+        batch speaks for itself)."""
+        link = self.links[endpoint]
+        log.info("%s: the engine is back (evidence: %s) after %s", endpoint.label, evidence, link.down)
+        link.down = None
+        if evidence != EVENTS:
+            self._heartbeat(endpoint, evidence)
 
     def _heartbeat_interval(self) -> None:
         """An interval ended: each source's heartbeat, by its evidence (:func:`heartbeat_evidence`)."""
@@ -264,7 +328,8 @@ class BridgeLiveness:
             contacted = endpoint in self.state
             evidence = heartbeat_evidence(contacted=contacted, live_events=link.live_events,
                                           replay_answered=link.replay_answered, connected=link.connected,
-                                          has_replay=endpoint.replay_endpoint is not None)
+                                          has_replay=endpoint.replay_endpoint is not None,
+                                          down=link.down is not None)
             link.live_events = link.replay_answered = False
             if evidence == PROBE:
                 self._start_replay(endpoint, heartbeat=True, timeout_s=self.probe_timeout_s)
@@ -275,7 +340,8 @@ class BridgeLiveness:
                     self._start_replay(endpoint, heartbeat=False, timeout_s=self.replay_timeout_ms / 1000)
             else:
                 self.metrics.heartbeats_skipped.labels(*self._labels(endpoint)).inc()
-                self._note_evidence(endpoint, None, "not connected")
+                self._note_evidence(endpoint, None, "not connected" if not link.connected
+                                    else "reconnected, but no batch since it went")
 
     def _heartbeat(self, endpoint: PublisherEndpoint, evidence: str) -> None:
         state = self.state[endpoint]

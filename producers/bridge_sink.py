@@ -27,8 +27,8 @@ class BatchSink(Protocol):
     def batch(self, endpoint: PublisherEndpoint, publisher: Publisher, seq: int, payload: bytes) -> None: ...
 
     def source_event(self, publisher: Publisher, kind: str, body: dict, seq: int) -> None:
-        """An event the bridge makes itself: ``PUBLISHER_RESTARTED``, ``SOURCE_STALE`` or ``SOURCE_HEARTBEAT``
-        (schemas)."""
+        """An event the bridge makes itself: ``PUBLISHER_RESTARTED``, ``SOURCE_STALE``, ``SOURCE_HEARTBEAT`` or
+        ``SOURCE_DISCONNECTED`` (schemas)."""
 
     def flush(self) -> None:
         """Make everything handed over so far durable (Kafka: acknowledged); raises if it cannot be.
@@ -58,6 +58,9 @@ class BridgeMetrics:
         self.restarts = counter("restarts", "Publisher restarts (seq went backwards): new publisher epochs")
         self.heartbeats = Counter("kvstream_bridge_heartbeats", "SourceHeartbeat events sent, by evidence",
                                   (*labels, "evidence"), registry=self.registry)
+        self.disconnects = Counter("kvstream_bridge_disconnects", "SourceDisconnected events sent, by reason "
+                                   "(connection dropped, replay socket silent)", (*labels, "reason"),
+                                   registry=self.registry)
         self.heartbeats_skipped = counter("heartbeats_skipped", "Heartbeat intervals without evidence of life "
                                                                 "(connection down, probe unanswered)")
         self.replay_requests = counter("replay_requests", "Requests to the replay socket (catch-ups, replays on "

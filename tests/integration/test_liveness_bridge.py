@@ -3,7 +3,8 @@
 live on the bridge's heartbeats; a killed engine, or a killed bridge, takes its sources out of every answer within
 a lease plus 5 s; a restarted engine (a new epoch) or bridge brings them back; a bridge started after its engine
 went idle knows its blocks within seconds (docs/residency.md, "Liveness"; docs/ingesting.md, "Heartbeats and
-replay on connect")."""
+replay on connect"). An engine process killed outright is said down in kv-events at once (``SourceDisconnected``,
+issue 49), and gets no heartbeat until it is back."""
 
 from __future__ import annotations
 
@@ -19,11 +20,14 @@ from pathlib import Path
 
 import pytest
 import zmq
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from harness.vllm_publisher import BlockStored, FakeVllmPublisher
 from kafka_io.admin import ensure_topics
+from kafka_io.config import client_config
 from kvstream.broker import free_port, free_ports
 from kvstream.worker import spawn_worker, stop_worker
+from schemas import PUBLISHER_RESTARTED, SOURCE_DISCONNECTED, SOURCE_HEARTBEAT, AvroCodec
 from schemas.topics import KV_EVENTS
 from stream_apps.settings import WorkerSettings
 
@@ -46,6 +50,9 @@ DOWN_BOUND_S = LEASE_S + 5.0
 #: How soon a bridge started next to an idle engine, or restarted, must have its blocks answering (its own start
 #: included: a Python process, a Kafka producer, the first replay).
 KNOWN_BOUND_S = 10.0
+#: How soon after its engine's process was killed the bridge's ``SourceDisconnected`` must be readable in kv-events
+#: (issue 49: every answer free of the engine within 1 s, of which this is the bridge's part).
+DISCONNECT_BOUND_S = 0.5
 BLOCK_SIZE = 4
 
 
@@ -220,6 +227,82 @@ def _wait_connected(engine: Engine, timeout_s: float = 20.0) -> None:
     _, waited = _wait_for(lambda: engine.publisher.replay_requests > 0, True, timeout_s)
     assert engine.publisher.replay_requests > 0, (f"no replay request reached the engine within {waited:.1f} s: the "
                                                   "bridge did not connect, or did not replay on connect")
+
+
+class EngineProcess:
+    """An engine in a process of its own (``python -m harness.vllm_publisher``): publishes ``batches`` one-block
+    batches, then idles serving its replay socket until it is killed with SIGKILL, as a crashed vLLM is (the kernel
+    closes its sockets)."""
+
+    def __init__(self) -> None:
+        self.port, self.replay_port = free_ports(2)
+        self.process: subprocess.Popen | None = None
+
+    def start(self, batches: int) -> None:
+        """Start it (a new process: seqs from 0, an empty replay buffer) and wait until it has published."""
+        for _ in range(50):  # a killed process's ports may take a moment to be free again
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "harness.vllm_publisher", "--port", str(self.port), "--replay-port",
+                 str(self.replay_port), "--batches", str(batches)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                text=True, cwd=REPO)
+            if self.process.stdout.readline().strip() == "ready":
+                return
+            self.process.wait(10)
+            time.sleep(0.1)
+        raise RuntimeError(f"the engine process could not bind ports {self.port} and {self.replay_port}")
+
+    def kill(self) -> float:
+        """SIGKILL; returns when (``time.time()``)."""
+        self.process.send_signal(signal.SIGKILL)
+        killed_at = time.time()
+        self.process.wait(10)
+        return killed_at
+
+    def close(self) -> None:
+        """Kill it unless it is dead already."""
+        if self.process is not None and self.process.poll() is None:
+            self.kill()
+
+
+class EventsTail:
+    """Reads partition 0 of this module's kv-events from its beginning (every source-wide event has a copy there):
+    the records of one instance, each with the time this process read it (``time.time()``)."""
+
+    def __init__(self, bootstrap: str, instance: str) -> None:
+        self.instance = instance
+        self.codec = AvroCodec("kv_event")
+        self.consumer = Consumer(client_config(bootstrap, **{"group.id": f"liveness-tail-{uuid.uuid4().hex}",
+                                                             "enable.auto.commit": False,
+                                                             "fetch.wait.max.ms": 50}))
+        self.consumer.assign([TopicPartition(PREFIX + KV_EVENTS, 0, OFFSET_BEGINNING)])
+        #: (read at, record) of the instance, in order.
+        self.read: list[tuple[float, dict]] = []
+
+    def until(self, done, timeout_s: float) -> bool:
+        """Read until ``done(self.read)`` is true (True) or ``timeout_s`` passed (False)."""
+        deadline = time.monotonic() + timeout_s
+        while not done(self.read):
+            if time.monotonic() > deadline:
+                return False
+            for message in self.consumer.consume(100, 0.05):
+                if message.error() is None:
+                    record = self.codec.decode(message.value())
+                    if record["instance_id"] == self.instance:
+                        self.read.append((time.time(), record))
+        return True
+
+    def kinds(self, since: int = 0) -> list[tuple[str, int]]:
+        """(kind's short name, epoch) of the records read, from the ``since``-th on."""
+        return [(record["event"][0].rsplit(".", 1)[-1], record["publisher_epoch"]) for _, record in self.read[since:]]
+
+    def close(self) -> None:
+        """Close the consumer."""
+        self.consumer.close()
+
+
+def _of_kind(kind: str):
+    """``done`` for :meth:`EventsTail.until`: a record of ``kind`` was read."""
+    return lambda read: any(record["event"][0] == kind for _, record in read)
 
 
 # ---------------------------------------------------------------------------------------------------- fixtures
@@ -413,3 +496,43 @@ def test_a_bridge_started_after_its_engine_went_idle_knows_its_blocks_within_sec
     assert _bridge_metric(metrics_port, "kvstream_bridge_batches_replayed_total", instance) == 2
     assert _bridge_metric(metrics_port, "kvstream_bridge_batches_received_total", instance) == 0
     assert engine.publisher.seq == 2
+
+
+def test_a_killed_engine_process_is_said_down_in_kv_events_at_once_and_heartbeats_stop_until_it_is_back(
+        kafka_bootstrap, rig):
+    instance = f"sigkill-{RUN}"
+    ensure_topics(kafka_bootstrap, {PREFIX + KV_EVENTS: PARTITIONS})
+    engine = EngineProcess()
+    tail = EventsTail(kafka_bootstrap, instance)
+    try:
+        engine.start(batches=2)
+        rig.bridge({instance: engine}).start()
+        # contacted (its two batches, by the replay on connect) and vouched for by a probe's answer
+        assert tail.until(lambda read: [r["event"][1] for _, r in read if r["event"][0] == SOURCE_HEARTBEAT][-1:] == [
+            {"evidence": "replay"}], KNOWN_BOUND_S), tail.kinds()
+        epoch = tail.read[-1][1]["publisher_epoch"]
+
+        killed_at = engine.kill()
+        assert tail.until(_of_kind(SOURCE_DISCONNECTED), DISCONNECT_BOUND_S + 5), tail.kinds()
+        at, disconnect = next((at, r) for at, r in tail.read if r["event"][0] == SOURCE_DISCONNECTED)
+        print(f"SourceDisconnected read from kv-events {at - killed_at:.3f} s after the SIGKILL")
+        assert at - killed_at <= DISCONNECT_BOUND_S, f"read {at - killed_at:.2f} s after the kill"
+        assert disconnect["event"][1] == {"reason": "disconnected"}
+        assert (disconnect["publisher_epoch"], disconnect["seq"], disconnect["batch_index"]) == (epoch, 1, -1)
+        assert disconnect["block_hash"] is None and disconnect["tier"] is None
+        said_down = len(tail.read)
+
+        # dead for many heartbeat intervals: nothing more of it in kv-events
+        tail.until(lambda read: False, 6 * INTERVAL_S + PROBE_TIMEOUT_S)
+        assert tail.kinds(said_down) == [], "kv-events has records of the engine after it was said down"
+
+        engine.start(batches=1)  # back as a new process on the same ports: seqs from 0, a new epoch
+        assert tail.until(lambda read: any(r["event"][0] == SOURCE_HEARTBEAT for _, r in read[said_down:]),
+                          KNOWN_BOUND_S), tail.kinds(said_down)
+        after = tail.kinds(said_down)
+        assert after[0] == ("PublisherRestarted", after[0][1]) and after[0][1] > epoch, after
+        assert all(e == after[0][1] for _, e in after), after  # only the new epoch speaks from then on
+        assert tail.read[said_down][1]["event"] == (PUBLISHER_RESTARTED, {"previous_epoch": epoch})
+    finally:
+        tail.close()
+        engine.close()

@@ -12,7 +12,17 @@ import pytest
 
 from harness.vllm_publisher import BlockStored, FakeVllmPublisher
 from kvstream.broker import free_ports
-from producers.bridge import CONNECTED, EVENTS, PROBE, REPLAY, Bridge, PublisherEndpoint, heartbeat_evidence
+from producers.bridge import (
+    CONNECTED,
+    DISCONNECTED,
+    EVENTS,
+    PROBE,
+    REPLAY,
+    REPLAY_SILENT,
+    Bridge,
+    PublisherEndpoint,
+    heartbeat_evidence,
+)
 
 
 class Clock:
@@ -39,12 +49,16 @@ class RecordingSink:
     def __init__(self) -> None:
         self.batches: list[tuple[int, int]] = []  # (epoch, seq)
         self.events: list[SourceEvent] = []
+        #: Both, in the order handed over: ("batch", seq) and (event kind, seq).
+        self.order: list[tuple[str, int]] = []
 
     def batch(self, endpoint, publisher, seq, payload) -> None:
         self.batches.append((publisher.publisher_epoch, seq))
+        self.order.append(("batch", seq))
 
     def source_event(self, publisher, kind, body, seq) -> None:
         self.events.append(SourceEvent(kind.rsplit(".", 1)[-1], body, seq, publisher.publisher_epoch))
+        self.order.append((kind.rsplit(".", 1)[-1], seq))
 
     def flush(self) -> None:
         """Nothing is buffered."""
@@ -126,6 +140,19 @@ def _end_interval(bridge: Bridge, clock: Clock, wait_s: float = 0.3) -> None:
 def test_heartbeat_evidence_follows_the_documented_order(contacted, live, replayed, connected, has_replay, expected):
     assert heartbeat_evidence(contacted=contacted, live_events=live, replay_answered=replayed, connected=connected,
                               has_replay=has_replay) == expected
+
+
+@pytest.mark.parametrize("live, replayed, connected, has_replay, expected", [
+    (True, False, True, True, EVENTS),       # batches on the connection that came back: alive
+    (False, True, True, True, PROBE),        # an answer from before does not count: ask again
+    (False, False, True, True, PROBE),       # reconnected: only the replay socket's answer can tell
+    (False, False, True, False, None),       # reconnected, no replay socket: a connection alone is no evidence now
+    (False, False, False, True, None),
+])
+def test_a_source_said_down_needs_batches_or_a_replay_answer_before_its_next_heartbeat(live, replayed, connected,
+                                                                                       has_replay, expected):
+    assert heartbeat_evidence(contacted=True, live_events=live, replay_answered=replayed, connected=connected,
+                              has_replay=has_replay, down=True) == expected
 
 
 # ---------------------------------------------------------------------- heartbeats
@@ -286,8 +313,9 @@ def test_an_idle_engine_that_restarts_is_found_on_reconnect_and_its_old_epoch_re
     publisher.kill()
     _pump(bridge, lambda: not bridge.links[endpoint].connected)
     engines.make(ports=ports)  # back, empty and idle
-    _pump(bridge, lambda: bridge.sink.others() != [])
-    assert bridge.sink.others() == [("PublisherRestarted", {"previous_epoch": epoch})]
+    _pump(bridge, lambda: len(bridge.sink.others()) == 2)
+    assert bridge.sink.others() == [("SourceDisconnected", {"reason": DISCONNECTED}),
+                                    ("PublisherRestarted", {"previous_epoch": epoch})]
     new_epoch = bridge.state[endpoint].epoch
     assert new_epoch > epoch and bridge.state[endpoint].last_seq is None
     _end_interval(bridge, clock)
@@ -305,7 +333,8 @@ def test_batches_published_during_a_connection_drop_arrive_on_reconnect_without_
     for h in range(1, 4):
         publisher.publish([_stored(h)], send_live=False)  # nobody is connected to get them live
     _pump(bridge, lambda: bridge.sink.seqs() == [0, 1, 2, 3])
-    assert bridge.sink.others() == [] and len({e for e, _ in bridge.sink.batches}) == 1
+    assert bridge.sink.others() == [("SourceDisconnected", {"reason": DISCONNECTED})]
+    assert len({e for e, _ in bridge.sink.batches}) == 1
     publisher.publish([_stored(4)])
     _pump(bridge, lambda: bridge.sink.seqs()[-1] == 4)
     assert bridge.sink.seqs() == [0, 1, 2, 3, 4]
@@ -323,6 +352,137 @@ def test_a_probe_delivers_what_live_lost_in_order(engines):
     _end_interval(bridge, clock)
     assert bridge.sink.seqs() == [0, 1, 2] and bridge.sink.others() == []
     assert [(e.body["evidence"], e.seq) for e in bridge.sink.heartbeats()] == [(EVENTS, 0), (REPLAY, 2)]
+
+
+# ---------------------------------------------------------------------- down at once (issue 49)
+
+
+def test_a_killed_engine_is_said_down_at_once_and_gets_no_heartbeat_after(engines):
+    publisher, endpoint = engines.make()
+    clock = Clock()
+    bridge = engines.bridge(endpoint, clock)
+    for h in range(3):
+        publisher.publish([_stored(h)])
+    _pump(bridge, lambda: bridge.sink.seqs() == [0, 1, 2])
+    epoch = bridge.state[endpoint].epoch
+    _end_interval(bridge, clock)
+    assert [e.body["evidence"] for e in bridge.sink.heartbeats()] == [EVENTS]
+    publisher.kill()
+    started = time.monotonic()
+    # no interval ends meanwhile (the fake clock stands still): the socket monitor's event alone says it
+    _pump(bridge, lambda: bridge.sink.others() != [], timeout_s=2.0)
+    print(f"SourceDisconnected {time.monotonic() - started:.3f} s after the kill")
+    (event,) = [e for e in bridge.sink.events if e.kind == "SourceDisconnected"]
+    assert (event.body, event.seq, event.epoch) == ({"reason": DISCONNECTED}, 2, epoch)
+    assert bridge.metrics.disconnects.labels("engine-a", "0", DISCONNECTED)._value.get() == 1
+    for _ in range(4):
+        _end_interval(bridge, clock)
+    assert len(bridge.sink.heartbeats()) == 1 and len(bridge.sink.others()) == 1  # said once, nothing since
+    assert bridge.metrics.heartbeats_skipped.labels("engine-a", "0")._value.get() == 4
+
+
+def test_batches_received_before_the_disconnect_precede_it(engines):
+    publisher, endpoint = engines.make()
+    bridge = engines.bridge(endpoint)
+    publisher.publish([_stored(0)])
+    _pump(bridge, lambda: bridge.sink.seqs() == [0])
+    for h in range(1, 6):
+        publisher.publish([_stored(h)])
+    time.sleep(0.2)  # they reach the bridge's socket; the bridge has not read them yet
+    publisher.kill()
+    time.sleep(0.2)  # the monitor's event too
+    _pump(bridge, lambda: bridge.sink.others() != [])
+    assert bridge.sink.order[-1] == ("SourceDisconnected", 5)
+    assert [seq for kind, seq in bridge.sink.order if kind == "batch"] == [0, 1, 2, 3, 4, 5]
+
+
+def test_an_engine_whose_connection_drops_for_a_moment_is_back_with_its_replay_as_the_same_epoch(engines):
+    publisher, endpoint = engines.make()
+    clock = Clock()
+    bridge = engines.bridge(endpoint, clock)
+    for h in range(3):
+        publisher.publish([_stored(h)])
+    _pump(bridge, lambda: bridge.sink.seqs() == [0, 1, 2])
+    epoch = bridge.state[endpoint].epoch
+    _end_interval(bridge, clock)
+    publisher.drop_connections()  # a network blip: the process goes on, its subscribers reconnect
+    publisher.publish([_stored(3)], send_live=False)  # meanwhile: only its replay buffer has it
+    # down at once, and back at once with the replay on reconnect, without waiting for an interval
+    _pump(bridge, lambda: [e.kind for e in bridge.sink.events][-1:] == ["SourceHeartbeat"]
+          and len(bridge.sink.heartbeats()) == 2)
+    assert bridge.sink.others() == [("SourceDisconnected", {"reason": DISCONNECTED})]
+    assert [(e.body["evidence"], e.seq, e.epoch) for e in bridge.sink.heartbeats()] == [(EVENTS, 2, epoch),
+                                                                                       (REPLAY, 3, epoch)]
+    assert bridge.sink.order[-3:] == [("SourceDisconnected", 2), ("batch", 3), ("SourceHeartbeat", 3)]
+    assert bridge.state[endpoint].epoch == epoch and bridge.links[endpoint].down is None
+    _end_interval(bridge, clock)
+    assert bridge.sink.heartbeats()[-1].body["evidence"] == REPLAY  # the usual probes again
+
+
+def test_a_reconnect_alone_is_no_evidence_for_an_engine_without_a_replay_socket(engines):
+    publisher, endpoint = engines.make(replay=False)
+    clock = Clock()
+    bridge = engines.bridge(endpoint, clock)
+    publisher.publish([_stored(1)])
+    _pump(bridge, lambda: bridge.sink.seqs() == [0])
+    _end_interval(bridge, clock)
+    publisher.drop_connections()
+    _pump(bridge, lambda: bridge.sink.others() != [])
+    _pump(bridge, lambda: bridge.links[endpoint].connected)  # ZMQ reconnected
+    _settle(bridge, 0.2)
+    for _ in range(2):
+        _end_interval(bridge, clock)
+    assert [e.body["evidence"] for e in bridge.sink.heartbeats()] == [EVENTS]  # no 'connected' heartbeat now
+    publisher.publish([_stored(2)])  # a batch of the same run: back
+    _pump(bridge, lambda: bridge.sink.seqs() == [0, 1])
+    _end_interval(bridge, clock)
+    _end_interval(bridge, clock)
+    assert [e.body["evidence"] for e in bridge.sink.heartbeats()] == [EVENTS, EVENTS, CONNECTED]
+    assert bridge.sink.others() == [("SourceDisconnected", {"reason": DISCONNECTED})]
+
+
+def test_a_replay_socket_that_stops_answering_says_the_source_down_once_until_it_answers_again(engines):
+    publisher, endpoint = engines.make()
+    clock = Clock()
+    bridge = engines.bridge(endpoint, clock, interval=2.0, probe_timeout=1.0)
+    publisher.publish([_stored(1)])
+    _pump(bridge, lambda: bridge.sink.seqs() == [0])
+    epoch = bridge.state[endpoint].epoch
+    _end_interval(bridge, clock)  # events
+    publisher.answer_replay.clear()  # the engine hangs; its connections stay open
+    for _ in range(3):
+        clock.t += bridge.heartbeat_interval_s
+        _settle(bridge, 0.2)  # the probe is sent
+        clock.t += bridge.probe_timeout_s  # and given up
+        _settle(bridge, 0.1)
+    assert bridge.sink.others() == [("SourceDisconnected", {"reason": REPLAY_SILENT})]
+    assert bridge.sink.events[-1].seq == 0 and bridge.sink.events[-1].epoch == epoch
+    assert [e.body["evidence"] for e in bridge.sink.heartbeats()] == [EVENTS]
+    publisher.answer_replay.set()
+    _end_interval(bridge, clock)  # the next probe is answered: back, the same run (the connection never dropped)
+    assert [e.body["evidence"] for e in bridge.sink.heartbeats()] == [EVENTS, REPLAY]
+    assert bridge.links[endpoint].down is None and bridge.sink.others() == [
+        ("SourceDisconnected", {"reason": REPLAY_SILENT})]
+
+
+def test_an_engine_back_as_a_new_process_is_retired_before_its_first_heartbeat(engines):
+    ports = free_ports(2)
+    publisher, endpoint = engines.make(ports=ports)
+    clock = Clock()
+    bridge = engines.bridge(endpoint, clock)
+    for h in range(3):
+        publisher.publish([_stored(h)])
+    _pump(bridge, lambda: bridge.sink.seqs() == [0, 1, 2])
+    epoch = bridge.state[endpoint].epoch
+    publisher.kill()
+    _pump(bridge, lambda: bridge.sink.others() != [])
+    engines.make(ports=ports)  # back on the same ports: seq from 0, an empty buffer, idle
+    _pump(bridge, lambda: bridge.sink.heartbeats() != [])
+    new_epoch = bridge.state[endpoint].epoch
+    assert [kind for kind, _ in bridge.sink.order[-3:]] == ["SourceDisconnected", "PublisherRestarted",
+                                                            "SourceHeartbeat"]
+    assert [(e.body, e.seq, e.epoch) for e in bridge.sink.heartbeats()] == [({"evidence": REPLAY}, -1, new_epoch)]
+    assert new_epoch > epoch
 
 
 # ---------------------------------------------------------------------- produce and the simulator
