@@ -9,6 +9,10 @@ work against ``kvstream index`` and every ``kvstream worker`` alike.
     with IndexClient("http://127.0.0.1:6080") as index:
         answer = index.query(token_ids, model_name="llama")
         best = max(answer["instances"].items(), key=lambda kv: kv[1]["longest_matched"], default=None)
+
+An answer names every registered rank of the query's context (``longest_matched`` 0 when nothing of the prompt
+is cached there), and ``answer["kvstream"]["left_out"]`` says why an instance was not named (model, block size,
+tenant, lease).
 """
 
 from __future__ import annotations
@@ -27,14 +31,22 @@ _decode = msgspec.msgpack.Decoder().decode
 
 
 class IndexQueryError(RuntimeError):
-    """The index answered with an error (HTTP 4xx/5xx): ``status`` and the index's ``reason``."""
+    """The index answered with an error (HTTP 4xx/5xx): ``status``, the index's words and its error map."""
 
-    def __init__(self, status: int, reason: str) -> None:
+    def __init__(self, status: int, reason: str, body: dict | None = None) -> None:
         super().__init__(f"HTTP {status}: {reason}")
-        #: HTTP status: 400 a request the index refused, 503 not ready yet (retry).
+        #: HTTP status: 400 a request the index refused, 404 an unknown service, 405 a wrong method, 503 not
+        #: ready yet (retry).
         self.status = status
-        #: The index's own words.
+        #: The index's own words (the error map's ``error``).
         self.reason = reason
+        body = body or {}
+        #: The stable reason of a refusal (Mooncake's conductor: ``unknown_field``, ``invalid_type``,
+        #: ``invalid_value``, ``missing_field``, ``invalid_registration``, ...), or None.
+        self.code = body.get("reason") if isinstance(body.get("reason"), str) else None
+        #: The field that caused it, and the element of it, where one did.
+        self.field = body.get("field")
+        self.index = body.get("index")
 
 
 def _token_bytes(token_ids: Sequence[int] | bytes) -> bytes:
@@ -47,11 +59,13 @@ def _token_bytes(token_ids: Sequence[int] | bytes) -> bytes:
 
 
 def query_body(token_ids: Sequence[int] | bytes, *, model_name: str | None = None, lora_name: str | None = None,
-               cache_salt: str | None = None, block_size: int | None = None, tenant_id: str | None = None) -> dict:
-    """The body of ``POST /query``: Mooncake's field names, tokens as little-endian int32 bytes."""
+               cache_salt: str | None = None, block_size: int | None = None, tenant_id: str | None = None,
+               instance_id: str | None = None) -> dict:
+    """The body of ``POST /query``: Mooncake's field names, tokens as little-endian int32 bytes (``instance_id``:
+    the answer for that instance alone)."""
     body: dict = {"token_ids": _token_bytes(token_ids)}
     for name, value in (("model", model_name), ("lora_name", lora_name), ("cache_salt", cache_salt),
-                        ("block_size", block_size), ("tenant_id", tenant_id)):
+                        ("block_size", block_size), ("tenant_id", tenant_id), ("instance_id", instance_id)):
         if value is not None:
             body[name] = value
     return body
@@ -66,12 +80,19 @@ def _hash_value(block_hash: bytes | int | str) -> int | str:
 def _answer(status: int, data: bytes):
     value = _decode(data) if data else {}
     if status >= 400:
-        raise IndexQueryError(status, value.get("error", "") if isinstance(value, dict) else str(value))
+        if isinstance(value, dict):
+            raise IndexQueryError(status, value.get("error", ""), value)
+        raise IndexQueryError(status, str(value))
     return value
 
 
+def _unregister_body(instance_id: str, dp_rank: int, tenant_id: str | None) -> dict:
+    return {"instance_id": instance_id, "dp_rank": dp_rank, **({"tenant_id": tenant_id} if tenant_id else {})}
+
+
 class IndexClient:
-    """Synchronous client of ``/query``, ``/query_by_hash``, ``/prefix-match/``, ``/register`` and ``/workers``.
+    """Synchronous client of ``/query``, ``/query_by_hash``, ``/prefix-match/``, ``/register``, ``/unregister``,
+    ``/services``, ``/global_view`` and ``/workers``.
 
     Args:
         url: the index's or a worker's base URL (``http://HOST:PORT``).
@@ -109,8 +130,8 @@ class IndexClient:
         raise AssertionError("unreachable")
 
     def query(self, token_ids: Sequence[int] | bytes, **options) -> dict:
-        """``POST /query``: ``{"instances": {id: {"longest_matched", "GPU", "CPU", "DISK", "DP"}}, ...}`` in
-        tokens; ``options`` are :func:`query_body`'s."""
+        """``POST /query``: ``{"instances": {id: {"longest_matched", "gpu", "cpu", "disk", "dp", "rank_matches",
+        ...}}, "scores": ..., "kvstream": {"ranks", "left_out"}}`` in tokens; ``options`` are :func:`query_body`'s."""
         return self._request("POST", "/query", query_body(token_ids, **options))
 
     def query_by_hash(self, block_hashes: Sequence[bytes | int | str], **options) -> dict:
@@ -124,8 +145,22 @@ class IndexClient:
             h.hex() if isinstance(h, bytes) else str(h) for h in block_hashes]})
 
     def register(self, instance_id: str, **metadata) -> dict:
-        """``POST /register`` with Mooncake's fields (``modelname``, ``block_size``, ``dp_rank``, ...)."""
+        """``POST /register`` with Mooncake's fields (``endpoint``, ``type``, ``modelname``, ``block_size``,
+        ``dp_rank``, ``hash_profile``, ...)."""
         return self._request("POST", "/register", {"instance_id": instance_id, **metadata})
+
+    def unregister(self, instance_id: str, dp_rank: int, tenant_id: str | None = None) -> dict:
+        """``POST /unregister`` of one registered rank: ``{"status", "removed_instances": ["<id>|<tenant>|<rank>"]}``
+        (an unknown service key: :class:`IndexQueryError` 404)."""
+        return self._request("POST", "/unregister", _unregister_body(instance_id, dp_rank, tenant_id))
+
+    def services(self) -> dict:
+        """``GET /services``: ``{"count", "services": [{"Endpoint", "InstanceID", "DPRank", ...}]}``."""
+        return self._request("GET", "/services")
+
+    def global_view(self) -> dict:
+        """``GET /global_view``: ``{"context_count", "contexts": [...]}``."""
+        return self._request("GET", "/global_view")
 
     def workers(self) -> dict:
         """``GET /workers``."""
@@ -178,6 +213,22 @@ class AsyncIndexClient:
         """:meth:`IndexClient.prefix_match`."""
         return await self._request("POST", "/prefix-match/", {"block_hashes": [
             h.hex() if isinstance(h, bytes) else str(h) for h in block_hashes]})
+
+    async def register(self, instance_id: str, **metadata) -> dict:
+        """:meth:`IndexClient.register`."""
+        return await self._request("POST", "/register", {"instance_id": instance_id, **metadata})
+
+    async def unregister(self, instance_id: str, dp_rank: int, tenant_id: str | None = None) -> dict:
+        """:meth:`IndexClient.unregister`."""
+        return await self._request("POST", "/unregister", _unregister_body(instance_id, dp_rank, tenant_id))
+
+    async def services(self) -> dict:
+        """:meth:`IndexClient.services`."""
+        return await self._request("GET", "/services")
+
+    async def global_view(self) -> dict:
+        """:meth:`IndexClient.global_view`."""
+        return await self._request("GET", "/global_view")
 
     async def workers(self) -> dict:
         """:meth:`IndexClient.workers`."""

@@ -111,8 +111,8 @@ def fleet(kafka_bootstrap, tmp_path_factory):
             _wait_ready(url)
         # the workers' own indexes answer with the default block size of 16: register ours, with one process;
         # kv-instances brings the registrations to every other
-        for instance in ("plain", "lora", "salted", "offload"):
-            assert _post(f"{urls[0]}/register", {"instance_id": instance, "block_size": BLOCK})[0] == 200
+        for port, instance in enumerate(("plain", "lora", "salted", "offload"), 5600):
+            assert _post(f"{urls[0]}/register", _registration(instance, endpoint=f"tcp://10.0.0.5:{port}"))[0] == 200
         for url in [*urls, index_url]:
             assert _eventually(lambda url=url: _registered(url), dict.fromkeys(INSTANCES, BLOCK)) == dict.fromkeys(
                 INSTANCES, BLOCK), url
@@ -129,6 +129,14 @@ def fleet(kafka_bootstrap, tmp_path_factory):
 
 
 INSTANCES = ("plain", "lora", "salted", "offload")
+PROFILE = {"strategy": "vllm_v1", "algorithm": "sha256_cbor", "python_hash_seed": "0", "index_projection": "low64_be"}
+
+
+def _registration(instance: str, **fields) -> dict:
+    """A whole ``POST /register`` body, as Mooncake's conductor takes it (its cache-aware proxy sends every field)."""
+    return {"endpoint": "tcp://10.0.0.1:5557", "type": "vLLM", "modelname": "m", "instance_id": instance,
+            "block_size": BLOCK, "dp_rank": 0, "tenant_id": "default", "lora_name": "", "hash_profile": PROFILE,
+            **fields}
 
 
 def _registered(url: str) -> dict[str, int | None]:
@@ -156,9 +164,10 @@ def _eventually(read, expected, timeout_s: float = 30):
 
 
 def _longest(url: str, **body) -> dict:
+    """instance -> ``longest_matched`` of the instances the query hits (the registered others are answered with 0)."""
     status, answer = _post(f"{url}/query", {"token_ids": TOKENS, **body})
     assert status == 200, answer
-    return {instance: a["longest_matched"] for instance, a in answer["instances"].items()}
+    return {instance: a["longest_matched"] for instance, a in answer["instances"].items() if a["longest_matched"]}
 
 
 def test_a_query_by_tokens_equals_the_query_by_engine_hashes_on_every_process(fleet):
@@ -171,9 +180,12 @@ def test_a_query_by_tokens_equals_the_query_by_engine_hashes_on_every_process(fl
             assert status == 200 and by_hash["instances"][instance]["longest_matched"] == 16
 
 
-def test_a_salt_never_used_matches_nothing(fleet):
+def test_a_salt_never_used_matches_nothing_and_names_every_registered_instance_with_0(fleet):
     for url in fleet["all"]:
         assert _longest(url, cache_salt="never-used") == {}
+        status, answer = _post(f"{url}/query", {"token_ids": TOKENS, "cache_salt": "never-used"})
+        assert status == 200 and {i: a["longest_matched"] for i, a in answer["instances"].items()
+                                  if i in INSTANCES} == dict.fromkeys(INSTANCES, 0)
 
 
 def test_a_tokenless_cpu_copy_is_found_by_its_tokens_after_the_gpu_copy_left(fleet):
@@ -199,19 +211,26 @@ def test_every_process_answers_every_query_the_same(fleet):
 
 
 def test_a_registration_with_one_process_reaches_every_process_and_so_does_its_unregistration(fleet):
-    body = {"instance_id": "late", "modelname": "llama-3", "block_size": 32, "dp_rank": 1, "type": "vLLM",
-            "endpoint": "tcp://10.0.0.9:5557"}
+    body = _registration("late", modelname="llama-3", block_size=32, dp_rank=1, endpoint="tcp://10.0.0.9:5558")
     assert _post(f"{fleet['index']}/register", body)[0] == 200
     # ranks accumulate in the process asked: once the first registration has reached it (the latest record wins)
     assert _eventually(lambda: _ranks(fleet["workers"][1], "late"), [1]) == [1]
-    assert _post(f"{fleet['workers'][1]}/register", {**body, "dp_rank": 0})[0] == 200
+    assert _post(f"{fleet['workers'][1]}/register", {**body, "dp_rank": 0, "endpoint": "tcp://10.0.0.9:5557"})[0] \
+        == 200
     for url in fleet["all"]:
         assert _eventually(lambda url=url: _registered(url).get("late"), 32) == 32, url
         assert _eventually(lambda url=url: _ranks(url, "late"), [0, 1]) == [0, 1], url
-    status, answer = _post(f"{fleet['workers'][2]}/unregister", {"instance_id": "late"})
-    assert status == 200 and answer["removed_instances"] == ["late"]
+    # one rank at a time, by its service key, with any process once the last change has reached it
+    status, answer = _post(f"{fleet['workers'][2]}/unregister", {"instance_id": "late", "dp_rank": 1})
+    assert (status, answer) == (200, {"status": "unregistered successfully", "removed_instances": ["late|default|1"]})
+    for url in fleet["all"]:
+        assert _eventually(lambda url=url: _ranks(url, "late"), [0]) == [0], url
+    status, answer = _post(f"{fleet['index']}/unregister", {"instance_id": "late", "dp_rank": 0})
+    assert (status, answer) == (200, {"status": "unregistered successfully", "removed_instances": ["late|default|0"]})
     for url in fleet["all"]:
         assert _eventually(lambda url=url: "late" in _registered(url), False) is False, url
+        assert _post(f"{url}/unregister", {"instance_id": "late", "dp_rank": 0}) == (
+            404, {"error": "service not found: late|default|0"}), url
 
 
 def test_a_producers_registration_keeps_what_a_router_registered(fleet, kafka_bootstrap):
@@ -222,8 +241,9 @@ def test_a_producers_registration_keeps_what_a_router_registered(fleet, kafka_bo
 
     profile = {"strategy": "vllm_v1", "algorithm": "sha256_cbor", "python_hash_seed": "0",
                "index_projection": "low64_be"}
-    assert _post(f"{fleet['workers'][0]}/register", {"instance_id": "bridged", "dp_rank": 1,
-                                                     "hash_profile": profile})[0] == 200
+    assert _post(f"{fleet['workers'][0]}/register", _registration(
+        "bridged", dp_rank=1, hash_profile=profile, modelname="qwen-2", block_size=32,
+        endpoint="tcp://10.0.0.7:5558"))[0] == 200
     topic = TopicNames(APP_ID, PREFIX).instances
     assert _eventually(lambda: "bridged" in read_registrations(kafka_bootstrap, topic), True) is True
     written = register_sources(kafka_bootstrap, topic, [
@@ -240,7 +260,8 @@ def test_a_producers_registration_keeps_what_a_router_registered(fleet, kafka_bo
 def test_the_python_client_speaks_msgpack_to_the_index(fleet):
     with IndexClient(fleet["index"], timeout_s=10) as client:
         assert client.query(TOKENS)["instances"]["plain"]["longest_matched"] == 16
-        assert client.query(TOKENS, cache_salt="tenant-1")["instances"].keys() == {"salted"}
+        hits = client.query(TOKENS, cache_salt="tenant-1")["instances"]
+        assert {instance for instance, row in hits.items() if row["longest_matched"]} == {"salted"}
         workers = {w["instance_id"]: w["blocks"] for w in client.workers()["workers"]}
         assert workers["offload"] == {"CPU": 4} and workers["plain"] == {"GPU": 4}
 
@@ -286,3 +307,98 @@ def test_a_registrations_feed_waits_for_its_topic_with_one_consumer_and_then_rea
         assert [(key, info.model_name, info.block_size) for key, info in applied] == [("late-engine", "llama-3", 16)]
     finally:
         feed.close()
+
+
+def _msgpack_post(url: str, body: dict, method: str = "POST") -> tuple[int, dict, str]:
+    """``(status, decoded msgpack answer, content type)``, as Mooncake's cache-aware proxy sends and reads them."""
+    request = urllib.request.Request(url, data=None if body is None else msgspec.msgpack.encode(body), method=method,
+                                     headers={"Content-Type": "application/msgpack"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, msgspec.msgpack.decode(response.read()), response.headers["Content-Type"]
+    except urllib.error.HTTPError as exc:
+        return exc.code, msgspec.msgpack.decode(exc.read()), exc.headers["Content-Type"]
+
+
+def _services(url: str) -> dict:
+    status, services, content_type = _msgpack_post(f"{url}/services", None, "GET")
+    assert (status, content_type) == (200, "application/msgpack")
+    return services
+
+
+def test_a_wrong_method_answers_the_conductors_405_on_every_process(fleet):
+    """GET on /register, /unregister, /query; POST on /services, /global_view: 405 ``Method not allowed``, a
+    msgpack map (issue 49: aiohttp's and Faust's plain-text 405 before)."""
+    for url in fleet["all"]:
+        for method, path in (("GET", "/register"), ("GET", "/unregister"), ("GET", "/query"), ("GET", "/query/"),
+                             ("POST", "/services"), ("POST", "/global_view")):
+            assert _msgpack_post(f"{url}{path}", None if method == "GET" else {}, method) == (
+                405, {"error": "Method not allowed"}, "application/msgpack"), (url, method, path)
+
+
+def test_mooncakes_proxy_registers_queries_and_unregisters_in_msgpack(fleet):
+    """What Mooncake's cache-aware proxy sends (mooncake-conductor/example/cache_aware_disagg_proxy.py), over HTTP:
+    a msgpack registration per rank, the same again at its next start, a msgpack query with the tokens as a bin of
+    little-endian int32, ``instances[id].longest_matched`` read from a msgpack map; then a conflicting registration
+    and an unknown service key, refused by every process as the conductor refuses them."""
+    import struct
+
+    ranks = {0: "tcp://10.0.0.8:5557", 1: "tcp://10.0.0.8:5558"}
+    for _ in range(2):  # a restarted proxy registers again: the same success, nothing new
+        for rank, endpoint in ranks.items():
+            assert _msgpack_post(f"{fleet['index']}/register", _registration("proxy-a", dp_rank=rank,
+                                                                             endpoint=endpoint)) == (
+                200, {"status": "registered successfully", "instance_id": "proxy-a"}, "application/msgpack")
+    for url in fleet["all"]:
+        assert _eventually(lambda url=url: [(s["DPRank"], s["Endpoint"]) for s in _services(url)["services"]
+                                            if s["InstanceID"] == "proxy-a"], list(ranks.items())) == list(
+            ranks.items()), url
+        status, answer, content_type = _msgpack_post(f"{url}/query", {
+            "model": "m", "block_size": BLOCK, "token_ids": struct.pack(f"<{len(TOKENS)}i", *TOKENS),
+            "tenant_id": "default", "lora_name": ""})
+        assert (status, content_type) == (200, "application/msgpack")
+        assert answer["instances"]["plain"]["longest_matched"] == 16
+        assert answer["instances"]["proxy-a"]["rank_matches"] == {"0": {"gpu": 0, "cpu": 0, "disk": 0},
+                                                                  "1": {"gpu": 0, "cpu": 0, "disk": 0}}
+        status, refused, _ = _msgpack_post(f"{url}/register", _registration("proxy-a", modelname="other-model",
+                                                                            endpoint=ranks[0]))
+        assert (status, refused["reason"], refused["field"]) == (400, "invalid_registration", "modelname"), url
+        status, refused, _ = _msgpack_post(f"{url}/register", _registration("proxy-b", endpoint=ranks[1]))
+        assert (status, refused["reason"], refused["field"]) == (400, "invalid_registration", "endpoint"), url
+        assert _msgpack_post(f"{url}/unregister", {"instance_id": "proxy-a", "dp_rank": 7})[:2] == (
+            404, {"error": "service not found: proxy-a|default|7"})
+    status, view, _ = _msgpack_post(f"{fleet['workers'][0]}/global_view", None, "GET")
+    [context] = [c for c in view["contexts"] if "proxy-a" in c["instances"]]
+    assert (context["model_name"], context["block_size"], context["instances"]["proxy-a"], context["hash_profile"][
+        "root_digest"]) == ("m", BLOCK, [0, 1], "4e1195df020de59e0d65a33a4279f1183e7ae4e5d980e309f8b55adff2e61c3e")
+    assert context["prefix_count"] >= 4  # plain's four blocks, among the others of the context
+    # one rank after the other, each once the last change has reached every process (the latest record of an
+    # instance is its registration: docs/querying.md)
+    for rank in ranks:
+        assert _msgpack_post(f"{fleet['workers'][rank]}/unregister", {"instance_id": "proxy-a", "dp_rank": rank}) == (
+            200, {"status": "unregistered successfully", "removed_instances": [f"proxy-a|default|{rank}"]},
+            "application/msgpack")
+        left = [r for r in ranks if r > rank]
+        for url in fleet["all"]:
+            assert _eventually(lambda url=url: [s["DPRank"] for s in _services(url)["services"]
+                                                if s["InstanceID"] == "proxy-a"], left) == left, url
+
+
+def test_kvstream_unregister_removes_the_registration_and_refuses_an_unknown_instance(fleet, kafka_bootstrap,
+                                                                                       capsys):
+    """Issue 49 item 5: after ``kvstream unregister`` the instance still showed ``registered: true``. It now also
+    removes the registration from kv-instances, and refuses an instance neither registered nor known from its
+    events, as ``POST /unregister`` answers 404."""
+    from kvstream.cli import main
+
+    assert _post(f"{fleet['workers'][0]}/register", _registration("cli-a", endpoint="tcp://10.0.0.6:5557"))[0] == 200
+    flags = ["--bootstrap-servers", kafka_bootstrap, "--app-id", APP_ID, "--topic-prefix", PREFIX]
+    deadline = time.monotonic() + 30
+    while main(["unregister", "cli-a", *flags]) != 0 and time.monotonic() < deadline:
+        time.sleep(0.5)  # until the registration is in kv-instances
+    assert "unregistered cli-a (every rank: cli-a|default|0)" in capsys.readouterr().err
+    for url in fleet["all"]:
+        assert _eventually(lambda url=url: "cli-a" in _registered(url), False) is False, url
+    assert main(["unregister", "nobody", "--dp-rank", "3", *flags]) == 1
+    err = capsys.readouterr().err
+    assert "kvstream unregister: error: service not found: nobody|default|3" in err and "nothing written" in err

@@ -151,8 +151,10 @@ def test_a_source_down_for_the_expiry_is_cleared_from_the_tables(fleet):
 
 
 def test_unregister_removes_every_tier_of_an_instance_on_every_worker_and_index(fleet):
-    status, answer = _post(f"{fleet['workers'][1]}/unregister", {"instance_id": "leaving", "type": "vLLM"})
-    assert status == 200 and answer == {"status": "unregistered successfully", "removed_instances": ["leaving"]}
+    # Mooncake's conductor body: the instance and its rank (never registered: known to the workers from its events)
+    status, answer = _post(f"{fleet['workers'][1]}/unregister", {"instance_id": "leaving", "dp_rank": 0})
+    assert status == 200 and answer == {"status": "unregistered successfully",
+                                        "removed_instances": ["leaving|default|0"]}
     for url in fleet["all"]:
         assert _until(lambda url=url: _matched(url), {"alive"}, 60) == {"alive"}
     records = [m for m in messages_to_end(fleet["bootstrap"], PREFIX + KV_EVENTS) if m.key() is None]
