@@ -149,6 +149,33 @@ def replica(bootstrap: str, app_id: str, prefix: str, pub_port: int, measure_fro
         socket.close(0)
 
     topics = TopicNames(app_id, prefix)
+    # a second baseline: a bare librdkafka consumer of the same kv-events, the Kafka hop without kvstream's code
+    kafka_delays: list[float] = []
+    bridge_delays: list[float] = []
+
+    def consume_bare() -> None:
+        from confluent_kafka import OFFSET_END, Consumer, TopicPartition
+
+        from kafka_io.config import client_config
+        from kafka_io.reader import take_available
+        from schemas import AvroCodec
+
+        codec = AvroCodec("kv_event")
+        consumer = Consumer(client_config(bootstrap, **{"group.id": "bench-fresh-bare", "enable.auto.commit": False}))
+        partitions = consumer.list_topics(topics.kv_events, timeout=10).topics[topics.kv_events].partitions
+        consumer.assign([TopicPartition(topics.kv_events, p, OFFSET_END) for p in partitions])
+        while not stop.is_set():
+            for message in take_available(consumer, 1000, 0.1):
+                if message.error() is not None:
+                    continue
+                received = time.time()
+                ts = codec.decode(message.value())["ts"]
+                if ts >= measure_from:
+                    produced = message.timestamp()[1] / 1000
+                    bridge_delays.append(produced - ts)
+                    kafka_delays.append(received - produced)
+        consumer.close()
+
     index = FleetIndex()
     index.leases = SourceLeases(86400.0)
     feed = open_feed(index, bootstrap, topics)
@@ -156,6 +183,7 @@ def replica(bootstrap: str, app_id: str, prefix: str, pub_port: int, measure_fro
     index_delays: list[float] = []
     events.on_applied = lambda now, stamps: index_delays.extend(now - ts for ts in stamps if ts >= measure_from)
     threading.Thread(target=subscribe, daemon=True).start()
+    threading.Thread(target=consume_bare, daemon=True).start()
     feed.start_thread()
     events.start_thread()
     connection.send("ready" if feed.wait_caught_up(300) else "; ".join(feed.not_ready()))
@@ -164,7 +192,7 @@ def replica(bootstrap: str, app_id: str, prefix: str, pub_port: int, measure_fro
     events.close()
     feed.close()
     connection.send({"index": index_delays, "floor": floor_delays, "fresh": vars(index.fresh.counters),
-                     "records": events.records})
+                     "records": events.records, "bridge": bridge_delays, "kafka": kafka_delays})
 
 
 # --------------------------------------------------------------------------- the part
@@ -235,10 +263,12 @@ def _run_rate(bench, say, rate: int, measure_s: float) -> dict:
         if not seen or not seen["index"] or not seen["floor"]:
             raise RuntimeError(f"no block event measured at {rate}/s (bridge log: {log})")
         index, floor = _summary(seen["index"]), _summary(seen["floor"])
+        hops = {name: _summary(seen[name]) for name in ("bridge", "kafka") if seen[name]}
         say(f"      {rate:,} block events/s: index p50 {index['p50_ms']} ms, p99 {index['p99_ms']} ms "
             f"({index['samples']:,} events); floor p50 {floor['p50_ms']} ms, p99 {floor['p99_ms']} ms; "
-            f"worker {worker}")
-        return {"index": index, "floor": floor, "worker": worker, "fresh": seen["fresh"]}
+            f"a bare consumer's hops: publish to the bridge's produce {hops.get('bridge')}, produce to consumed "
+            f"{hops.get('kafka')}; the worker's index {worker}")
+        return {"index": index, "floor": floor, "worker": worker, "fresh": seen["fresh"], **hops}
     finally:
         for process in (bridge, publisher):
             if process is not None and process.poll() is None:
