@@ -488,9 +488,10 @@ def finish_answer(index, answer: dict, *, model: str | None = None, tenant: str 
       the prompt is cached there (``dp.keys == rank_matches.keys``, zero-hit ranks included);
     * ``instance_id`` keeps that instance alone (an unknown one: an empty ``instances``);
     * ``kvstream.left_out``: per instance the query did not name although it is registered or known from its
-      events, why: ``tenant``, ``model``, ``block_size`` (the instance's registration), or ``lease`` (its source
-      was not heard of for a lease: ``ranks`` and ``down_since`` say which and since when; an instance with other
-      ranks still live is answered for those).
+      events (a lease), why: ``tenant``, ``model``, ``block_size`` (the instance's registration, or for one
+      never registered the default tenant and block size), or ``lease`` (its source was not heard of for a lease:
+      ``ranks`` and ``down_since`` say which and since when; an instance with other ranks still live is answered
+      for those).
 
     Args:
         index: the :class:`~stream_apps.index.fleet_index.FleetIndex` answered from (its registry and leases).
@@ -501,11 +502,19 @@ def finish_answer(index, answer: dict, *, model: str | None = None, tenant: str 
     ranks = answer["kvstream"]["ranks"]
     left_out: dict[str, dict] = {}
     down: dict[str, list] = {}
+    heard: set[str] = set()
     for (instance, rank), state in _leases(index).items():
+        heard.add(instance)
         if not state.live:
             down.setdefault(instance, []).append((rank, state.down_since))
     with index.lock:
         registered = registry.all()
+    for instance in sorted(heard - {info.instance_id for info in registered}):
+        if instance_id is not None and instance != instance_id:
+            continue  # known from its events alone: the default tenant, any model, the default block size
+        reason = _mismatch(registry, SourceInfo(instance), model, tenant, block_size)
+        if reason is not None:
+            left_out[instance] = reason
     for info in registered:
         if instance_id is not None and info.instance_id != instance_id:
             continue

@@ -634,6 +634,20 @@ def test_a_missing_cache_sharing_group_is_an_empty_answer_and_creates_no_state(a
     assert [info.instance_id for info in index.sources.all()] == ["engine-a"]
 
 
+def test_an_instance_known_from_its_events_alone_says_why_it_was_left_out(api, index):
+    """kvstream beside the document: an instance never registered is in the default tenant, of any model, with the
+    index's default block size; a query it does not fit says so in ``kvstream.left_out``."""
+    index.leases = SourceLeases(30.0, clock=lambda: 100.0)
+    index.leases.note("0/bridged/0/-1", "bridged", 0, 99.0)
+    store(index, "bridged", [{"GPU"}])
+    assert query(api)[1]["instances"]["bridged"]["longest_matched"] == 16
+    status, answer = query(api, block_size=32)
+    assert (status, answer["instances"]) == (200, {})
+    assert answer["kvstream"]["left_out"] == {"bridged": {
+        "reason": "block_size", "error": "blocks of 16 tokens, the query asked for 32"}}
+    assert query(api, tenant_id="t1")[1]["kvstream"]["left_out"]["bridged"]["reason"] == "tenant"
+
+
 def test_a_source_whose_lease_lapsed_is_left_out_and_says_so(api, index):
     """kvstream beside the document: a source not heard of for a lease is left out of the answers (its blocks
     kept), and ``kvstream.left_out`` names its ranks and since when; its live ranks are still answered."""
