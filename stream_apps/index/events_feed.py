@@ -182,7 +182,11 @@ class EventsFeed:
                 self.undecodable += 1
                 log.warning("index: skipped %s[%d]@%d: %s", self.topic, message.partition(), message.offset(), exc)
                 continue
-            items.append((item, message.offset() >= live_from.get(message.partition(), 0)))
+            # liveness goes by the producer's clock (the record's CreateTime): an event produced before a
+            # disconnect but read after it, from another partition, must not bring the engine back
+            _, produced = message.timestamp()
+            items.append((item, message.offset() >= live_from.get(message.partition(), 0),
+                          produced / 1000 if produced > 0 else None))
         self.records += len(messages)
         self._apply_items(items)
         return len(messages)
@@ -190,7 +194,7 @@ class EventsFeed:
     def apply_records(self, records: list[dict], live: bool = True, now: float | None = None) -> None:
         """Apply decoded ``kv_event`` records as :meth:`poll` applies what it reads (``live`` False: liveness
         only, as the history read at start); ``now`` is the wall clock of their arrival (tests pass their own)."""
-        self._apply_items([(_item(record), live) for record in records], now)
+        self._apply_items([(_item(record), live, None) for record in records], now)
 
     def _apply_items(self, items: list[tuple], now: float | None = None) -> None:
         now = time.time() if now is None else now
@@ -201,20 +205,21 @@ class EventsFeed:
             self.on_applied(time.time(), stamps)
 
     def _apply(self, items: list[tuple], now: float) -> list[float]:
-        """Apply ``(item, live)`` pairs: an item is a block event's :data:`~schemas.block_event.ROUTE_FIELDS`
-        list or another event's decoded record; ``live`` False for the history read for liveness only. The
-        index's lock is held. Returns the applied block events' engine timestamps."""
+        """Apply ``(item, live, produced)`` triples: an item is a block event's
+        :data:`~schemas.block_event.ROUTE_FIELDS` list or another event's decoded record; ``live`` False for the
+        history read for liveness only; ``produced`` the record's Kafka timestamp (s), the clock liveness goes by
+        (None: ``now``). The index's lock is held. Returns the applied block events' engine timestamps."""
         fresh, leases, clear_tiers = self.index.fresh, self.index.leases, self.clear_tiers
         stamps = []
-        heard: set[tuple[str, int]] = set()
-        for item, live in items:
+        heard: dict[tuple[str, int], float] = {}
+        for item, live, produced in items:
+            at = now if produced is None else min(now, produced)
             if type(item) is list:
                 source = (item[R_INSTANCE], item[R_DP_RANK])
+                if at > heard.get(source, 0.0):
+                    heard[source] = at
                 if not live:
-                    if leases is not None:
-                        leases.heard(*source, min(now, item[R_TS]))
                     continue
-                heard.add(source)
                 kind = item[R_KIND]
                 if (item[R_WORLD_SIZE] or 1) > 1 or item[R_BLOCK_HASH] is None or item[R_TIER] is None or (
                         kind == BLOCK_REMOVED and (item[R_GROUP_IDX] or 0) > 0):
@@ -228,10 +233,8 @@ class EventsFeed:
                 continue
             kind, body = item["event"]
             instance, rank = item["instance_id"], item["data_parallel_rank"]
-            at = now if live else min(now, item["ts"])
             if kind == SOURCE_DISCONNECTED:
-                heard.discard((instance, rank))  # what this batch said before the disconnect says nothing after it
-                if leases is not None:
+                if leases is not None:  # lifted by evidence produced after it only, in whatever order it is read
                     leases.mark_down(instance, rank, at)
                 continue
             if kind == SOURCE_UNREGISTERED:
@@ -248,8 +251,8 @@ class EventsFeed:
             elif kind == PUBLISHER_RESTARTED:
                 fresh.retire(kind, instance, rank, None, position)
         if leases is not None:
-            for source in heard:  # once per source and batch: a lock and a dict write, not one per event
-                leases.heard(*source, now)
+            for source, last in heard.items():  # once per source and batch: a lock and a dict write, not per event
+                leases.heard(*source, last)
         return stamps
 
     def start_thread(self) -> threading.Thread:

@@ -95,8 +95,6 @@ class FreshLayer:
         self._overrides: dict[tuple[int, int], dict[int, Override]] = {}
         #: (expires, block key, scope) in the order made: what :meth:`expire` looks at.
         self._expiry: deque[tuple[float, int, int]] = deque()
-        #: (instance, data-parallel rank) -> the (block key, scope) pairs it has overrides on.
-        self._by_source: dict[tuple[str, int], set[tuple[int, int]]] = {}
         #: The source-wide events applied: (kind, instance, rank, position), so each applies once, not once per
         #: copy (one copy per partition of kv-events).
         self._retired: deque[tuple] = deque(maxlen=4096)
@@ -130,7 +128,6 @@ class FreshLayer:
         override = Override(stored, now + self.window_s, position, parent, content)
         self._overrides.setdefault((block, scope), {})[holder] = override
         self._expiry.append((override.expires, block, scope))
-        self._by_source.setdefault((instance_id, data_parallel_rank), set()).add((block, scope))
         self.counters.applied += 1
         self._lay(block, scope, {holder: override})
 
@@ -201,8 +198,6 @@ class FreshLayer:
                     self.counters.expired += 1
             if not pending:
                 del overrides[(block, scope)]
-        if not overrides and self._by_source:
-            self._by_source.clear()
 
     # -- source-wide events --------------------------------------------------------------------------------
 
@@ -227,23 +222,22 @@ class FreshLayer:
                 continue
             if tiers is None or info.tier in tiers:
                 self._table.remove_holder(holder)
-        for source in [s for s in self._by_source if s[0] == instance_id
-                       and (data_parallel_rank is None or s[1] == data_parallel_rank)]:
-            for block, scope in self._by_source.pop(source):
-                pending = self._overrides.get((block, scope))
-                if pending is None:
-                    continue
-                for holder, override in list(pending.items()):
-                    info = self._holders[holder]
-                    retired = (info.instance_id, info.data_parallel_rank) == source and (
-                        tiers is None or info.tier in tiers)
-                    if retired and (position is None or override.position <= position):
+        # the overrides live one window at most, so a scan of them all is bounded (and retirements are rare)
+        for (block, scope), pending in list(self._overrides.items()):
+            kept = False
+            for holder, override in list(pending.items()):
+                info = self._holders[holder]
+                if info.instance_id == instance_id and (
+                        data_parallel_rank is None or info.data_parallel_rank == data_parallel_rank) and (
+                        tiers is None or info.tier in tiers):
+                    if position is None or override.position <= position:
                         del pending[holder]  # the event came before the retirement: it goes with it
-                if pending:
-                    self._lay(block, scope, pending)  # events after it, read first on another partition
-                    self._by_source.setdefault(source, set()).add((block, scope))
-                else:
-                    del self._overrides[(block, scope)]
+                    else:
+                        kept = True  # after it, read first on another partition: laid again below
+            if not pending:
+                del self._overrides[(block, scope)]
+            elif kept:
+                self._lay(block, scope, pending)
         return True
 
 

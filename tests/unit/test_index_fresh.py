@@ -169,7 +169,21 @@ def test_history_read_at_start_gives_liveness_but_no_block(index):
     feed = _feed(index)
     _apply(feed, _event(BLOCK_STORED, block_hash=H1, ts=90.0), live=False, now=100.0)
     assert _holders(index, H1) == set()
-    assert index.leases.states(now=100.0)[("e1", 0)].last_heard == 90.0
+    assert index.leases.states(now=100.0)[("e1", 0)].last_heard == 100.0
+
+
+def test_an_event_produced_before_the_disconnect_but_read_after_it_does_not_bring_the_engine_back(index):
+    from stream_apps.index.events_feed import _item
+
+    feed = _feed(index)
+    now = time.time()
+    down = _item(_event(SOURCE_DISCONNECTED, seq=-1, body={"reason": "disconnected"}))
+    late = _item(_event(BLOCK_STORED, block_hash=H1, seq=7))  # another partition's, produced 50 ms earlier
+    feed._apply_items([(down, True, now - 0.05), (late, True, now - 0.1)], now)
+    assert not index.leases.states(now)[("e1", 0)].live
+    after = _item(_event(BLOCK_STORED, block_hash=H2, seq=8))  # produced after the mark: the engine is back
+    feed._apply_items([(after, True, now)], now)
+    assert index.leases.states(now)[("e1", 0)].live
 
 
 def test_the_compiled_projection_and_the_decoded_record_apply_alike(index):
