@@ -129,6 +129,12 @@ class FreshLayer:
         self._overrides.setdefault((block, scope), {})[holder] = override
         self._expiry.append((override.expires, block, scope))
         self.counters.applied += 1
+        held = self._table.holders_at((block,))
+        if held and holder in held[0]:
+            if stored and content is None:
+                return  # a store of what the table has: nothing to change
+        elif not stored:
+            return  # a removal of what the table does not have
         self._lay(block, scope, {holder: override})
 
     def _lay(self, block: int, scope: int, overrides: dict[int, Override]) -> None:
