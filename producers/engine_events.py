@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from schemas import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED, InvalidBlockHash, canonical_block_hash, tier_of
-from schemas.content_hash import content_hash, stored_extra_keys
+from schemas.content_hash import content_hash, says_extra_keys, stored_extra_keys
 
 _INT32 = (-(1 << 31), (1 << 31) - 1)
 #: Avro ``long``: the range of a signed 64-bit integer.
@@ -76,7 +76,8 @@ ENGINE_INT_ENCODING = {"vllm": "UINT64", "sglang": "INT64"}
 #: ``BlockRemoved`` for its first two; SGLang 0.5.23's have none for five and one (medium, lora_name,
 #: cache_salt and session_id default to None there). An event without one of these is malformed and is
 #: dead-lettered naming the field; every other field may be absent and then means None (docs/contract.md,
-#: "Absent fields").
+#: "Absent fields"), with one reading of None: a vLLM store without ``extra_keys`` does not say its extra keys
+#: (:func:`block_content_hash`).
 REQUIRED_FIELDS = {
     "vllm": {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
                              "lora_name"),
@@ -199,6 +200,9 @@ class ParsedEvent:
     token_width: int = 1
     #: The event's :data:`CONTENT_HASHES`, one per block; None when it has none (the hashes are computed).
     content_hashes: list | None = None
+    #: The publishing engine (:attr:`Publisher.engine`): which fields say a block's extra keys
+    #: (:func:`schemas.content_hash.says_extra_keys`).
+    engine: str = "vllm"
 
 
 def parse_event(event: dict, engine: str = "vllm") -> ParsedEvent:
@@ -273,13 +277,21 @@ def parse_event(event: dict, engine: str = "vllm") -> ParsedEvent:
         "token_id_width": None if token_width == 1 else token_width,
     }
     return ParsedEvent(BLOCK_STORED, hashes, encoding, tier, common, parent, tokens, extra_keys, lookahead,
-                        token_width, given)
+                        token_width, given, engine)
 
 
 def block_content_hash(parsed: ParsedEvent, i: int, block_tokens: list[int]) -> int | None:
-    """``BlockStored.content_hash`` of block ``i`` of a parsed store whose tokens are ``block_tokens``: the event's
-    :data:`CONTENT_HASHES` entry when it has them; else the hash of the tokens and the block's extra keys
-    (:func:`schemas.content_hash.stored_extra_keys`); None for a block without tokens."""
+    """``BlockStored.content_hash`` of block ``i`` of a parsed store whose tokens are ``block_tokens``, from the event
+    alone: the event's :data:`CONTENT_HASHES` entry when it has them; else the hash of the tokens and the block's extra
+    keys (:func:`schemas.content_hash.stored_extra_keys`).
+
+    Returns:
+        A signed 64-bit int; None for a block without tokens, and for a store that does not say its extra keys: a
+        vLLM store without ``extra_keys`` (vLLM 0.33's ``OffloadingEventsTracker`` sends its CPU stores so), whose
+        tokens alone would give the content of the same tokens unsalted and without LoRA
+        (:func:`schemas.content_hash.says_extra_keys`). :class:`producers.split.ParentTracker` gives such a block the
+        content known for its engine hash, when it knows it.
+    """
     if parsed.content_hashes is not None:
         return parsed.content_hashes[i]
     if not block_tokens:
@@ -290,5 +302,7 @@ def block_content_hash(parsed: ParsedEvent, i: int, block_tokens: list[int]) -> 
         if entry is None:  # vLLM's entry for a block without extra keys: no call, most blocks are such
             return content_hash(block_tokens)
         return content_hash(block_tokens, stored_extra_keys(entry, True))
+    if not says_extra_keys(False, parsed.engine):
+        return None
     return content_hash(block_tokens, stored_extra_keys(None, False, common["lora_name"], common["cache_salt"],
                                                         i == 0 and parsed.parent is None))

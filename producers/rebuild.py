@@ -13,6 +13,7 @@ import msgspec
 from producers.engine_events import CONTENT_HASHES, REQUIRED_FIELDS, ParsedEvent, block_content_hash
 from schemas import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED
 from schemas.block_hash import original_block_hash
+from schemas.content_hash import says_extra_keys
 
 _decode_msgpack = msgspec.msgpack.Decoder().decode
 
@@ -24,7 +25,9 @@ def rebuild_event(records: list[dict]) -> dict:
     ``INT64``) are present even when None, the others only when set; token tuples (``token_id_width``) are
     regrouped. ``content_hash`` is the producer's, not the engine's: it is left out, except that content hashes
     the tokens do not give (an event's :data:`CONTENT_HASHES`, e.g. the simulator's stores without tokens) come
-    back in that field.
+    back in that field. A store with tokens that does not say its extra keys (a vLLM store without ``extra_keys``)
+    has the content hash the producer remembered for its block (:class:`producers.split.ParentTracker`), or none:
+    that is the producer's too, and is left out.
 
     Args:
         records: every record of one event (same publisher, seq and batch_index),
@@ -78,11 +81,13 @@ def rebuild_event(records: list[dict]) -> dict:
         event["lookahead_token_ids"] = [b["lookahead_token_ids"] for b in bodies]
     given = [b.get("content_hash") for b in bodies]
     if any(h is not None for h in given):
+        engine = "sglang" if encoding == "INT64" else "vllm"
         parsed = ParsedEvent(BLOCK_STORED, [], common={"lora_name": body["lora_name"],
                                                         "cache_salt": body.get("cache_salt")},
-                              parent=parent, extra_keys=event.get("extra_keys"))
-        if any(h is not None and h != block_content_hash(parsed, i, b["token_ids"]) for i, (h, b) in
-               enumerate(zip(given, bodies))):
+                              parent=parent, extra_keys=event.get("extra_keys"), engine=engine)
+        said = says_extra_keys("extra_keys" in event, engine)
+        if any(h is not None and (said or not b["token_ids"]) and h != block_content_hash(parsed, i, b["token_ids"])
+               for i, (h, b) in enumerate(zip(given, bodies))):
             event[CONTENT_HASHES] = given
     return event
 

@@ -13,14 +13,16 @@ that vLLM omits when they are None may be absent.
 
 Every stored block with tokens gets its content hash (``BlockStored.content_hash``, kv_event v4), computed here
 from its tokens and extra keys (:func:`schemas.content_hash.stored_extra_keys`): it is the producer's, not the
-engine's, so :func:`rebuild_event` leaves it out. A producer that knows its blocks' content without their tokens
+engine's, so :func:`rebuild_event` leaves it out. A vLLM store without ``extra_keys`` does not say its extra keys
+(an offload tier's store may hold a salted or LoRA block): it gets the content hash the engine's earlier store of the
+same block had (:class:`ParentTracker`), or none. A producer that knows its blocks' content without their tokens
 (the simulator, whose trace has block ids, not tokens) gives the hashes in the event's :data:`CONTENT_HASHES`
 field instead, which no engine sends.
 
 This module splits (:func:`split_event`; :class:`BlockEncoder` splits and encodes in one step, with
-:class:`ParentTracker` for ``parent_known``) and makes the records of the bridge's own events
-(:func:`source_event`). The rest is in one module per concern, and every name other modules use is importable
-from here:
+:class:`ParentTracker` for ``parent_known`` and the content of stores that do not say it) and makes the records of
+the bridge's own events (:func:`source_event`). The rest is in one module per concern, and every name other modules
+use is importable from here:
 
 * :mod:`producers.engine_events`: one engine event parsed and validated (:class:`Publisher`,
   :class:`InvalidEvent`, :data:`REQUIRED_FIELDS`, :data:`ENGINE_INT_ENCODING`, :data:`CONTENT_HASHES`,
@@ -129,8 +131,13 @@ def split_event(publisher: Publisher, seq: int, ts: float, batch_index: int, eve
     return records
 
 
+#: A block the tracker has not seen stored (its memory's default).
+_UNSEEN = object()
+
+
 class ParentTracker:
-    """Marks ``BlockStored.parent_known`` on the first block of each run: has this engine stored the parent?
+    """Marks ``BlockStored.parent_known`` on the first block of each run: has this engine stored the parent? And gives
+    a stored block whose event does not say its content the content hash of the engine's earlier store of that block.
 
     The producer sees each engine's events in order, which the stream app (partitioned by block hash)
     cannot. It remembers the last ``capacity`` blocks stored per engine, ``(instance_id,
@@ -138,14 +145,26 @@ class ParentTracker:
     engine within that window since the producer started". Per engine, not per worker rank: in SHARDED
     mode the ranks store different blocks of one engine's cache, so a parent stored by another rank is
     known (docs/residency.md, "Reference counting").
+
+    With each block it remembers the content hash and parent of its latest store that had a content hash, of any
+    tier or ownership. A store of a block that has tokens but no content hash (a vLLM store without ``extra_keys``,
+    as vLLM 0.33's ``OffloadingEventsTracker`` sends the CPU tier's: :func:`producers.engine_events.block_content_hash`)
+    gets that content hash when it names the same parent: an engine's block hash covers the parent, the tokens and
+    the extra keys (salt, LoRA name), so the content is the block's; a store that names another parent does not say
+    its place in the chain, and its content keys would move the block's. Otherwise the store gets none, and answers
+    no query by tokens rather than one of another tenant's or adapter's namespace; the stream app keeps the content
+    of the entry's earlier store (docs/residency.md, "Content keys").
     """
 
     def __init__(self, capacity: int = 200_000) -> None:
         self.capacity = capacity
+        #: engine -> block hash -> (content hash, parent hash) of its latest store with a content hash, or None (stored,
+        #: content unknown); least recently stored first.
         self._stored: dict[tuple, OrderedDict] = {}
 
     def note(self, record: dict) -> None:
-        """Set ``parent_known`` on a BlockStored record (in place) and remember its block."""
+        """Set ``parent_known`` on a BlockStored record (in place) and remember its block; a block with tokens but no
+        ``content_hash`` gets the one remembered for its hash, if its parent is the remembered one (in place too)."""
         kind, body = record["event"]
         if kind != BLOCK_STORED:
             return
@@ -153,33 +172,57 @@ class ParentTracker:
         stored = self._stored.get(source)
         if stored is None:
             stored = self._stored[source] = OrderedDict()
-        if record["block_index"] == 0 and body["parent_block_hash"] is not None:
-            body["parent_known"] = body["parent_block_hash"] in stored
-        stored[record["block_hash"]] = None
-        stored.move_to_end(record["block_hash"])
+        parent = body["parent_block_hash"]
+        if record["block_index"] == 0 and parent is not None:
+            body["parent_known"] = parent in stored
+        block_hash, content = record["block_hash"], body.get("content_hash")
+        if content is None:
+            memory = stored.get(block_hash, _UNSEEN)
+            if memory is _UNSEEN:
+                stored[block_hash] = None
+            else:
+                stored.move_to_end(block_hash)
+                if memory is not None and body["token_ids"] and memory[1] == parent:
+                    body["content_hash"] = memory[0]
+        else:
+            stored[block_hash] = (content, parent)
+            stored.move_to_end(block_hash)
         if len(stored) > self.capacity:
             stored.popitem(last=False)
 
-
-    def note_run(self, source: tuple, parent: bytes | None, hashes: list[bytes]) -> bool | None:
+    def note_run(self, source: tuple, parent: bytes | None, hashes: list[bytes], contents: list | None = None,
+                 block_tokens: list | None = None) -> bool | None:
         """:meth:`note` for a whole BlockStored run at once: returns the first block's ``parent_known``.
 
         Args:
             source: the engine, ``(instance_id, data_parallel_rank)``.
             parent: the run's parent hash (None: ``parent_known`` stays None).
             hashes: the run's block hashes, in order.
+            contents: each block's content hash as the event gives it (None: none), or None when no block has one;
+                a None entry of a block with tokens gets the remembered one, in place, as :meth:`note` gives it.
+            block_tokens: each block's tokens (only whether they are empty is read); None: no block has tokens.
         """
         stored = self._stored.get(source)
         if stored is None:
             stored = self._stored[source] = OrderedDict()
         known = None if parent is None else parent in stored
-        for h in hashes:
-            if h in stored:
-                stored.move_to_end(h)
+        capacity = self.capacity
+        for i, h in enumerate(hashes):
+            content = None if contents is None else contents[i]
+            if content is None:
+                memory = stored.get(h, _UNSEEN)
+                if memory is _UNSEEN:
+                    stored[h] = None
+                else:
+                    stored.move_to_end(h)
+                    if memory is not None and block_tokens is not None and block_tokens[i] and memory[1] == parent:
+                        contents[i] = memory[0]
             else:
-                stored[h] = None
-        while len(stored) > self.capacity:
-            stored.popitem(last=False)
+                stored[h] = (content, parent)
+                stored.move_to_end(h)
+            if len(stored) > capacity:  # a block at a time, as note() forgets: the same memory after every block
+                stored.popitem(last=False)
+            parent = h
         return known
 
 
@@ -239,23 +282,23 @@ class BlockEncoder:
             parsed.extra_keys, parsed.lookahead
         salt, width = common["cache_salt"], common["token_id_width"]
         suffix = _NO_SUFFIX if salt is None and width is None else w.stored_suffix(salt, width)
+        if tokens:
+            blocks = [_block_tokens(tokens, block_ints, i, count) for i in range(count)]
+            digests = [block_content_hash(parsed, i, block) for i, block in enumerate(blocks)]
+        else:  # placeholder stores (offload connectors): no tokens, no content unless the event gives it
+            blocks, digests = None, parsed.content_hashes
         parent_known = None
         if self.parents is not None:
+            # fills, in digests, the content of blocks with tokens whose event does not say it (ParentTracker)
             parent_known = self.parents.note_run((publisher.instance_id, publisher.data_parallel_rank),
-                                                 parsed.parent, hashes)
-        given = parsed.content_hashes
+                                                 parsed.parent, hashes, digests, blocks)
         report_mode = AVRO_NULL if publisher.report_mode is None else w.report_mode(publisher.report_mode)
         out = []
         parent = parsed.parent
         for i, h in enumerate(hashes):
             encoded_hash = avro_bytes(h)
-            if tokens:
-                block_tokens = _block_tokens(tokens, block_ints, i, count)
-                encoded_tokens = avro_int_array(block_tokens)
-                digest = block_content_hash(parsed, i, block_tokens)
-            else:  # placeholder stores (offload connectors): no tokens, no content unless the event gives it
-                encoded_tokens = b"\x00"
-                digest = None if given is None else given[i]
+            encoded_tokens = b"\x00" if blocks is None else avro_int_array(blocks[i])
+            digest = None if digests is None else digests[i]
             out.append((h, b"".join((
                 head, _BRANCH_1, encoded_hash, encoding, avro_long(i), after_index,
                 AVRO_NULL if parent is None else _BRANCH_1 + avro_bytes(parent),

@@ -28,7 +28,7 @@ from typing import NamedTuple
 from schemas import BLOCK_REMOVED, BLOCK_STORED, BLOCK_STORED_OR_REUSED, FULL_REPORT_MODE
 from schemas.avro_writers import avro_long, avro_optional, avro_string, encode_keyed_event
 from schemas.compiled import choose
-from schemas.content_hash import stored_content_hash
+from schemas.content_hash import record_engine, stored_content_hash
 from schemas.fast_reader import project
 from schemas.tiers import TIERS
 
@@ -89,7 +89,7 @@ def block_route(record: dict) -> list:
     route = project(record, ROUTE_SLOTS, [None] * len(ROUTE_FIELDS))
     kind, body = record["event"]
     if kind == BLOCK_STORED and route[R_CONTENT_HASH] is None:
-        route[R_CONTENT_HASH] = store_content_hash(body)
+        route[R_CONTENT_HASH] = store_content_hash(body, record.get("hash_encoding"))
     return route
 
 
@@ -156,13 +156,15 @@ class BlockEvent(NamedTuple):
     content_hash: int | None
 
 
-def store_content_hash(body: dict) -> int | None:
+def store_content_hash(body: dict, hash_encoding: str | None) -> int | None:
     """The content hash of a decoded BlockStored body: its own ``content_hash`` (``kv_event`` v4), or, for a record
     an older producer wrote, the one its token ids give by the producers' rule
-    (:func:`schemas.content_hash.stored_content_hash`); None for a store without tokens."""
+    (:func:`schemas.content_hash.stored_content_hash`, for the engine :func:`schemas.content_hash.record_engine` reads
+    in the record's ``hash_encoding``); None for a store without tokens, and for one that does not say its extra keys
+    (a vLLM store without ``extra_keys``)."""
     found = body.get("content_hash")
     if found is None and body.get("token_ids"):
-        return stored_content_hash(body)
+        return stored_content_hash(body, record_engine(hash_encoding))
     return found
 
 
@@ -181,7 +183,8 @@ def block_event_of(record: dict, content: int | None = None) -> BlockEvent:
     return BlockEvent(kind, source, record["publisher_epoch"], record["seq"], record["batch_index"],
                       record["block_index"], record["ts"], record["block_hash"], record["tier"], body["medium"],
                       body["locality"], body["group_idx"], body["ownership"], body.get("parent_known"), content,
-                      body.get("parent_block_hash") if stored else None, store_content_hash(body) if stored else None)
+                      body.get("parent_block_hash") if stored else None,
+                      store_content_hash(body, record.get("hash_encoding")) if stored else None)
 
 
 _ENCODERS: dict = {}

@@ -16,6 +16,14 @@ request, then ``cache_salt`` on block 0 of a salted request (``vllm/v1/core/kv_c
 ``token_ids``, ``lora_name`` and ``cache_salt`` builds the same keys with :func:`query_extra_keys`, so the same
 tokens under another salt, or without it, match nothing salted.
 
+A vLLM store without ``extra_keys`` does not say its extra keys: vLLM's GPU block pool always sends the field (an
+entry per block, None for a block without keys), and the salt and LoRA name of the request went into the engine's
+block hash, not into the event. A store of another publisher (the offloading connector's ``OffloadingEventsTracker``,
+a secondary tier) that omits it may hold a salted or LoRA block, so its tokens alone do not give its content hash:
+:func:`stored_content_hash` gives None, and the producer takes the content known for the same engine hash instead
+(``producers.split.ParentTracker``). SGLang never sends ``extra_keys``: its ``lora_name`` and ``cache_salt`` fields
+say them.
+
 The value is a signed 64-bit int (Avro ``long``): the digest's bits as two's complement.
 """
 
@@ -144,7 +152,8 @@ def stored_extra_keys(entry: Any, has_extra_keys: bool, lora_name: str | None = 
         With ``extra_keys``, the entry's keys: None for a None or empty entry, a list or tuple's items, any other
         value alone. Without (SGLang): ``[lora_name]`` for a LoRA store, then ``cache_salt`` on the first block of a
         chain, in vLLM's order (:func:`query_extra_keys`, so a query with the same LoRA name and salt matches).
-        None when there are none.
+        None when there are none. A vLLM store without ``extra_keys`` says no keys at all (:func:`says_extra_keys`):
+        its callers give it no content hash rather than these.
     """
     if has_extra_keys:
         if entry is None:
@@ -153,18 +162,54 @@ def stored_extra_keys(entry: Any, has_extra_keys: bool, lora_name: str | None = 
     return query_extra_keys(0 if first_of_chain else 1, lora_name, cache_salt)
 
 
-def stored_content_hash(body: dict) -> int | None:
-    """The content hash of a decoded ``kv_event`` BlockStored body, by the producers' rule (:func:`stored_extra_keys`):
-    for records that lack one (written by a v1-v3 producer). A field an older version lacks reads as None.
+#: The engines whose rule :func:`stored_content_hash` applies, as ``producers.engine_events.Publisher.engine`` names
+#: them.
+ENGINES = ("vllm", "sglang")
+
+
+def record_engine(hash_encoding: str | None) -> str:
+    """The engine a ``kv_event`` record comes from, as far as its content rule goes, from its ``hash_encoding``:
+    ``sglang`` for ``INT64`` (SGLang's signed 64-bit hashes), else ``vllm`` (its unsigned ints and its digests, the
+    rule ``producers.rebuild`` uses too). A record of byte digests is read as vLLM's."""
+    return "sglang" if hash_encoding == "INT64" else "vllm"
+
+
+def says_extra_keys(has_extra_keys: bool, engine: str) -> bool:
+    """Whether a store says its blocks' extra keys: with ``extra_keys`` (vLLM), or always for SGLang, whose
+    ``lora_name`` and ``cache_salt`` fields say them. A vLLM store without ``extra_keys`` (the offloading connector's,
+    a secondary tier's, a release before the field) does not: vLLM's salt and LoRA name went into the engine's block
+    hash, so its tokens alone are not its content (module docstring).
+
+    Raises:
+        ValueError: an engine other than :data:`ENGINES`.
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r} (expected one of {', '.join(ENGINES)})")
+    return has_extra_keys or engine == "sglang"
+
+
+def stored_content_hash(body: dict, engine: str) -> int | None:
+    """The content hash of a decoded ``kv_event`` BlockStored body, by the producers' rule (:func:`stored_extra_keys`),
+    without what a producer remembers: for records that lack one (written by a v1-v3 producer, or whose producer did
+    not know the content). A field an older version lacks reads as None.
+
+    Args:
+        body: the BlockStored body (``token_ids``, ``extra_keys`` as msgpack bytes or None, ``lora_name``,
+            ``cache_salt``, ``parent_block_hash``; absent ones read as None).
+        engine: ``vllm`` or ``sglang``: :func:`record_engine` of the record's ``hash_encoding``.
 
     Returns:
-        A signed 64-bit int; None for a body without token ids (nothing to hash), or whose ``extra_keys`` is not
-        msgpack (its keys are unknown).
+        A signed 64-bit int; None for a body without token ids (nothing to hash), whose ``extra_keys`` is not
+        msgpack (its keys are unknown), or that does not say its extra keys (a vLLM store without ``extra_keys``:
+        :func:`says_extra_keys`).
+
+    Raises:
+        ValueError: an unknown engine.
     """
     tokens = body["token_ids"]
-    if not tokens:
-        return None
     raw = body.get("extra_keys")
+    if not says_extra_keys(raw is not None, engine) or not tokens:
+        return None
     try:
         entry = None if raw is None else _DECODE_MSGPACK(raw)
     except msgspec.DecodeError:

@@ -27,6 +27,7 @@ from schemas import (
 )
 from schemas.block_event import BlockEvent, block_event_of
 from schemas.clear_position import ClearPosition
+from schemas.content_hash import record_engine
 from stream_apps.checkpoint import Checkpoint
 from stream_apps.outputs import OutputTopics
 from stream_apps.residency import (
@@ -320,7 +321,7 @@ class BatchApplier:
                                     f"its block hash {block_hash.hex()}")
             event = block_event_of(record)
             if needs_digest and kind == BLOCK_STORED:
-                event = event._replace(content=content_digest(body))
+                event = event._replace(content=content_digest(body, record_engine(record.get("hash_encoding"))))
             self.apply(key, mark, event)
             return
         m = self.m

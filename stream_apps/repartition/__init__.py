@@ -18,9 +18,11 @@ and, per batch:
    (:mod:`schemas.block_event`), so that the materializing stage, the
    worker's bottleneck, does not decode the record again. A store written
    without a content hash (by a producer of before ``kv_event`` v4, or from
-   an old capture) but with token ids gets the one its tokens give there
-   (:meth:`schemas.block_event.BlockFieldsWriter.block`), so every store with
-   tokens reaches the agent with its content keys; only such records pay for it;
+   an old capture) but with token ids gets the one its tokens and extra keys
+   give there (:meth:`schemas.block_event.BlockFieldsWriter.block`), so every
+   store with tokens that says its extra keys reaches the agent with its
+   content keys (a vLLM store without ``extra_keys`` does not, and gets none:
+   :func:`schemas.content_hash.says_extra_keys`); only such records pay for it;
 2. stamps it with its source's latest ``AllBlocksCleared`` before it on its
    kv-events partition (the *clear mark*: after re-keying, a clear's copy and
    a block's events can reach a partition in either order);

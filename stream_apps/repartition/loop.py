@@ -32,7 +32,7 @@ from schemas.block_event import (
 )
 from schemas.clear_position import NO_CLEAR
 from schemas.compiled import choose
-from schemas.content_hash import stored_content_hash
+from schemas.content_hash import record_engine, stored_content_hash
 from schemas.topics import ERROR_HEADER, SOURCE_HEADER, TopicNames
 from stream_apps.checkpoint import Checkpoint
 from stream_apps.repartition.batches import PartitionBatch, partition_batches
@@ -53,8 +53,9 @@ FLUSH_TIMEOUT_S = 330.0
 #: The kinds whose events are re-keyed by block hash (the others are source-wide: :meth:`Repartitioner._source_wide`).
 _BLOCK_KINDS = frozenset((BLOCK_STORED, BLOCK_REMOVED))
 #: A store's fields its content digest is made of (:func:`stream_apps.residency.content_digest`), by name -> position
-#: in the list the second projection reads them into.
-AGREEMENT_SLOTS = {name: i for i, name in enumerate(AGREEMENT_FIELDS)}
+#: in the list the second projection reads them into, then the record's ``hash_encoding``: the engine whose rule says
+#: whether its tokens give its content hash (:func:`schemas.content_hash.record_engine`).
+AGREEMENT_SLOTS = {**{name: i for i, name in enumerate(AGREEMENT_FIELDS)}, "hash_encoding": len(AGREEMENT_FIELDS)}
 
 
 def repartition_group(app_id: str) -> str:
@@ -410,9 +411,10 @@ class Repartitioner:
         if values is None:
             return False, None
         body = dict(zip(AGREEMENT_FIELDS, values))
+        engine = record_engine(values[-1])
         if route[R_CONTENT_HASH] is None:
-            route[R_CONTENT_HASH] = stored_content_hash(body)
-        return True, content_digest(body) if needs_digest else None
+            route[R_CONTENT_HASH] = stored_content_hash(body, engine)
+        return True, content_digest(body, engine) if needs_digest else None
 
     def _decoded(self, message, value: bytes | None, outgoing: dict[int, PartitionBatch],
                  changed: dict[tuple[int, str, int], ClearHistory]) -> tuple[list, int | None] | None:
@@ -434,7 +436,7 @@ class Repartitioner:
             raise DecodeError(f"{kind.rsplit('.', 1)[-1]} without block_hash or tier")
         digest = self._needs_digest(kind, (instance, source[2], record["worker_rank"], record["world_size"],
                                            record["aggregation"]))
-        return block_route(record), content_digest(body) if digest else None
+        return block_route(record), content_digest(body, record_engine(record.get("hash_encoding"))) if digest else None
 
     def _needs_digest(self, kind: str, source: tuple) -> bool:
         """Whether a ``kind`` event of ``source`` (instance, dp rank, worker rank, world size, aggregation mode, as

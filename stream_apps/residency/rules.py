@@ -45,7 +45,7 @@ import schemas.compiled
 from schemas import BLOCK_STORED_OR_REUSED, STORE_KINDS
 from schemas.block_event import block_event_of
 from schemas.clear_position import ClearPosition, clear_mark_record
-from schemas.content_hash import stored_content_hash
+from schemas.content_hash import record_engine, stored_content_hash
 
 #: BlockStored fields on which the workers of a REPLICATED source must agree for a block to count as
 #: resident: every field of the event body but ``parent_known``, which our producer derives from its own
@@ -62,7 +62,7 @@ AGREEMENT_FIELDS = ("parent_block_hash", "token_ids", "block_size", "lora_id", "
 _DIGEST_FIELDS = AGREEMENT_FIELDS[:-1]
 
 
-def content_digest(body: dict) -> int:
+def content_digest(body: dict, engine: str = "vllm") -> int:
     """Digest of a BlockStored body's :data:`AGREEMENT_FIELDS`: a signed 64-bit int (Avro long).
 
     Stable across processes (a BLAKE2b digest of the fields' ``repr``, not Python's salted ``hash``),
@@ -72,12 +72,25 @@ def content_digest(body: dict) -> int:
     ``content_hash`` counts only where the other fields do not give it (a producer gave it for a store without
     tokens, or one that differs from its tokens'): the content hash a store's tokens give adds nothing to what
     they say, and leaving it out keeps the digest of such a store the one workers before kv_event v4 wrote to
-    the changelog, so replicas whose stores straddle an upgrade still agree.
+    the changelog, so replicas whose stores straddle an upgrade still agree. Nor does it count for a store whose
+    tokens do not give one because it does not say its extra keys (a vLLM store without ``extra_keys``,
+    ``engine`` ``vllm``: :func:`schemas.content_hash.says_extra_keys`): its content hash is the one its producer
+    remembered for the block (``producers.split.ParentTracker``), the producer's view, as ``parent_known`` is.
+
+    Args:
+        body: the store's body (at least the :data:`AGREEMENT_FIELDS`).
+        engine: ``vllm`` or ``sglang``, :func:`schemas.content_hash.record_engine` of the record's
+            ``hash_encoding``.
     """
     values = tuple(map(body.get, _DIGEST_FIELDS))
     given = body.get("content_hash")
-    if given is not None and given != stored_content_hash(body):
-        values += (given,)
+    if given is not None:
+        if not body.get("token_ids"):
+            values += (given,)
+        else:
+            said = stored_content_hash(body, engine)
+            if said is not None and given != said:
+                values += (given,)
     # The same text from the compiled module, which writes the token ids' ints without a Python string each
     hotpath = schemas.compiled.HOTPATH
     text = repr(values).encode() if hotpath is None else hotpath.repr_utf8(values)
@@ -163,7 +176,7 @@ def apply_block_event(entry: dict | None, record: dict, clear_mark: ClearPositio
     event = block_event_of(record)
     resolved = source_aggregation(event.source, aggregation)
     if needs_content(event.kind, resolved):
-        event = event._replace(content=content_digest(record["event"][1]))
+        event = event._replace(content=content_digest(record["event"][1], record_engine(record.get("hash_encoding"))))
     return apply_block(entry, event, clear_mark, clear_watermark, clear_tiers, stats, resolved)
 
 

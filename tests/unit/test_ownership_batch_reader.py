@@ -257,23 +257,26 @@ def test_a_field_the_layout_cannot_hold_leaves_the_event_to_be_decoded():
 
 
 def test_block_fields_carry_a_stores_parent_and_content_hash_and_compute_a_missing_one():
-    """A store of an older producer (kv_event v3: no content_hash) with tokens gets the content hash its tokens
-    give, in the repartition process that writes the block fields; one without tokens has none."""
+    """A store of an older producer (kv_event v3: no content_hash) with tokens gets the content hash its tokens and
+    extra keys give, in the repartition process that writes the block fields; one without tokens has none, nor has a
+    vLLM store without ``extra_keys`` (it does not say its extra keys)."""
     from schemas.content_hash import content_hash
 
-    event = {**STORE, "block_hashes": [7, 8], "parent_block_hash": 6, "token_ids": list(range(32))}
+    event = {**STORE, "block_hashes": [7, 8], "parent_block_hash": 6, "token_ids": list(range(32)),
+             "extra_keys": [None, None]}
+    unsaid = {**STORE, "block_hashes": [9], "parent_block_hash": 8, "token_ids": list(range(16))}
     v3, records = AvroCodec("kv_event", 3), []
-    for record in split_event(Publisher("e1"), 3, 1.5, 0, event):
+    for record in [*split_event(Publisher("e1"), 3, 1.5, 0, event), *split_event(Publisher("e1"), 4, 1.5, 0, unsaid)]:
         body = {k: v for k, v in record["event"][1].items() if k != "content_hash"}
         records.append(EVENTS.decode(v3.encode({**record, "event": (record["event"][0], body)})))
     tokenless = EVENTS.decode(_event())
     tokenless["event"][1].update(token_ids=[], content_hash=None)
-    assert [r["event"][1]["content_hash"] for r in records] == [None, None]
-    message, _ = _block_message([*records, tokenless], [None] * 3)
+    assert [r["event"][1]["content_hash"] for r in records] == [None, None, None]
+    message, _ = _block_message([*records, tokenless], [None] * 4)
     events = [item[5] for item in OwnershipBatchReader(EVENTS).read(message)]
     assert [(e.parent_block_hash, e.content_hash) for e in map(BlockEvent._make, events)] == [
         ((6).to_bytes(8, "big"), content_hash(range(16))), ((7).to_bytes(8, "big"), content_hash(range(16, 32))),
-        (None, None)]
+        ((8).to_bytes(8, "big"), None), (None, None)]
     assert events == [block_event_of(r) for r in [*records, tokenless]]
 
 

@@ -235,8 +235,9 @@ def test_the_compiled_batch_writes_the_messages_the_python_batch_writes(seed):
 
 def test_a_store_without_content_hash_gets_one_in_the_repartition_process_and_others_keep_theirs():
     """Records of a v3 producer (or an old capture) have no content hash: the repartition process gives each store
-    with tokens the one its tokens give, so every input reaches the agent with content keys. A store that has one
-    keeps it, and a store without tokens gets none."""
+    with tokens the one its tokens and extra keys give, so every input reaches the agent with content keys. A store
+    that has one keeps it, and a store without tokens gets none, nor does a vLLM store without ``extra_keys`` (it
+    does not say its extra keys), of any version."""
     from types import SimpleNamespace
 
     from producers.split import CONTENT_HASHES, Publisher, split_event
@@ -246,15 +247,21 @@ def test_a_store_without_content_hash_gets_one_in_the_repartition_process_and_ot
 
     v3, v4 = AvroCodec("kv_event", 3), AvroCodec("kv_event")
     store = {"type": "BlockStored", "block_hashes": [0x51, 0x52], "parent_block_hash": 0x50,
-             "token_ids": list(range(8)), "block_size": 4, "lora_id": None, "medium": "GPU", "lora_name": None}
+             "token_ids": list(range(8)), "block_size": 4, "lora_id": None, "medium": "GPU", "lora_name": None,
+             "extra_keys": [None, None]}
+    unsaid = {**store, "block_hashes": [0x55], "token_ids": list(range(4))}
+    del unsaid["extra_keys"]
     values = []
-    for record in split_event(Publisher("old"), 0, 1.0, 0, store):  # as a v3 producer wrote them
-        body = {k: v for k, v in record["event"][1].items() if k != "content_hash"}
-        values.append(v3.encode({**record, "event": (record["event"][0], body)}))
-    given = {**store, "block_hashes": [0x53], "token_ids": [], "block_size": 512, CONTENT_HASHES: [77]}
+    for event in (store, unsaid):
+        for record in split_event(Publisher("old"), 0, 1.0, 0, event):  # as a v3 producer wrote them
+            body = {k: v for k, v in record["event"][1].items() if k != "content_hash"}
+            values.append(v3.encode({**record, "event": (record["event"][0], body)}))
+    given = {**store, "block_hashes": [0x53], "token_ids": [], "block_size": 512, CONTENT_HASHES: [77],
+             "extra_keys": [None]}
     placeholder = {**store, "block_hashes": [0x54], "parent_block_hash": None, "token_ids": [], "block_size": 0,
-                   "medium": "CPU"}
-    values += [v4.encode(split_event(Publisher("new"), 0, 1.0, i, e)[0]) for i, e in enumerate([given, placeholder])]
+                   "medium": "CPU", "extra_keys": [None]}
+    values += [v4.encode(split_event(Publisher("new"), 0, 1.0, i, e)[0])
+               for i, e in enumerate([given, placeholder, {**unsaid, "block_hashes": [0x56]}])]
     messages = [SimpleNamespace(error=lambda: None, partition=lambda: 0, offset=lambda n=n: n, value=lambda v=v: v,
                                 key=lambda: None, topic=lambda: "kv-events") for n, v in enumerate(values)]
     produced = []
@@ -269,7 +276,8 @@ def test_a_store_without_content_hash_gets_one_in_the_repartition_process_and_ot
     assert sorted((e.block_hash[-1], e.parent_block_hash, e.content_hash) for e in events) == [
         (0x51, (0x50).to_bytes(8, "big"), content_hash(range(4))),
         (0x52, (0x51).to_bytes(8, "big"), content_hash(range(4, 8))),
-        (0x53, (0x50).to_bytes(8, "big"), 77), (0x54, None, None)]
+        (0x53, (0x50).to_bytes(8, "big"), 77), (0x54, None, None), (0x55, (0x50).to_bytes(8, "big"), None),
+        (0x56, (0x50).to_bytes(8, "big"), None)]
 
 
 @pytest.mark.parametrize("seed", range(4))

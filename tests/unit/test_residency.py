@@ -416,11 +416,15 @@ def test_a_store_that_is_not_applied_does_not_change_the_content_keys():
 
 
 def test_a_record_of_an_older_producer_gets_its_content_hash_from_its_tokens():
-    """kv_event v3 had no content_hash: a record read with it null but with tokens gets the one its tokens give."""
+    """kv_event v3 had no content_hash: a record read with it null but with tokens gets the one its tokens and
+    extra keys give (``b"\\xc0"``: vLLM's None entry, msgpack). A vLLM store without ``extra_keys`` does not say its
+    extra keys (a salted or LoRA block's tokens alone are another namespace's content): it gets none."""
     from schemas.content_hash import content_hash
 
-    old = _with(_store(0x74, ENGINE), token_ids=[9, 8, 7], content_hash=None)
+    old = _with(_store(0x74, ENGINE), token_ids=[9, 8, 7], extra_keys=b"\xc0", content_hash=None)
     assert _content_keys(_apply(None, [old])) == (None, content_hash([9, 8, 7]))
+    unsaid = _with(_store(0x75, ENGINE), token_ids=[9, 8, 7], content_hash=None)
+    assert _content_keys(_apply(None, [unsaid])) == (None, None)
 
 
 def test_the_compiled_text_of_a_content_digest_is_the_repr_it_stands_for():
