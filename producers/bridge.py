@@ -285,6 +285,7 @@ class Bridge(BridgeSequencing, BridgeLiveness):
             handled += 1
             if link.down is None or link.connected:
                 link.live_events = True
+                link.unanswered_probes = 0
                 if link.down is not None:
                     self._came_back(endpoint, EVENTS)
             if len(frames) != 3 or len(frames[1]) != 8:

@@ -15,14 +15,15 @@ The connections are watched with ZMQ's socket monitor (``EVENT_CONNECTED``,
 connection comes up, the bridge asks the replay socket for what it has not seen
 (docs/ingesting.md, "Heartbeats and replay on connect").
 
-Down at once: when a contacted source's connection drops (``EVENT_DISCONNECTED``), or a heartbeat's probe of its
-replay socket gets no answer in time, the bridge writes a ``SourceDisconnected`` (:data:`schemas.SOURCE_DISCONNECTED`,
-reason :data:`DISCONNECTED` or :data:`REPLAY_SILENT`) at once, after the batches it had already received, and
-sends no heartbeat for the source until the engine shows it is alive and the same run (:func:`heartbeat_evidence`
-with ``down``): a live batch once connected again, or a replay answer that holds the last seq the bridge
-delivered (a connection that never dropped: any answer). A connection that comes back up is not evidence by
-itself. A restarted engine is found as before (seq going back, an empty replay): ``PublisherRestarted`` first,
-then the new epoch's heartbeats.
+Down at once: when a contacted source's connection drops (``EVENT_DISCONNECTED``), or its replay socket leaves
+:data:`SILENT_PROBES` heartbeat probes in a row unanswered (the second sent as soon as the first is given up, so a
+single slow answer is not taken for a hung engine), the bridge writes a ``SourceDisconnected``
+(:data:`schemas.SOURCE_DISCONNECTED`, reason :data:`DISCONNECTED` or :data:`REPLAY_SILENT`) at once, after the
+batches it had already received, and sends no heartbeat for the source until the engine shows it is alive and
+the same run (:func:`heartbeat_evidence` with ``down``): a live batch once connected again, or a replay answer that
+holds the last seq the bridge delivered (a connection that never dropped: any answer). A connection that comes back
+up is not evidence by itself. A restarted engine is found as before (seq going back, an empty replay):
+``PublisherRestarted`` first, then the new epoch's heartbeats.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ PROBE = "probe"
 #: Why a ``SourceDisconnected`` was sent (kv_event v6 ``SourceDisconnected.reason``): the socket monitor saw the SUB
 #: connection drop; a heartbeat's probe of the replay socket got no end marker within the probe timeout.
 DISCONNECTED, REPLAY_SILENT = "disconnected", "replay-silent"
+#: Heartbeat probes in a row without an answer that make a connected source :data:`REPLAY_SILENT`: after the first,
+#: the next is sent at once.
+SILENT_PROBES = 2
 
 #: ZMTP heartbeats on each SUB connection (libzmq >= 4.2): a PING every second, and a connection whose peer has
 #: answered nothing for 3 seconds is dropped, so a dead engine host (no TCP FIN ever comes) shows up as
@@ -138,6 +142,8 @@ class Link:
     #: The reason of the ``SourceDisconnected`` the bridge sent (:data:`DISCONNECTED`, :data:`REPLAY_SILENT`) while it
     #: has had no evidence since that the engine is alive; None: not down.
     down: str | None = None
+    #: Heartbeat probes given up in a row since the replay socket last answered (:data:`SILENT_PROBES`).
+    unanswered_probes: int = 0
 
 
 class BridgeLiveness:
@@ -221,8 +227,13 @@ class BridgeLiveness:
         if probe.heartbeat:
             self.metrics.heartbeats_skipped.labels(*self._labels(probe.endpoint)).inc()
             self._note_evidence(probe.endpoint, None, "its replay socket did not answer")
-            if self.links[probe.endpoint].connected:  # else it is down as disconnected already
-                self._went_down(probe.endpoint, REPLAY_SILENT)
+            link = self.links[probe.endpoint]
+            if link.connected:  # else it is down as disconnected already
+                link.unanswered_probes += 1
+                if link.unanswered_probes >= SILENT_PROBES:
+                    self._went_down(probe.endpoint, REPLAY_SILENT)
+                elif link.down is None and probe.endpoint in self.state:  # one slow answer is not silence: again
+                    self._start_replay(probe.endpoint, heartbeat=True, timeout_s=self.probe_timeout_s)
 
     def _on_probe_reply(self, sock: zmq.Socket) -> None:
         probe = self._probes[sock]
@@ -252,6 +263,7 @@ class BridgeLiveness:
             self._apply_replay(endpoint, state, probe.start, [b for b in probe.batches if b[0] >= probe.start])
         # else live batches came meanwhile and decided first contact, a gap or a restart themselves
         link = self.links[endpoint]
+        link.unanswered_probes = 0
         if link.down is not None:
             # evidence only of the same run (an answer that held the last seq, on a connection that may have been
             # another process's) or of a restart found, whose PublisherRestarted went first: up again at once

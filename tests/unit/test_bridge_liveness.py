@@ -220,11 +220,19 @@ def test_a_hung_replay_socket_gives_no_heartbeat_and_does_not_block_the_live_loo
     assert time.monotonic() - started < 0.2, "the probe must not wait for its answer"
     assert bridge.links[endpoint].probe is not None
     _settle(bridge, 0.3)
+    first = bridge.links[endpoint].probe
     clock.t += bridge.probe_timeout_s  # the probe's deadline passes
     bridge.poll(0)
-    assert bridge.links[endpoint].probe is None
+    # no heartbeat; and one slow answer is not silence yet: a second probe goes out at once
+    assert bridge.links[endpoint].probe not in (None, first) and bridge.sink.others() == []
     assert [e.body["evidence"] for e in bridge.sink.heartbeats()] == [EVENTS]
     assert bridge.metrics.heartbeats_skipped.labels("engine-a", "0")._value.get() == 1
+    _settle(bridge, 0.2)
+    clock.t += bridge.probe_timeout_s  # the second one's passes too: the source is said down
+    bridge.poll(0)  # (the interval ends too: while down, each interval probes again)
+    assert bridge.links[endpoint].down == REPLAY_SILENT
+    assert bridge.sink.others() == [("SourceDisconnected", {"reason": REPLAY_SILENT})]
+    assert bridge.metrics.heartbeats_skipped.labels("engine-a", "0")._value.get() == 2
     publisher.answer_replay.set()
     _end_interval(bridge, clock)
     assert [e.body["evidence"] for e in bridge.sink.heartbeats()] == [EVENTS, REPLAY]
@@ -439,6 +447,24 @@ def test_a_reconnect_alone_is_no_evidence_for_an_engine_without_a_replay_socket(
     _end_interval(bridge, clock)
     assert [e.body["evidence"] for e in bridge.sink.heartbeats()] == [EVENTS, EVENTS, CONNECTED]
     assert bridge.sink.others() == [("SourceDisconnected", {"reason": DISCONNECTED})]
+
+
+def test_one_slow_probe_answer_is_not_silence(engines):
+    publisher, endpoint = engines.make()
+    clock = Clock()
+    bridge = engines.bridge(endpoint, clock, interval=2.0, probe_timeout=1.0)
+    publisher.publish([_stored(1)])
+    _pump(bridge, lambda: bridge.sink.seqs() == [0])
+    _end_interval(bridge, clock)  # events
+    publisher.answer_replay.clear()
+    clock.t += bridge.heartbeat_interval_s
+    _settle(bridge, 0.2)  # the probe is sent
+    publisher.answer_replay.set()  # ... and would be answered late: given up first
+    clock.t += bridge.probe_timeout_s
+    bridge.poll(0)
+    _settle(bridge, 0.3)  # the second probe, sent at once, is answered
+    assert bridge.sink.others() == [] and bridge.links[endpoint].down is None
+    assert [e.body["evidence"] for e in bridge.sink.heartbeats()] == [EVENTS, REPLAY]
 
 
 def test_a_replay_socket_that_stops_answering_says_the_source_down_once_until_it_answers_again(engines):
