@@ -37,10 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
                                    "covers the outage, and one that does not, which must be reported as a gap), "
                                    "table-recovery (a worker with an empty data dir rebuilds the tables from the "
                                    "changelogs and answers as before), engine-crash (three engines publish through "
-                                   "the bridge into two workers with a 3 s source lease; one is killed and "
-                                   "restarted, one killed for good: no answer may name a dead engine for more than "
-                                   "the lease + 5 s, and the final answers must name exactly what the engines alive "
-                                   "at the end hold). Prints progress and a summary table; writes "
+                                   "the bridge into two workers and a kvstream index with a 3 s source lease; one "
+                                   "is killed and restarted, one killed for good: with the bridge alive every "
+                                   "answer must be free of a killed engine within 1 s (p99), a blip's blocks must "
+                                   "answer again within 3 s, the final answers must name exactly what the engines "
+                                   "alive at the end hold, and with the bridge killed too no answer may name a dead "
+                                   "engine for more than the lease + 5 s). Prints progress and a summary table; writes "
                                    "the results as JSON. Exit code 1 if any run differs from the truth or fails "
                                    "a scenario check.",
                        epilog='Example: make chaos CHAOS_ARGS="--scenarios crash --runs 3 --output /tmp/crash.json"')

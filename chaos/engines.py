@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import traceback
@@ -26,6 +27,10 @@ class _Engine(threading.Thread):
     dead. The engine that is never killed stays up, idle, once it has published everything (the bridge's probes
     keep its lease).
 
+    Just before its kill, the engine asks every answerer about blocks it holds (:meth:`_DeadEngineWatch.named_now`):
+    ``named_before_kill`` says per API whether one answer named it, so that an engine absent from the answers after
+    its kill is known to have been in them before.
+
     After :meth:`join`, ``incarnations`` holds per process the batches it published (index = its seq) and
     ``error`` the traceback text of a failure.
     """
@@ -46,6 +51,8 @@ class _Engine(threading.Thread):
         self.incarnations: list[list[Batch]] = []
         #: Canonical hashes the current process has stored so far, each added before its batch is sent.
         self.stored: set[bytes] = set()
+        #: API -> whether an answer named the engine just before its kill (:meth:`_DeadEngineWatch.named_now`).
+        self.named_before_kill: dict[str, bool] = {}
         self.error: str | None = None
         self._halt = threading.Event()
 
@@ -61,6 +68,7 @@ class _Engine(threading.Thread):
             if self.kill_after is None or self._halt.is_set():
                 return
             held = naive_residency(self.incarnations[-1])
+            self.named_before_kill = self.watch.named_now(self.engine, sorted({identity[6] for identity in held}))
             killed_at = time.monotonic()
             self.publisher.kill()
             self.publisher = None
@@ -113,10 +121,13 @@ class _Kill:
     #: :attr:`_Engine.stored`); a block of the first not yet in the second is asked about.
     old_blocks: list[bytes] = field(default_factory=list)
     stored_since_restart: set = field(default_factory=set)
-    #: Latest answer naming the engine while it was dead, seconds after the kill; and which (API, worker).
+    #: Latest answer naming the engine while it was dead, seconds after the kill; and which (API, answerer).
     named_for_s: float = 0.0
     named_by: str | None = None
     named_after_kill: bool = False
+    #: Per answer (``"<API> <answerer URL>"``): ``[answers, seconds after the kill of the latest that named the
+    #: engine (0.0: none did)]``. From that time on every answer of that API and answerer was free of the engine.
+    answers: dict = field(default_factory=dict)
     #: Last time the watch asked about the engine while it was dead, seconds after the kill.
     watched_for_s: float = 0.0
     #: Per worker URL: seconds after the kill when GET /workers first said ``live: false``.
@@ -141,28 +152,50 @@ class _Kill:
                 return block
         return None
 
+    def free_after_s(self) -> list[float]:
+        """Per answer (API and answerer) the seconds after the kill from which it never named the engine again."""
+        return [named for _, named in self.answers.values()]
+
     def summary(self, bound_s: float) -> dict:
         """The kill's entry of the results file."""
         return {"engine": self.engine, "restarted_after_s": None if self.restarted_at is None
-                else round(self.restarted_at - self.killed_at, 2), "named_for_s": round(self.named_for_s, 2),
+                else round(self.restarted_at - self.killed_at, 3), "named_for_s": round(self.named_for_s, 3),
                 "bound_s": bound_s, "named_by": self.named_by, "named_after_kill": self.named_after_kill,
+                "free_after_s": {answer: round(named, 3) for answer, (_, named) in sorted(self.answers.items())},
                 "watched_for_s": round(self.watched_for_s, 2),
                 "down_seen_s": {url: round(v, 2) for url, v in self.down_seen_s.items()},
                 "held_blocks": len(self.blocks), "asked": self.asked,
                 "old_blocks": len(self.old_blocks), "old_asked": self.old_asked, "old_named_s": self.old_named_s}
 
 
-class _DeadEngineWatch(threading.Thread):
-    """Asks every worker, in a loop, the lookups a router makes about the engines that are dead now:
-    ``GET /workers`` (is it ``live``?), ``POST /prefix-match/`` and ``POST /query_by_hash`` of one block it held
-    when it was killed, each in turn; and, once an engine is back, ``POST /prefix-match/`` of blocks its dead
-    process held that the new one has not stored yet. Records when each answer last named a dead engine
-    (:class:`_Kill`). A 503 or an error is counted in ``errors``, not taken for an answer."""
+def percentile(values: list[float], q: float) -> float | None:
+    """The nearest-rank ``q`` quantile (0 < q <= 1) of ``values``; None when there are none."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
-    def __init__(self, urls: list[str], pause_s: float = 0.1) -> None:
+
+class _DeadEngineWatch(threading.Thread):
+    """Asks every answerer (the workers, a ``kvstream index``), in a loop, the lookups a router makes about the
+    engines that are dead now: ``GET /workers`` (is it ``live``?), ``POST /prefix-match/`` and ``POST /query_by_hash``
+    of one block it held when it was killed, and ``POST /query`` of the tokens of one (``queries``), each in turn;
+    and, once an engine is back, ``POST /prefix-match/`` of blocks its dead process held that the new one has not
+    stored yet. Records when each answer last named a dead engine (:class:`_Kill`). A 503 or an error is counted in
+    ``errors``, not taken for an answer.
+
+    Args:
+        urls: the answerers' base URLs.
+        queries: canonical block hash -> the token ids of a request whose last block it is (``POST /query``'s body;
+            the instances are registered with their block size); blocks without one are not asked by tokens.
+    """
+
+    def __init__(self, urls: list[str], pause_s: float = 0.1, queries: dict[bytes, list[int]] | None = None) -> None:
         super().__init__(daemon=True, name="dead-engine-watch")
+        self.urls = list(urls)
         self.clients = {url: IndexClient(url, timeout_s=10) for url in urls}
         self.pause_s = pause_s
+        self.queries = queries or {}
         self.kills: list[_Kill] = []
         self.asked = 0
         self.errors = 0
@@ -174,6 +207,26 @@ class _DeadEngineWatch(threading.Thread):
         """``engine`` was killed at ``at`` (monotonic), holding ``blocks``."""
         with self._lock:
             self.kills.append(_Kill(engine, at, blocks))
+
+    def named_now(self, engine: str, blocks: list[bytes], tries: int = 10) -> dict[str, bool]:
+        """Whether ``engine`` is named now, per API: ``POST /prefix-match/`` of up to ``tries`` of ``blocks`` and
+        ``POST /query`` of up to ``tries`` of those with tokens (:attr:`queries`), on every answerer, each API until
+        one answer names it. Its own connections: the watch's thread keeps using its clients meanwhile."""
+        found = {"POST /prefix-match/": False, "POST /query": False}
+        with_tokens = [b for b in blocks if b in self.queries]
+        for url in self.urls:
+            with IndexClient(url, timeout_s=10) as client:
+                for block in blocks[:tries]:
+                    answer = self._ask(url, client.prefix_match, [block])
+                    if answer is not None and any(m["instance_id"] == engine for m in answer["matches"]):
+                        found["POST /prefix-match/"] = True
+                        break
+                for block in with_tokens[:tries]:
+                    answer = self._ask(url, client.query, self.queries[block])
+                    if answer is not None and engine in answer["instances"]:
+                        found["POST /query"] = True
+                        break
+        return found
 
     def restarted(self, engine: str, at: float, old_blocks: list[bytes], stored: set[bytes]) -> None:
         """``engine`` is back since ``at`` (monotonic); ``old_blocks``: what its dead process held; ``stored``:
@@ -217,6 +270,11 @@ class _DeadEngineWatch(threading.Thread):
                     answer = self._ask(url, client.query_by_hash, [kill.next_block(kill.blocks)])
                     if answer is not None:
                         self._saw(kill, url, "POST /query_by_hash", kill.engine in answer["instances"])
+                    with_tokens = [b for b in kill.blocks if b in self.queries]
+                    if with_tokens:
+                        answer = self._ask(url, client.query, self.queries[kill.next_block(with_tokens)])
+                        if answer is not None:
+                            self._saw(kill, url, "POST /query", kill.engine in answer["instances"])
                 for kill in back:
                     block = kill.next_old_block()
                     answer = None if block is None else self._ask(url, client.prefix_match, [block])
@@ -244,7 +302,10 @@ class _DeadEngineWatch(threading.Thread):
             return  # asked while dead, answered after the restart: the engine is alive again
         kill.asked += 1
         kill.watched_for_s = max(kill.watched_for_s, now - kill.killed_at)
+        counted = kill.answers.setdefault(f"{api} {url}", [0, 0.0])
+        counted[0] += 1
         if named:
+            counted[1] = max(counted[1], now - kill.killed_at)
             kill.named_after_kill = True
             if now - kill.killed_at >= kill.named_for_s:
                 kill.named_for_s, kill.named_by = now - kill.killed_at, f"{api} {url}"
