@@ -34,14 +34,16 @@ def run_worker(settings: WorkerSettings) -> int:
     implementation of the hot path runs (:func:`stream_apps.hotpath.log_hotpath`).
     """
     from stream_apps.app import create_app
+    from stream_apps.web_access import check_exposure
 
+    # Faust's worker configures logging only once it runs, which is after the topics are created and the app is
+    # built; the same configuration now puts the hot path first in the log, formatted as the rest.
+    configure_logging(settings.log_level, settings.log_format)
+    check_exposure(settings, log)  # a non-loopback --web-bind without a token file: one line naming the flag
     if port_in_use(settings.web_port, settings.web_bind):  # before any topic or group is touched
         raise RuntimeError(f"port {settings.web_port} on {settings.web_bind} is in use by another program "
                            "(another worker?); choose --web-port")
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    # Faust's worker configures logging only once it runs, which is after the topics are created and the app is
-    # built; the same configuration now puts the hot path first in the log, formatted as the rest.
-    configure_logging(settings.log_level, settings.log_format)
     log_hotpath(log)
     stream_app = create_app(settings)
     topics = stream_app.declared_topics()

@@ -42,6 +42,7 @@ from stream_apps.checkpoint import (
     warn_on_long_gc_pauses,
 )
 from stream_apps.health import Readiness
+from stream_apps.index.api import configure_limits
 from stream_apps.index.fleet_index import FleetIndex
 from stream_apps.index.fresh import CLEAR_TIERS
 from stream_apps.index.liveness import SourceLeases, leases_from_sources_table, unregister_record
@@ -56,6 +57,15 @@ from stream_apps.settings import WorkerSettings
 from stream_apps.store import STORE_SCHEMES
 from stream_apps.tables import Tables, define_tables
 from stream_apps.views import register_views
+from stream_apps.web_access import (
+    AccessPolicy,
+    access_middleware,
+    body_limit_middleware,
+    client_ssl_context,
+    peer_client_class,
+    policy_from_settings,
+    server_ssl_context,
+)
 
 log = logging.getLogger(__name__)
 
@@ -140,17 +150,29 @@ def create_app(settings: WorkerSettings) -> StreamApp:
     """Build the Faust app of one worker: tables, agent, output producer, checkpoint, views, repartition
     process. Nothing is started; ``StreamApp.app.main()`` runs it."""
     consumer_fixes.install()
-    app = _faust_app(settings)
+    configure_limits(settings.max_body_bytes, settings.max_tokens, settings.max_hashes, settings.max_nesting_depth)
+    policy = policy_from_settings(settings)
+    app = _faust_app(settings, policy)
     stream_app, agent_progress = _write_path(app, settings)
-    _read_path(stream_app)
+    stream_app.metrics.access_policy = policy
+    _read_path(stream_app, policy)
     _checkpoint_hooks(stream_app, agent_progress)
     tune_gc()
     warn_on_long_gc_pauses()
     return stream_app
 
 
-def _faust_app(settings: WorkerSettings) -> faust.App:
+def _faust_app(settings: WorkerSettings, policy: AccessPolicy) -> faust.App:
     topics = settings.topics
+    server_tls = server_ssl_context(settings.web_tls_cert, settings.web_tls_key, settings.web_tls_client_ca)
+    web: dict = {"web_application_options": {"middlewares": [access_middleware(policy), body_limit_middleware()]}}
+    if server_tls is not None:
+        # the other workers forward lookups to https://<web host>:<port>, checking its certificate against
+        # --web-tls-ca (or the client CA) and presenting this worker's own certificate (mutual TLS)
+        peer_tls = client_ssl_context(settings.web_tls_ca or settings.web_tls_client_ca, settings.web_tls_cert,
+                                      settings.web_tls_key)
+        web.update(web_ssl_context=server_tls, canonical_url=f"https://{settings.web_host}:{settings.web_port}",
+                   HttpClient=peer_client_class(peer_tls))
     return faust.App(
         topics.scoped_app_id,  # the consumer group, and the prefix of Faust's changelog topics
         broker=[f"kafka://{server}" for server in settings.bootstrap_servers.split(",")],
@@ -167,6 +189,7 @@ def _faust_app(settings: WorkerSettings) -> faust.App:
         broker_credentials=broker_credentials(),
         table_standby_replicas=settings.standby_replicas,
         consumer_max_fetch_size=AGENT_FETCH_BYTES,
+        **web,
     )
 
 
@@ -215,7 +238,7 @@ def _write_path(app: faust.App, settings: WorkerSettings) -> tuple[StreamApp, Ag
                      metrics), agent_progress
 
 
-def _read_path(stream_app: StreamApp) -> None:
+def _read_path(stream_app: StreamApp, policy: AccessPolicy | None = None) -> None:
     """The fleet index, the sources' leases and their expiry, the registrations, and the views: the worker's read
     path."""
     settings, app, tables, outputs = stream_app.settings, stream_app.app, stream_app.tables, stream_app.outputs
@@ -253,7 +276,7 @@ def _read_path(stream_app: StreamApp) -> None:
                                                    settings.schema_registry_url, topics.schemas))
     register_views(app, tables, stream_app.materializer, index, index_feed.not_ready, stream_app.counters,
                    stream_app.readiness, stream_app.metrics, unregister,
-                   RegistrationWriter(settings.bootstrap_servers, topics.instances))
+                   RegistrationWriter(settings.bootstrap_servers, topics.instances), policy)
     expired: set[tuple[str, int]] = set()
 
     @app.timer(LEASE_CHECK_EVERY_S)

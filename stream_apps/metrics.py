@@ -28,6 +28,7 @@ from stream_apps.hotpath import Hotpath, hotpath
 from stream_apps.index.observe import ReadPathMetrics
 from stream_apps.repartition import RepartitionService, repartition_group
 from stream_apps.settings import WorkerSettings
+from stream_apps.web_access import refusals_family
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,9 @@ class WorkerMetrics(Collector):
         self.leases = None
         #: (view, status) -> HTTP requests answered.
         self.http_requests: Counter[tuple[str, int]] = Counter()
+        #: The web port's access policy (:mod:`stream_apps.web_access`), whose refusals are counted; set by
+        #: :func:`stream_apps.app.create_app`.
+        self.access_policy = None
         #: Rebalances this worker took part in (partition assignments received).
         self.rebalances = 0
         #: The hot path's implementation, fixed at import (:mod:`stream_apps.hotpath`).
@@ -180,6 +184,7 @@ class WorkerMetrics(Collector):
         for (view, status), count in sorted(self.http_requests.items()):
             http.add_metric([view, str(status)], count)
         yield http
+        yield refusals_family(self.access_policy)
         yield hotpath_family(self.hotpath)
         yield InfoMetricFamily("kvstream_rekeyed_reader", "Which consumer reads the re-keyed topic "
                                "(--rekeyed-reader): librdkafka (the worker's own) or faust",

@@ -18,7 +18,22 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from kafka_io.config import DEFAULT_BOOTSTRAP_SERVERS, DEFAULT_PARTITIONS, BootstrapServers
 from kafka_io.schema_registry import RegistryUrl, schema_registry_field
 from schemas.topics import TopicNames
+from stream_apps.index.api import MAX_BODY_BYTES, MAX_CHAIN_BLOCKS, MAX_NESTING_DEPTH, MAX_TOKENS
 from stream_apps.residency import SourceSettings, parse_tier_weights
+from stream_apps.web_settings import (
+    ApiTokenFile,
+    InsecureHttp,
+    MaxBodyBytes,
+    MaxHashes,
+    MaxNestingDepth,
+    MaxTokens,
+    ReadRequiresToken,
+    RegisterAllowCidr,
+    WebTlsCa,
+    WebTlsCert,
+    WebTlsClientCa,
+    WebTlsKey,
+)
 
 #: Default ``residency_cache`` of the RocksDB store: decoded entries. At most about 90 MB at 630-700 bytes an entry
 #: with its key (compiled records, ``python -m bench.row_memory``): the memory it had when an entry cost 920 bytes
@@ -144,6 +159,20 @@ class WorkerSettings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
     #: ``text``, or ``json``: one JSON object per line (kafka_io/logs.py).
     log_format: Literal["text", "json"] = Field("text", description="log format: text, or json (one object per line)")
+
+    # the web port: who may do what, HTTPS, body limits (stream_apps/web_settings.py; docs/security.md)
+    api_token_file: ApiTokenFile = None
+    read_requires_token: ReadRequiresToken = False
+    register_allow_cidr: RegisterAllowCidr = ""
+    insecure_http: InsecureHttp = False
+    web_tls_cert: WebTlsCert = None
+    web_tls_key: WebTlsKey = None
+    web_tls_client_ca: WebTlsClientCa = None
+    web_tls_ca: WebTlsCa = None
+    max_body_bytes: MaxBodyBytes = MAX_BODY_BYTES
+    max_tokens: MaxTokens = MAX_TOKENS
+    max_hashes: MaxHashes = MAX_CHAIN_BLOCKS
+    max_nesting_depth: MaxNestingDepth = MAX_NESTING_DEPTH
 
     @field_validator("clear_scope")
     @classmethod

@@ -23,18 +23,18 @@ from schemas import InvalidBlockHash, parse_block_hash
 from stream_apps.applier import Materializer
 from stream_apps.fleet import known_ownerships, occupancy_rows, source_rows
 from stream_apps.health import Readiness
+from stream_apps.index import api as index_api
 from stream_apps.index.api import IndexAPI, Reply
 from stream_apps.index.fleet_index import FleetIndex
 from stream_apps.metrics import WorkerMetrics
 from stream_apps.residency import key_partition, residency_key
 from stream_apps.store import PartitionNotHeld
 from stream_apps.tables import Tables
+from stream_apps.web_access import read_body
 
 #: Limits of POST /prefix-match/: request body bytes and block hashes per request.
 MAX_REQUEST_BYTES = 256 * 1024
 MAX_PREFIX_BLOCKS = 2048
-#: Largest body the router APIs read; a longer one is cut there and refused by the API as too long.
-MAX_INDEX_REQUEST_BYTES = 8 << 20 + 1
 
 
 def _row_json(ownership: str | None, row: dict) -> dict:
@@ -46,16 +46,10 @@ def _row_json(ownership: str | None, row: dict) -> dict:
                          "publisher_epoch": w["publisher_epoch"], "last_seq": w["seq"]} for w in row["workers"]]}
 
 
-async def _read_body(request, limit: int) -> bytes:
-    """The request body, or its first ``limit`` bytes if it is longer (``content.read(n)`` alone returns what
-    has arrived so far, which under load is part of the body)."""
-    body = bytearray()
-    while len(body) < limit:
-        chunk = await request.content.read(limit - len(body))
-        if not chunk:
-            break
-        body += chunk
-    return bytes(body)
+def index_request_bytes() -> int:
+    """Largest body the router APIs read (``--max-body-bytes`` and one byte): a longer one is cut there and refused
+    by the API as too long. (It was ``8 << 20 + 1``, which Python reads as ``8 << 21``: 16 MiB.)"""
+    return index_api.MAX_BODY_BYTES + 1
 
 
 class WorkerViews:
@@ -74,13 +68,17 @@ class WorkerViews:
             (``POST /unregister``).
         registrations: writes ``POST /register`` and ``/unregister`` to ``kv-instances``
             (:class:`~stream_apps.index.registrations.RegistrationWriter`), so every process has them.
+        policy: the web port's access policy (:mod:`stream_apps.web_access`): this worker's lookups forwarded to
+            another worker carry its token; None: no token.
     """
 
     def __init__(self, app: faust.App, tables: Tables, materializer: Materializer, index: FleetIndex,
                  index_not_ready: Callable[[], list[str]], counters: Callable[[], dict[str, int]],
                  readiness: Readiness, metrics: WorkerMetrics,
-                 unregister: Callable[[str, int | None, str], None] | None = None, registrations=None) -> None:
+                 unregister: Callable[[str, int | None, str], None] | None = None, registrations=None,
+                 policy=None) -> None:
         self.app = app
+        self.policy = policy
         self.tables = tables
         self.materializer = materializer
         self.index = index
@@ -139,7 +137,7 @@ class WorkerViews:
 
         class IndexView(faust.web.View):
             async def post(self, request):
-                body = await _read_body(request, MAX_INDEX_REQUEST_BYTES)
+                body = await read_body(request, index_request_bytes())
                 started = time.perf_counter()
                 answer = handler(body, request.headers.get("Content-Type"), request.headers.get("Accept"))
                 timer.observe(time.perf_counter() - started)
@@ -210,7 +208,10 @@ class WorkerViews:
         url = app.router.key_store(self.tables.residency.name, key)
         if (url.host, url.port) == (app.conf.canonical_url.host, app.conf.canonical_url.port):
             return self._entry_json(key)
-        async with app.http_client.get(url.with_path(f"/residency-key/{quote(key, safe='/')}/")) as response:
+        token = self.policy.peer_token() if self.policy is not None else None
+        headers = {"Authorization": f"Bearer {token}"} if token else None
+        async with app.http_client.get(url.with_path(f"/residency-key/{quote(key, safe='/')}/"),
+                                       headers=headers) as response:
             response.raise_for_status()
             return (await response.json())["rows"]
 

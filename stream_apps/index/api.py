@@ -48,6 +48,7 @@ from stream_apps.index.conductor import (
 )
 from stream_apps.index.fleet_index import DEFAULT_TENANT, FleetIndex, SourceInfo
 from stream_apps.index.registrations import reduced_registration
+from stream_apps.web_access import audit_change
 
 #: Largest request body, bytes (Dynamo's standalone indexer takes 8 MiB).
 MAX_BODY_BYTES = 8 << 20
@@ -55,6 +56,50 @@ MAX_BODY_BYTES = 8 << 20
 MAX_CHAIN_BLOCKS = 65_536
 #: Most tokens of one ``/query`` (2M tokens: beyond any context window served today).
 MAX_TOKENS = 2 << 20
+#: Deepest nesting of arrays and maps in a body decoded without a schema (``/query_by_hash``, ``/prefix-match/``,
+#: ``/register``, ``/unregister``; ``/query``'s schema takes none beyond its ``token_ids`` array). A deeper body
+#: is refused (400 ``too_deep``), as is one too deep for the decoder's own recursion limit.
+MAX_NESTING_DEPTH = 32
+#: The reason of a body nested too deep.
+TOO_DEEP = "too_deep"
+
+
+def configure_limits(max_body_bytes: int | None = None, max_tokens: int | None = None, max_hashes: int | None = None,
+                     max_nesting_depth: int | None = None) -> None:
+    """Set this process's body limits (``--max-body-bytes``, ``--max-tokens``, ``--max-hashes``,
+    ``--max-nesting-depth``); None keeps a limit as it is."""
+    global MAX_BODY_BYTES, MAX_TOKENS, MAX_CHAIN_BLOCKS, MAX_NESTING_DEPTH
+    if max_body_bytes is not None:
+        MAX_BODY_BYTES = max_body_bytes
+    if max_tokens is not None:
+        MAX_TOKENS = max_tokens
+    if max_hashes is not None:
+        MAX_CHAIN_BLOCKS = max_hashes
+    if max_nesting_depth is not None:
+        MAX_NESTING_DEPTH = max_nesting_depth
+
+
+def _too_deep() -> APIError:
+    return APIError(f"request body nested deeper than {MAX_NESTING_DEPTH} arrays and maps", TOO_DEEP)
+
+
+def check_nesting(value, limit: int | None = None) -> None:
+    """Refuse a decoded body whose arrays and maps nest deeper than ``limit`` (default
+    :data:`MAX_NESTING_DEPTH`); iterative, so no depth costs the stack.
+
+    Raises:
+        APIError: 400 ``too_deep``.
+    """
+    limit = MAX_NESTING_DEPTH if limit is None else limit
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            raise _too_deep()
+        children = item.values() if type(item) is dict else item
+        kinds = set(map(type, children))  # in C: an array of 65,536 hashes costs no Python loop
+        if list in kinds or dict in kinds:
+            stack.extend((child, depth + 1) for child in children if type(child) is list or type(child) is dict)
 
 JSON = "application/json"
 MSGPACK = "application/msgpack"
@@ -225,6 +270,7 @@ def decode_body(body: bytes, content_type: str | None) -> dict:
     """The request's body as a dict, from msgpack or JSON.
 
     Raises:
+        APIError: nested deeper than :data:`MAX_NESTING_DEPTH` (``too_deep``).
         BadRequest: too large (``too_large``), not decodable or not a map (the conductor's ``Invalid msgpack
             object``, ``invalid_msgpack``; for JSON ``invalid_json``, or ``invalid_type`` for another value).
     """
@@ -233,6 +279,8 @@ def decode_body(body: bytes, content_type: str | None) -> dict:
     msgpack = bool(content_type and "msgpack" in content_type)
     try:
         value = _msgpack_decode(body) if msgpack else _json_decode(body)
+    except RecursionError:
+        raise _too_deep() from None
     except msgspec.DecodeError as exc:
         if msgpack:
             raise BadRequest("Invalid msgpack object", INVALID_MSGPACK) from None
@@ -242,7 +290,19 @@ def decode_body(body: bytes, content_type: str | None) -> dict:
         if msgpack:
             raise BadRequest("Invalid msgpack object", INVALID_MSGPACK)
         raise BadRequest(f"request body must be a map, not {type(value).__name__}", INVALID_TYPE)
+    if _containers_at_most(body, msgpack) > MAX_NESTING_DEPTH:  # else no nesting can be deeper: no walk
+        check_nesting(value)
     return value
+
+
+#: Every byte that cannot start a JSON array or object, or a msgpack array or map (deleted to count the others).
+_NOT_JSON_CONTAINER = bytes(b for b in range(256) if b not in b"[{")
+_NOT_MSGPACK_CONTAINER = bytes(b for b in range(256) if not (0x80 <= b <= 0x9F or b in (0xDC, 0xDD, 0xDE, 0xDF)))
+
+
+def _containers_at_most(body: bytes, msgpack: bool) -> int:
+    """An upper bound of the arrays and maps in ``body`` (the bytes that could open one), counted in C."""
+    return len(body.translate(None, _NOT_MSGPACK_CONTAINER if msgpack else _NOT_JSON_CONTAINER))
 
 
 def _optional_str(request: dict, *names: str) -> str | None:
@@ -353,6 +413,8 @@ class IndexAPI:
                 if is_msgpack and refused.field is None and refused.reason == INVALID_TYPE:
                     raise BadRequest("Invalid msgpack object", INVALID_MSGPACK) from None  # not a map
                 raise refused from None
+            except RecursionError:
+                raise _too_deep() from None
             except msgspec.DecodeError as exc:
                 if is_msgpack:
                     raise BadRequest("Invalid msgpack object", INVALID_MSGPACK) from None
@@ -423,6 +485,8 @@ class IndexAPI:
         success = {"status": "registered successfully", "instance_id": registration.instance_id}
         if info is None:
             return encode(success, msgpack)  # the exact same active registration: nothing to write
+        with self.index.lock:
+            before = self.index.sources.get(registration.instance_id)
         if self._on_register is not None:
             self._on_register(info)
         if self._registrations is not None:
@@ -432,6 +496,7 @@ class IndexAPI:
                 return encode({"error": f"the registration was not written: {exc}; retry"}, msgpack, 503)
         with self.index.lock:
             self.index.sources.put(info)
+        audit_change("register", registration.instance_id, before, info)
         return encode(success, msgpack)
 
     def _known_from_events(self, instance: str, rank: int) -> bool:
@@ -478,6 +543,8 @@ class IndexAPI:
                     self.index.sources.unregister(instance)
                 else:
                     self.index.sources.put(remaining)
+        audit_change("unregister", service_key(instance, tenant, rank), known if registered else "known from events",
+                     remaining if registered else "cleared on every tier")
         return encode({"status": "unregistered successfully",
                        "removed_instances": [service_key(instance, tenant, rank)]}, msgpack)
 

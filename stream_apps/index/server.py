@@ -27,7 +27,7 @@ from kafka_io.admin import cluster_metadata
 from kafka_io.schema_registry import reader_codec
 from schemas.topics import TopicNames
 from stream_apps.hotpath import log_hotpath
-from stream_apps.index.api import IndexAPI, Reply
+from stream_apps.index.api import IndexAPI, Reply, configure_limits
 from stream_apps.index.conductor import finish_answer
 from stream_apps.index.events_feed import EventsFeed
 from stream_apps.index.feed import ChangelogFeed
@@ -36,6 +36,16 @@ from stream_apps.index.fresh import CLEAR_TIERS
 from stream_apps.index.liveness import DEFAULT_LEASE_S, SourceLeases, SourcesFeed, write_unregister
 from stream_apps.index.observe import ReadPathMetrics
 from stream_apps.index.registrations import RegistrationsFeed, RegistrationWriter
+from stream_apps.web_access import (
+    AccessPolicy,
+    access_middleware,
+    body_limit_middleware,
+    check_exposure,
+    policy_from_settings,
+    read_body,
+    refusals_family,
+    server_ssl_context,
+)
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +78,8 @@ class IndexMetrics:
         #: The read path's histograms and per-source gauge (:mod:`stream_apps.index.observe`).
         self.read_path = ReadPathMetrics(index.leases)
         self.registry.register(self.read_path)
+        #: The web port's access policy, whose refusals are counted (set by :func:`build_web_app`).
+        self.policy: AccessPolicy | None = None
 
     def collect(self):
         """The metric families (prometheus_client's collector protocol)."""
@@ -91,6 +103,7 @@ class IndexMetrics:
         for (view, status), n in sorted(self.http_requests.items()):
             requests.add_metric([view, str(status)], n)
         yield requests
+        yield refusals_family(self.policy)
 
     def render(self) -> bytes:
         """The text exposition format."""
@@ -105,18 +118,22 @@ def _response(reply: Reply) -> web.Response:
 POST_PATHS = ("/query", "/query_by_hash", "/prefix-match", "/register", "/unregister")
 
 
-def build_web_app(api: IndexAPI, feed: ChangelogFeed, metrics: IndexMetrics) -> web.Application:
+def build_web_app(api: IndexAPI, feed: ChangelogFeed, metrics: IndexMetrics,
+                  policy: AccessPolicy | None = None) -> web.Application:
     """The aiohttp application of ``kvstream index``: the router APIs, ``/health``, ``/ready``, ``/metrics``.
 
-    Every path answers with and without its trailing slash (routers write both)."""
-    app = web.Application(client_max_size=api_body_limit())
+    Every path answers with and without its trailing slash (routers write both). ``policy`` decides who may do what
+    (:mod:`stream_apps.web_access`); None: everything is open (a test's or an embedding's application)."""
+    middlewares = [body_limit_middleware()] + ([access_middleware(policy)] if policy is not None else [])
+    app = web.Application(client_max_size=api_body_limit(), middlewares=middlewares)
+    metrics.policy = policy
     counts = metrics.http_requests
 
     def post(view: str, handler):
         timer = metrics.read_path.queries.labels(view)
 
         async def serve(request: web.Request) -> web.Response:
-            body = await request.read()
+            body = await read_body(request, api_body_limit())
             started = time.perf_counter()
             reply = handler(body, request.headers.get("Content-Type"), request.headers.get("Accept"))
             timer.observe(time.perf_counter() - started)
@@ -184,8 +201,9 @@ def build_web_app(api: IndexAPI, feed: ChangelogFeed, metrics: IndexMetrics) -> 
 def api_body_limit() -> int:
     """Largest request body the server reads (:data:`stream_apps.index.api.MAX_BODY_BYTES` and a little more, so
     that the API, not aiohttp, names the limit)."""
-    from stream_apps.index.api import MAX_BODY_BYTES
-    return MAX_BODY_BYTES + 1024
+    from stream_apps.index import api
+
+    return api.MAX_BODY_BYTES + 1024
 
 
 def open_sources_feed(index: FleetIndex, bootstrap_servers: str, topics: TopicNames, schema_registry_url: str,
@@ -228,6 +246,10 @@ def run_index(settings) -> int:
         RuntimeError: the brokers did not answer within :data:`kafka_io.config.CONNECT_TIMEOUT_S` at start (as
             ``kvstream worker`` does: a wrong address is said at once, not by a replica that answers 503 for ever).
     """
+    check_exposure(settings, log)  # before any connection: a one-line refusal naming the flag
+    ssl_context = server_ssl_context(settings.web_tls_cert, settings.web_tls_key, settings.web_tls_client_ca)
+    policy = policy_from_settings(settings)
+    configure_limits(settings.max_body_bytes, settings.max_tokens, settings.max_hashes, settings.max_nesting_depth)
     cluster_metadata(settings.bootstrap_servers)
     index = FleetIndex(settings.weights, settings.default_block_size)
     feed = open_feed(index, settings.bootstrap_servers, settings.topics, settings.schema_registry_url)
@@ -243,10 +265,11 @@ def run_index(settings) -> int:
         write_unregister(settings.bootstrap_servers, settings.topics.kv_events, instance, rank, reason)
 
     api = IndexAPI(index, feed.not_ready, on_unregister=unregister,
+                   prefix_match_limits=(settings.max_body_bytes, settings.max_hashes),
                    registrations=RegistrationWriter(settings.bootstrap_servers, settings.topics.instances))
     metrics = IndexMetrics(index, feed)
     events.on_applied = metrics.read_path.applied
-    app = build_web_app(api, feed, metrics)
+    app = build_web_app(api, feed, metrics, policy)
 
     async def start_feed(app: web.Application) -> None:
         app["feed"] = asyncio.get_running_loop().create_task(feed.run())
@@ -264,9 +287,10 @@ def run_index(settings) -> int:
     app.on_startup.append(start_feed)
     app.on_cleanup.append(stop_feed)
     log_hotpath(log)
-    log.info("index: serving the router APIs on http://%s:%d (reading %s)", settings.web_bind, settings.web_port,
-             feed.topic)
-    web.run_app(app, host=settings.web_bind, port=settings.web_port, print=None, access_log=None)
+    log.info("index: serving the router APIs on %s://%s:%d (reading %s; %s)", "https" if ssl_context else "http",
+             settings.web_bind, settings.web_port, feed.topic, policy.describe())
+    web.run_app(app, host=settings.web_bind, port=settings.web_port, print=None, access_log=None,
+                ssl_context=ssl_context)
     return 0
 
 

@@ -16,8 +16,22 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from kafka_io.config import DEFAULT_BOOTSTRAP_SERVERS, BootstrapServers
 from kafka_io.schema_registry import RegistryUrl, schema_registry_field
 from schemas.topics import TopicNames
+from stream_apps.index.api import MAX_BODY_BYTES, MAX_CHAIN_BLOCKS, MAX_NESTING_DEPTH, MAX_TOKENS
 from stream_apps.index.fleet_index import DEFAULT_BLOCK_SIZE
 from stream_apps.residency import parse_tier_weights
+from stream_apps.web_settings import (
+    ApiTokenFile,
+    InsecureHttp,
+    MaxBodyBytes,
+    MaxHashes,
+    MaxNestingDepth,
+    MaxTokens,
+    ReadRequiresToken,
+    RegisterAllowCidr,
+    WebTlsCert,
+    WebTlsClientCa,
+    WebTlsKey,
+)
 
 
 class IndexSettings(BaseSettings):
@@ -51,6 +65,19 @@ class IndexSettings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
     #: ``text``, or ``json`` (one JSON object per line).
     log_format: Literal["text", "json"] = Field("text", description="log format: text, or json (one object per line)")
+
+    # the web port: who may do what, HTTPS, body limits (stream_apps/web_settings.py; docs/security.md)
+    api_token_file: ApiTokenFile = None
+    read_requires_token: ReadRequiresToken = False
+    register_allow_cidr: RegisterAllowCidr = ""
+    insecure_http: InsecureHttp = False
+    web_tls_cert: WebTlsCert = None
+    web_tls_key: WebTlsKey = None
+    web_tls_client_ca: WebTlsClientCa = None
+    max_body_bytes: MaxBodyBytes = MAX_BODY_BYTES
+    max_tokens: MaxTokens = MAX_TOKENS
+    max_hashes: MaxHashes = MAX_CHAIN_BLOCKS
+    max_nesting_depth: MaxNestingDepth = MAX_NESTING_DEPTH
 
     @field_validator("tier_weights")
     @classmethod
