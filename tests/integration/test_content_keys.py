@@ -6,7 +6,8 @@ One worker of its own app, under a topic prefix of its own, consumes:
 
 - a vLLM-shaped engine: a GPU store of three blocks with tokens (through the bridge's path, split and encoded in
   one step), the offload connector's tokenless CPU store of the middle block, then the GPU removal of that block;
-- a store written by a producer of before kv_event v4 (no content hash), which the repartition process gives one;
+- a store written by a producer of before kv_event v4 (no content hash), which the repartition process gives one, and
+  one without ``extra_keys``, which does not say its extra keys and gets none;
 - a slice of the Mooncake trace through the simulator, whose GPU stores carry content hashes without tokens.
 """
 
@@ -36,8 +37,9 @@ APP_ID = "content-keys"
 #: The vLLM engine's blocks: a chain 0xC0 -> 0xC1 -> 0xC2 -> 0xC3, of which it stores the last three.
 PARENT, FIRST, MIDDLE, LAST = 0xC0, 0xC1, 0xC2, 0xC3
 TOKENS = list(range(1000, 1012))
-#: A block stored by a producer that wrote kv_event v3 (no content_hash field).
-OLD_BLOCK, OLD_TOKENS = 0xD1, [7, 7, 7, 7]
+#: Blocks stored by a producer that wrote kv_event v3 (no content_hash field): a vLLM 0.33 GPU store, and one without
+#: ``extra_keys`` (a salted or LoRA block for all anyone knows).
+OLD_BLOCK, UNSAID_BLOCK, OLD_TOKENS = 0xD1, 0xD2, [7, 7, 7, 7]
 
 
 def _h(block: int) -> bytes:
@@ -58,14 +60,15 @@ def _publish(bootstrap: str, topics: TopicNames) -> None:
     replay_to_kafka(load_trace(limit=80), producer, FleetConfig(gpu_blocks=500, cpu_blocks=100, kvcr_blocks=5000,
                                                                 clear_instance=None))
     producer.flush(60)
-    # a record as a v3 producer wrote it: the same store, without content_hash
-    record = split_event(Publisher("old-producer"), 0, 1767230000.0, 0, {
-        "type": "BlockStored", "block_hashes": [OLD_BLOCK], "parent_block_hash": None, "token_ids": OLD_TOKENS,
-        "block_size": 4, "lora_id": None, "medium": "GPU", "lora_name": None})[0]
-    body = {k: v for k, v in record["event"][1].items() if k != "content_hash"}
+    # records as a v3 producer wrote them: the same stores, without content_hash
     old = Producer(client_config(bootstrap))
-    old.produce(topics.kv_events, key=record["block_hash"], partition=0,
-                value=AvroCodec("kv_event", 3).encode({**record, "event": (BLOCK_STORED, body)}))
+    store = {"type": "BlockStored", "block_hashes": [OLD_BLOCK], "parent_block_hash": None, "token_ids": OLD_TOKENS,
+             "block_size": 4, "lora_id": None, "medium": "GPU", "lora_name": None}
+    for seq, event in enumerate([{**store, "extra_keys": [None]}, {**store, "block_hashes": [UNSAID_BLOCK]}]):
+        record = split_event(Publisher("old-producer"), seq, 1767230000.0, 0, event)[0]
+        body = {k: v for k, v in record["event"][1].items() if k != "content_hash"}
+        old.produce(topics.kv_events, key=record["block_hash"], partition=0,
+                    value=AvroCodec("kv_event", 3).encode({**record, "event": (BLOCK_STORED, body)}))
     old.flush(30)
 
 
@@ -109,6 +112,8 @@ def test_an_entry_whose_gpu_copy_was_removed_keeps_the_content_of_its_tokenless_
 def test_a_store_of_an_older_producer_gets_its_content_hash_in_the_repartition_process(table):
     entry = _entry(table, OLD_BLOCK)
     assert (entry["parent_block_hash"], entry["content_hash"]) == (None, content_hash(OLD_TOKENS))
+    unsaid = _entry(table, UNSAID_BLOCK)  # no extra_keys: its tokens alone may be another namespace's content
+    assert (unsaid["parent_block_hash"], unsaid["content_hash"]) == (None, None)
 
 
 def test_simulated_entries_carry_the_content_hashes_of_their_trace_blocks_tokens(table):

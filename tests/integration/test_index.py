@@ -38,6 +38,10 @@ def _hashes(seed: int, n: int = 4) -> list[int]:
 
 
 def _stored(hashes, tokens, parent=None, medium="GPU", extra_keys=None, lora_name=None):
+    """A GPU store as vLLM 0.33's block pool sends it: ``extra_keys`` with an entry per block (None: no keys); a
+    store without tokens (the CPU tier's) sends none, as its offloading connector does."""
+    if extra_keys is None and tokens:
+        extra_keys = [None] * len(hashes)
     return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
             "block_size": BLOCK, "lora_id": None, "medium": medium, "lora_name": lora_name, "group_idx": 0,
             **({"extra_keys": extra_keys} if extra_keys is not None else {})}

@@ -37,9 +37,10 @@ TOKENS = list(range(3000, 3016))
 
 
 def _stored(seed: int) -> dict:
+    """A GPU store as vLLM 0.33's block pool sends it, ``extra_keys`` included (a store without says no content)."""
     return {"type": "BlockStored", "block_hashes": [(seed << 32) + i for i in range(1, 5)], "parent_block_hash": None,
             "token_ids": TOKENS, "block_size": 4, "lora_id": None, "medium": "GPU", "lora_name": None,
-            "group_idx": 0}
+            "extra_keys": [None] * 4, "group_idx": 0}
 
 
 def _post(url: str, body: dict) -> tuple[int, dict]:
