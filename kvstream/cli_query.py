@@ -24,6 +24,23 @@ def _error(message: str) -> None:
     print(f"kvstream query: error: {message}", file=sys.stderr)
 
 
+def _urlopen(settings, request, timeout: float):
+    """``urllib.request.urlopen`` with the settings' token (``Authorization: Bearer``) and, for an https:// URL,
+    their TLS context (``--web-ca``, ``--web-client-cert``)."""
+    from stream_apps.web_access import client_ssl_context
+
+    if isinstance(request, str):
+        request = urllib.request.Request(request)
+    options = settings.client_options()
+    if options["token"]:
+        request.add_header("Authorization", f"Bearer {options['token']}")
+    context = None
+    if request.full_url.startswith("https://"):
+        context = client_ssl_context(options["ca_file"], options["cert_file"], options["key_file"],
+                                     options["key_password"])
+    return urllib.request.urlopen(request, timeout=timeout, context=context)
+
+
 def add_query(sub: argparse._SubParsersAction) -> None:
     """``kvstream query``: which view, its block hashes or token ids, and the tokens' options."""
     from kvstream.settings import QuerySettings
@@ -78,7 +95,8 @@ def _query_tokens(args: argparse.Namespace, settings) -> int:
     options = {"model_name": args.model, "lora_name": args.lora_name, "cache_salt": args.cache_salt,
                "block_size": args.block_size}
     try:
-        with IndexClient(settings.worker_url, timeout_s=settings.request_timeout_s) as client:
+        with IndexClient(settings.worker_url, timeout_s=settings.request_timeout_s,
+                         **settings.client_options()) as client:
             answer = client.query(tokens, **options)
     except IndexQueryError as exc:
         _error(str(exc))
@@ -100,7 +118,7 @@ def _empty_because_down(settings, answer: dict) -> str | None:
     if any(answer.get(field) for field in ("rows", "matches", "instances")):
         return None
     try:
-        with urllib.request.urlopen(settings.worker_url + "/workers", timeout=settings.request_timeout_s) as response:
+        with _urlopen(settings, settings.worker_url + "/workers", settings.request_timeout_s) as response:
             sources = json.loads(response.read())["workers"]
         down = sum(1 for source in sources if source.get("live") is False)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -138,7 +156,7 @@ def _wait_caught_up(settings, poll_s: float = 1.0) -> int:
     settled = None  # the occupancy of the last caught-up answer
     while True:
         try:
-            with urllib.request.urlopen(url, timeout=settings.request_timeout_s) as response:
+            with _urlopen(settings, url, settings.request_timeout_s) as response:
                 answer = json.loads(response.read())
         except urllib.error.HTTPError as exc:
             _error(f"--wait-caught-up: {url} answered HTTP {exc.code}: it needs a stream-app worker's URL "
@@ -203,7 +221,7 @@ def _cmd_query(args: argparse.Namespace) -> int:
     request = urllib.request.Request(settings.worker_url + path, data=data,
                                      headers={"Content-Type": "application/json"} if data else {})
     try:
-        with urllib.request.urlopen(request, timeout=settings.request_timeout_s) as response:
+        with _urlopen(settings, request, settings.request_timeout_s) as response:
             answer = json.loads(response.read())
         print(json.dumps(answer, indent=2))
         if args.what in ("residency", "prefix-match") and (warning := _empty_because_down(settings, answer)):

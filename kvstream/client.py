@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import array
 import http.client
+import ssl
 import sys
 import urllib.parse
 from collections.abc import Sequence
@@ -78,7 +79,12 @@ def _hash_value(block_hash: bytes | int | str) -> int | str:
 
 
 def _answer(status: int, data: bytes):
-    value = _decode(data) if data else {}
+    try:
+        value = _decode(data) if data else {}
+    except msgspec.DecodeError:  # not msgpack: a proxy's or a server's own page
+        if status >= 400:
+            raise IndexQueryError(status, data[:200].decode(errors="replace")) from None
+        raise
     if status >= 400:
         if isinstance(value, dict):
             raise IndexQueryError(status, value.get("error", ""), value)
@@ -90,32 +96,59 @@ def _unregister_body(instance_id: str, dp_rank: int, tenant_id: str | None) -> d
     return {"instance_id": instance_id, "dp_rank": dp_rank, **({"tenant_id": tenant_id} if tenant_id else {})}
 
 
+def _tls_context(ssl_context: ssl.SSLContext | None, ca_file, cert_file, key_file, key_password) -> ssl.SSLContext:
+    if ssl_context is not None:
+        return ssl_context
+    from stream_apps.web_access import client_ssl_context
+
+    return client_ssl_context(ca_file, cert_file, key_file, key_password)
+
+
+def _auth_headers(token: str | None) -> dict:
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
 class IndexClient:
     """Synchronous client of ``/query``, ``/query_by_hash``, ``/prefix-match/``, ``/register``, ``/unregister``,
     ``/services``, ``/global_view`` and ``/workers``.
 
     Args:
-        url: the index's or a worker's base URL (``http://HOST:PORT``).
+        url: the index's or a worker's base URL (``http://HOST:PORT`` or ``https://HOST:PORT``).
         timeout_s: per request (Mooncake's proxy waits 1 s).
+        token: sent as ``Authorization: Bearer <token>`` (one of the servers' ``--api-token-file``); needed for
+            ``register`` and ``unregister``, and for reads of a server started with ``--read-requires-token``.
+        ssl_context: the TLS context of an ``https://`` URL; else one built from ``ca_file`` (PEM; None: the
+            system's CAs), and ``cert_file``, ``key_file``, ``key_password`` for a server that requires a client
+            certificate (mutual TLS).
 
     Raises (from every call):
         IndexQueryError: the index answered 4xx or 5xx (``status`` 503: not caught up yet, retry).
         OSError: nothing answered.
     """
 
-    def __init__(self, url: str, timeout_s: float = 1.0) -> None:
+    def __init__(self, url: str, timeout_s: float = 1.0, *, token: str | None = None,
+                 ssl_context: ssl.SSLContext | None = None, ca_file=None, cert_file=None, key_file=None,
+                 key_password: str | None = None) -> None:
         parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("http", "") or not parts.hostname:
-            raise ValueError(f"index URL {url!r}: expected http://HOST:PORT")
-        self._host, self._port, self._timeout = parts.hostname, parts.port or 80, timeout_s
+        if parts.scheme not in ("http", "https", "") or not parts.hostname:
+            raise ValueError(f"index URL {url!r}: expected http://HOST:PORT or https://HOST:PORT")
+        self._https = parts.scheme == "https"
+        self._host, self._port, self._timeout = parts.hostname, parts.port or (443 if self._https else 80), timeout_s
+        self._tls = _tls_context(ssl_context, ca_file, cert_file, key_file, key_password) if self._https else None
+        self._auth = _auth_headers(token)
         self._connection: http.client.HTTPConnection | None = None
+
+    def _connect(self) -> http.client.HTTPConnection:
+        if self._https:
+            return http.client.HTTPSConnection(self._host, self._port, timeout=self._timeout, context=self._tls)
+        return http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
 
     def _request(self, method: str, path: str, body: dict | None = None):
         data = None if body is None else _encode(body)
-        headers = {"Accept": _MSGPACK, **({"Content-Type": _MSGPACK} if data is not None else {})}
+        headers = {"Accept": _MSGPACK, **self._auth, **({"Content-Type": _MSGPACK} if data is not None else {})}
         for attempt in (0, 1):  # one retry: a kept-alive connection the server closed meanwhile
             if self._connection is None:
-                self._connection = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
+                self._connection = self._connect()
             try:
                 self._connection.request(method, path, body=data, headers=headers)
                 response = self._connection.getresponse()
@@ -180,22 +213,28 @@ class IndexClient:
 
 
 class AsyncIndexClient:
-    """:class:`IndexClient` on aiohttp, for routers built on asyncio; use as ``async with``."""
+    """:class:`IndexClient` on aiohttp, for routers built on asyncio; use as ``async with`` (the same arguments)."""
 
-    def __init__(self, url: str, timeout_s: float = 1.0) -> None:
+    def __init__(self, url: str, timeout_s: float = 1.0, *, token: str | None = None,
+                 ssl_context: ssl.SSLContext | None = None, ca_file=None, cert_file=None, key_file=None,
+                 key_password: str | None = None) -> None:
         import aiohttp
 
         self._url = url.rstrip("/")
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._tls = _tls_context(ssl_context, ca_file, cert_file, key_file, key_password) \
+            if self._url.startswith("https://") else None
+        self._auth = _auth_headers(token)
         self._session: aiohttp.ClientSession | None = None
 
     async def _request(self, method: str, path: str, body: dict | None = None):
         import aiohttp
 
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout)
+            connector = aiohttp.TCPConnector(ssl=self._tls) if self._tls is not None else None
+            self._session = aiohttp.ClientSession(timeout=self._timeout, connector=connector)
         data = None if body is None else _encode(body)
-        headers = {"Accept": _MSGPACK, **({"Content-Type": _MSGPACK} if data is not None else {})}
+        headers = {"Accept": _MSGPACK, **self._auth, **({"Content-Type": _MSGPACK} if data is not None else {})}
         async with self._session.request(method, self._url + path, data=data, headers=headers) as response:
             return _answer(response.status, await response.read())
         raise aiohttp.ClientError("unreachable")

@@ -26,6 +26,7 @@ from schemas.topics import (
     TABLE_FAMILIES,
     TopicNames,
 )
+from stream_apps.web_settings import ClientCa, ClientCert, ClientKey, ClientKeyPasswordFile, ClientTokenFile
 
 _OFFSETS = re.compile(r"^\d+$|^\d+:\d+(,\d+:\d+)*$")
 
@@ -129,6 +130,30 @@ class QuerySettings(BaseSettings):
                                                     "global tables have settled, progress on standard error")
     #: Longest wait of ``wait_caught_up``, in seconds.
     wait_timeout_s: float = Field(600.0, gt=0, description="longest wait of --wait-caught-up, seconds")
+    # the web port's token and TLS, as the servers were given them (docs/security.md)
+    api_token_file: ClientTokenFile = None
+    web_ca: ClientCa = None
+    web_client_cert: ClientCert = None
+    web_client_key: ClientKey = None
+    web_client_key_password_file: ClientKeyPasswordFile = None
+
+    def client_options(self) -> dict:
+        """The token and TLS arguments of :class:`kvstream.client.IndexClient` (the token file read now).
+
+        Raises:
+            ValueError: the token file or a key password file cannot be read.
+        """
+        from stream_apps.web_access import read_token
+
+        password = None
+        if self.web_client_key_password_file is not None:
+            try:
+                password = self.web_client_key_password_file.read_text().strip()
+            except OSError as exc:
+                raise ValueError(f"--web-client-key-password-file {self.web_client_key_password_file}: "
+                                 f"{exc.strerror or exc}") from None
+        return {"token": read_token(self.api_token_file), "ca_file": self.web_ca, "cert_file": self.web_client_cert,
+                "key_file": self.web_client_key, "key_password": password}
 
     @field_validator("worker_url")
     @classmethod

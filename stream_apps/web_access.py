@@ -69,15 +69,6 @@ class TokenFile:
         self._tokens: list[tuple[str, bytes]] = []
         self.tokens()
 
-    def check_readable(self) -> None:
-        """Raise ValueError naming the flag if the file cannot be read or holds no token (at start)."""
-        try:
-            parsed = _parse_tokens(self.path.read_text())
-        except OSError as exc:
-            raise ValueError(f"--api-token-file {self.path}: {exc.strerror or exc}") from None
-        if not parsed:
-            raise ValueError(f"--api-token-file {self.path}: holds no token (one a line)")
-
     def tokens(self) -> list[tuple[str, bytes]]:
         """(name, token) of every valid token, re-read if the file changed since the last call."""
         try:
@@ -256,7 +247,7 @@ def access_middleware(policy: AccessPolicy):
         verdict = policy.verdict(request.method, request.path, request.remote, request.headers.get("Authorization"))
         if not verdict.allowed:
             headers = {"WWW-Authenticate": 'Bearer realm="kvstream"'} if verdict.status == 401 else None
-            return web.json_response(verdict.body, status=verdict.status, headers=headers)
+            return refusal_response(request, verdict.body, verdict.status, headers)
         token = current_principal.set(f"{verdict.who}, peer {request.remote}")
         try:
             return await handler(request)
@@ -307,15 +298,26 @@ def body_limit_middleware(limit=None):
     async def check_body(request, handler):
         allowed = limit()
         if request.content_length is not None and request.content_length > allowed:
-            return web.json_response({"error": f"request body of {request.content_length} bytes (limit "
-                                               f"{allowed - 1024})", "reason": "too_large"}, status=413,
-                                     headers={"Connection": "close"})
+            return refusal_response(request, {"error": f"request body of {request.content_length} bytes (limit "
+                                                      f"{allowed - 1024})", "reason": "too_large"}, 413,
+                                    {"Connection": "close"})
         try:
             return await handler(request)
         except IncompleteBody as exc:
-            return web.json_response({"error": f"the request body stopped before its end: {exc}",
-                                      "reason": "incomplete_body"}, status=400)
+            return refusal_response(request, {"error": f"the request body stopped before its end: {exc}",
+                                              "reason": "incomplete_body"}, 400)
     return check_body
+
+
+def refusal_response(request, body: dict, status: int, headers: dict | None = None):
+    """An aiohttp response of a refusal's error map, in msgpack or JSON as the router APIs answer (``Accept``,
+    else the request's own type: Mooncake's proxy reads msgpack)."""
+    from aiohttp import web
+
+    from stream_apps.index.api import encode, wants_msgpack
+
+    reply = encode(body, wants_msgpack(request.headers.get("Content-Type"), request.headers.get("Accept")), status)
+    return web.Response(status=status, body=reply.body, content_type=reply.content_type, headers=headers)
 
 
 def refusals_family(policy: AccessPolicy | None):
@@ -365,7 +367,7 @@ def check_exposure(settings, log_to: logging.Logger | None = None) -> None:
     """
     out = log_to or log
     if settings.api_token_file is not None:
-        TokenFile(settings.api_token_file).check_readable()
+        read_token(settings.api_token_file)  # readable, and holds a token: else one line naming the flag
         return
     if is_loopback(settings.web_bind):
         return
@@ -455,5 +457,5 @@ def read_token(path: Path | str | None) -> str | None:
     except OSError as exc:
         raise ValueError(f"--api-token-file {path}: {exc.strerror or exc}") from None
     if not tokens:
-        raise ValueError(f"--api-token-file {path}: holds no token")
+        raise ValueError(f"--api-token-file {path}: holds no token (one a line: TOKEN, or NAME TOKEN)")
     return tokens[0][1].decode()

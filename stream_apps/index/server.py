@@ -73,13 +73,13 @@ class IndexMetrics:
         self.index, self.feed = index, feed
         #: (view, HTTP status) -> answers.
         self.http_requests: Counter = Counter()
+        #: The web port's access policy, whose refusals are counted (set by :func:`build_web_app`).
+        self.policy: AccessPolicy | None = None
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(self)
         #: The read path's histograms and per-source gauge (:mod:`stream_apps.index.observe`).
         self.read_path = ReadPathMetrics(index.leases)
         self.registry.register(self.read_path)
-        #: The web port's access policy, whose refusals are counted (set by :func:`build_web_app`).
-        self.policy: AccessPolicy | None = None
 
     def collect(self):
         """The metric families (prometheus_client's collector protocol)."""
