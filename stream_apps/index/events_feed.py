@@ -239,7 +239,7 @@ class EventsFeed:
                 continue
             if kind == SOURCE_UNREGISTERED:
                 if live:
-                    fresh.retire(kind, instance, None if body["all_ranks"] else rank, None, None)
+                    fresh.retire(kind, instance, None if body["all_ranks"] else rank, None, None, item["ts"])
                 continue
             if leases is not None:
                 leases.heard(instance, rank, at)
@@ -247,9 +247,9 @@ class EventsFeed:
                 continue
             position = (item["publisher_epoch"], item["seq"], item["batch_index"])
             if kind == ALL_BLOCKS_CLEARED:
-                fresh.retire(kind, instance, rank, clear_tiers, position)
+                fresh.retire(kind, instance, rank, clear_tiers, position, item["ts"])
             elif kind == PUBLISHER_RESTARTED:
-                fresh.retire(kind, instance, rank, None, position)
+                fresh.retire(kind, instance, rank, None, position, item["ts"])
         if leases is not None:
             for source, last in heard.items():  # once per source and batch: a lock and a dict write, not per event
                 leases.heard(*source, last)

@@ -208,13 +208,14 @@ class FreshLayer:
     # -- source-wide events --------------------------------------------------------------------------------
 
     def retire(self, kind: str, instance_id: str, data_parallel_rank: int | None, tiers: frozenset[str] | None,
-               position: Position | None) -> bool:
+               position: Position | None, written_at: float = 0.0) -> bool:
         """A source's holders leave the index at once: a clear (``tiers``: the tiers in its scope), a publisher
         restart or an unregistration (``tiers`` None: every tier and ownership). ``data_parallel_rank`` None: every
         rank of the instance. The overrides of the source's events after ``position`` stay (and are laid again):
-        on another partition of kv-events they may have been read before this copy. Returns False for a copy
-        already applied."""
-        mark = (kind, instance_id, data_parallel_rank, position)
+        on another partition of kv-events they may have been read before this copy. ``written_at`` is the
+        record's ``ts``, the same in every copy, so a later unregistration of the same instance (whose position is
+        None) is not taken for a copy of an earlier one. Returns False for a copy already applied."""
+        mark = (kind, instance_id, data_parallel_rank, position, written_at)
         if mark in self._retired_set:
             return False
         if len(self._retired) == self._retired.maxlen:

@@ -142,6 +142,10 @@ def test_a_clear_removes_the_gpu_tier_only_and_an_unregistration_every_tier(inde
     assert _holders(index, H1) == {("e1", "CPU")}
     _apply(feed, _event(SOURCE_UNREGISTERED, seq=-1, body={"all_ranks": True, "reason": "test"}))
     assert _holders(index, H1) == set() and _holders(index, H3) == {("e2", "GPU")}
+    # the instance comes back, and is unregistered again later: a second unregistration, not a copy of the first
+    _apply(feed, _event(BLOCK_STORED, block_hash=H1, seq=4))
+    _apply(feed, _event(SOURCE_UNREGISTERED, seq=-1, body={"all_ranks": True, "reason": "again"}))
+    assert _holders(index, H1) == set() and index.fresh.counters.retirements == 3
 
 
 def test_sources_of_several_publishers_and_other_kv_cache_groups_are_left_to_the_changelog(index):
