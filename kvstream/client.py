@@ -18,6 +18,7 @@ tenant, lease).
 from __future__ import annotations
 
 import array
+import asyncio
 import http.client
 import ssl
 import sys
@@ -48,6 +49,17 @@ class IndexQueryError(RuntimeError):
         #: The field that caused it, and the element of it, where one did.
         self.field = body.get("field")
         self.index = body.get("index")
+
+
+class IndexUnreachableError(ConnectionError):
+    """Nothing answered at the index's URL (refused, timed out, a TLS handshake that failed): ``url`` and the
+    underlying ``OSError`` or aiohttp error as ``__cause__``. A ``ConnectionError``, so code that catches
+    ``OSError`` keeps working."""
+
+    def __init__(self, url: str, cause: BaseException) -> None:
+        super().__init__(f"the index at {url} did not answer: {cause}")
+        #: The URL asked.
+        self.url = url
 
 
 def _token_bytes(token_ids: Sequence[int] | bytes) -> bytes:
@@ -123,7 +135,7 @@ class IndexClient:
 
     Raises (from every call):
         IndexQueryError: the index answered 4xx or 5xx (``status`` 503: not caught up yet, retry).
-        OSError: nothing answered.
+        IndexUnreachableError: nothing answered at ``url``.
     """
 
     def __init__(self, url: str, timeout_s: float = 1.0, *, token: str | None = None,
@@ -137,6 +149,7 @@ class IndexClient:
         self._tls = _tls_context(ssl_context, ca_file, cert_file, key_file, key_password) if self._https else None
         self._auth = _auth_headers(token)
         self._connection: http.client.HTTPConnection | None = None
+        self._url = url.rstrip("/")
 
     def _connect(self) -> http.client.HTTPConnection:
         if self._https:
@@ -153,13 +166,13 @@ class IndexClient:
                 self._connection.request(method, path, body=data, headers=headers)
                 response = self._connection.getresponse()
                 return _answer(response.status, response.read())
-            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as exc:
                 self.close()
                 if attempt:
-                    raise
-            except OSError:
+                    raise IndexUnreachableError(self._url, exc) from exc
+            except OSError as exc:
                 self.close()
-                raise
+                raise IndexUnreachableError(self._url, exc) from exc
         raise AssertionError("unreachable")
 
     def query(self, token_ids: Sequence[int] | bytes, **options) -> dict:
@@ -235,8 +248,11 @@ class AsyncIndexClient:
             self._session = aiohttp.ClientSession(timeout=self._timeout, connector=connector)
         data = None if body is None else _encode(body)
         headers = {"Accept": _MSGPACK, **self._auth, **({"Content-Type": _MSGPACK} if data is not None else {})}
-        async with self._session.request(method, self._url + path, data=data, headers=headers) as response:
-            return _answer(response.status, await response.read())
+        try:
+            async with self._session.request(method, self._url + path, data=data, headers=headers) as response:
+                return _answer(response.status, await response.read())
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            raise IndexUnreachableError(self._url, exc) from exc
         raise aiohttp.ClientError("unreachable")
 
     async def query(self, token_ids: Sequence[int] | bytes, **options) -> dict:
