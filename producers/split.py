@@ -131,10 +131,6 @@ def split_event(publisher: Publisher, seq: int, ts: float, batch_index: int, eve
     return records
 
 
-#: A block the tracker has not seen stored (its memory's default).
-_UNSEEN = object()
-
-
 class ParentTracker:
     """Marks ``BlockStored.parent_known`` on the first block of each run: has this engine stored the parent? And gives
     a stored block whose event does not say its content the content hash of the engine's earlier store of that block.
@@ -176,17 +172,16 @@ class ParentTracker:
         if record["block_index"] == 0 and parent is not None:
             body["parent_known"] = parent in stored
         block_hash, content = record["block_hash"], body.get("content_hash")
-        if content is None:
-            memory = stored.get(block_hash, _UNSEEN)
-            if memory is _UNSEEN:
-                stored[block_hash] = None
-            else:
-                stored.move_to_end(block_hash)
-                if memory is not None and body["token_ids"] and memory[1] == parent:
-                    body["content_hash"] = memory[0]
-        else:
+        if content is not None:
             stored[block_hash] = (content, parent)
             stored.move_to_end(block_hash)
+        elif block_hash in stored:
+            stored.move_to_end(block_hash)
+            memory = stored[block_hash]
+            if memory is not None and body["token_ids"] and memory[1] == parent:
+                body["content_hash"] = memory[0]
+        else:
+            stored[block_hash] = None
         if len(stored) > self.capacity:
             stored.popitem(last=False)
 
@@ -207,19 +202,23 @@ class ParentTracker:
             stored = self._stored[source] = OrderedDict()
         known = None if parent is None else parent in stored
         capacity = self.capacity
+        fill = contents is not None and block_tokens is not None
         for i, h in enumerate(hashes):
             content = None if contents is None else contents[i]
-            if content is None:
-                memory = stored.get(h, _UNSEEN)
-                if memory is _UNSEEN:
-                    stored[h] = None
-                else:
+            if content is not None:
+                if h in stored:
+                    stored[h] = (content, parent)
                     stored.move_to_end(h)
-                    if memory is not None and block_tokens is not None and block_tokens[i] and memory[1] == parent:
+                else:  # a new key goes last by itself
+                    stored[h] = (content, parent)
+            elif h in stored:
+                stored.move_to_end(h)
+                if fill and block_tokens[i]:
+                    memory = stored[h]
+                    if memory is not None and memory[1] == parent:
                         contents[i] = memory[0]
             else:
-                stored[h] = (content, parent)
-                stored.move_to_end(h)
+                stored[h] = None
             if len(stored) > capacity:  # a block at a time, as note() forgets: the same memory after every block
                 stored.popitem(last=False)
             parent = h
