@@ -37,11 +37,36 @@ InsecureHttp = Annotated[bool, Field(
 WebTlsCert = Annotated[Path | None, _EMPTY_IS_NONE, Field(
     description="PEM certificate (chain) of the web port: serve HTTPS (as kvstream broker start --tls-dir's "
                 "broker.pem); none: plain HTTP")]
-WebTlsKey = Annotated[Path | None, _EMPTY_IS_NONE, Field(description="PEM private key of --web-tls-cert (unencrypted)")]
+WebTlsKey = Annotated[Path | None, _EMPTY_IS_NONE, Field(
+    description="PEM private key of --web-tls-cert (unencrypted)")]
 WebTlsClientCa = Annotated[Path | None, _EMPTY_IS_NONE, Field(
+    description="PEM CA certificate(s): every client must present a certificate they signed (mutual TLS); "
+                "none: no client certificate asked")]
+WebTlsCa = Annotated[Path | None, _EMPTY_IS_NONE, Field(
+    description="PEM CA certificate(s) other workers' web certificates are checked against when this worker "
+                "forwards a lookup (it presents its own --web-tls-cert); none: --web-tls-client-ca, else the "
+                "system's CAs")]
+
+# -- servers: body limits -----------------------------------------------------------------------------------------
+
+MaxBodyBytes = Annotated[int, Field(ge=1024, description="largest request body of the router APIs, bytes; a "
+                                                         "longer one is refused (413 or 400 too_large) unread")]
+MaxTokens = Annotated[int, Field(ge=1, description="most token ids of one POST /query")]
+MaxHashes = Annotated[int, Field(ge=1, description="most block hashes of one POST /query_by_hash or "
+                                                   "/prefix-match/ (a worker's /prefix-match/ keeps its 2048)")]
+MaxNestingDepth = Annotated[int, Field(ge=2, le=200, description="deepest nesting of arrays and maps in a request "
+                                                                "body; deeper is refused (400 too_deep)")]
+
+# -- clients ------------------------------------------------------------------------------------------------------
+
+ClientTokenFile = Annotated[Path | None, _EMPTY_IS_NONE, Field(
+    description="file whose first token is sent as 'Authorization: Bearer' (the servers' --api-token-file); "
+                "none: no token")]
+ClientCa = Annotated[Path | None, _EMPTY_IS_NONE, Field(
     description="PEM CA certificate(s) an https:// server's certificate is checked against; none: the system's CAs")]
 ClientCert = Annotated[Path | None, _EMPTY_IS_NONE, Field(
     description="PEM client certificate, for a server that requires one (--web-tls-client-ca)")]
-ClientKey = Annotated[Path | None, _EMPTY_IS_NONE, Field(description="PEM private key of --web-client-cert")]
+ClientKey = Annotated[Path | None, _EMPTY_IS_NONE, Field(
+    description="PEM private key of --web-client-cert")]
 ClientKeyPasswordFile = Annotated[Path | None, _EMPTY_IS_NONE, Field(
     description="file holding the password of an encrypted --web-client-key")]
