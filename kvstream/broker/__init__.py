@@ -1,4 +1,4 @@
-"""Embedded single-node Apache Kafka broker for development and tests.
+"""Embedded Apache Kafka broker (one node, or a local cluster of several) for development and tests.
 
 Kafka has no PyPI package, so the broker runs from its jars on Maven Central:
 ``pom.xml`` (next to this file) lists them, and :func:`ensure_jars` lets Maven
@@ -23,6 +23,7 @@ The package's modules, one concern each; this module re-exports the names other 
     config      server.properties from its template, the KRaft storage format
     security    the SASL / TLS client listener, and the client settings that reach it
     lifecycle   start, stop and status of the broker of a data directory
+    cluster     a local multi-node KRaft cluster (start --nodes N), and failing one node of it (kill, restart)
     process     whether a process is alive, stopping one (also for kvstream.registry)
     ports       free_port, free_ports, free_port_range, port_in_use
     lock        the file lock of a jar cache or a data directory
@@ -34,12 +35,20 @@ The package's modules, one concern each; this module re-exports the names other 
 from __future__ import annotations
 
 from kvstream.broker.cli import register_cli as register_cli
+from kvstream.broker.cluster import ClusterStatus as ClusterStatus
+from kvstream.broker.cluster import cluster_status as cluster_status
+from kvstream.broker.cluster import is_cluster as is_cluster
+from kvstream.broker.cluster import kill_node as kill_node
+from kvstream.broker.cluster import restart_node as restart_node
+from kvstream.broker.cluster import start_cluster as start_cluster
+from kvstream.broker.cluster import stop_cluster as stop_cluster
 from kvstream.broker.errors import BrokerError as BrokerError
 from kvstream.broker.errors import log_tail as log_tail
 from kvstream.broker.jars import KAFKA_VERSION as KAFKA_VERSION
 from kvstream.broker.jars import default_cache_root as default_cache_root
 from kvstream.broker.jars import ensure_jars as ensure_jars
 from kvstream.broker.java import java_executable as java_executable
+from kvstream.broker.lifecycle import DEFAULT_CLUSTER_DIR as DEFAULT_CLUSTER_DIR
 from kvstream.broker.lifecycle import DEFAULT_DATA_DIR as DEFAULT_DATA_DIR
 from kvstream.broker.lifecycle import BrokerStatus as BrokerStatus
 from kvstream.broker.lifecycle import start as start
@@ -65,6 +74,12 @@ __all__ = [
     "start",
     "stop",
     "status",
+    "ClusterStatus",
+    "start_cluster",
+    "stop_cluster",
+    "cluster_status",
+    "kill_node",
+    "restart_node",
     "run_tool",
     "register_cli",
 ]

@@ -1,4 +1,4 @@
-"""The ``kvstream broker`` command: ``start``, ``stop``, ``status`` and ``tool``."""
+"""The ``kvstream broker`` command: ``start``, ``stop``, ``status``, ``kill``, ``restart`` and ``tool``."""
 
 from __future__ import annotations
 
@@ -6,9 +6,18 @@ import argparse
 import sys
 from pathlib import Path
 
+from kvstream.broker.cluster import (
+    CLUSTER_HEAP,
+    ClusterStatus,
+    cluster_status,
+    is_cluster,
+    kill_node,
+    restart_node,
+    start_cluster,
+)
 from kvstream.broker.errors import BrokerError
 from kvstream.broker.jars import KAFKA_VERSION
-from kvstream.broker.lifecycle import DEFAULT_DATA_DIR, BrokerStatus, start, status, stop
+from kvstream.broker.lifecycle import DEFAULT_CLUSTER_DIR, DEFAULT_DATA_DIR, BrokerStatus, start, status, stop
 from kvstream.broker.tools import TOOLS, run_tool
 from kvstream.tls import TlsMaterial, generate_tls_material, load_tls_material
 
@@ -32,7 +41,30 @@ def _cli_tls_material(tls_dir: Path) -> TlsMaterial:
     return material
 
 
+def _print_cluster(st: ClusterStatus) -> None:
+    print(f"Kafka {KAFKA_VERSION} cluster: {st.running} of {len(st.nodes)} nodes running")
+    print(f"  bootstrap servers: {st.bootstrap_servers}")
+    print(f"  data dir:          {st.data_dir}")
+    for node_id, (node, controller) in enumerate(zip(st.nodes, st.controller_ports), 1):
+        state = f"running (pid {node.pid})" if node.running else "not running"
+        print(f"  node {node_id}: {state}; port {node.port or '-'}, controller port {controller}; log {node.log_file}")
+
+
 def _cli_start(args: argparse.Namespace) -> int:
+    if args.nodes > 1:
+        if args.tls_dir is not None:
+            print("kvstream broker start: error: --tls-dir is for a single broker, not --nodes", file=sys.stderr)
+            return 2
+        try:
+            st = start_cluster(nodes=args.nodes, port=args.port, data_dir=args.data_dir or DEFAULT_CLUSTER_DIR,
+                               timeout_s=max(args.timeout, 120), heap=args.heap or CLUSTER_HEAP)
+        except (BrokerError, OSError, ValueError) as exc:
+            print(f"kvstream broker start: error: {exc}", file=sys.stderr)
+            return 1
+        _print_cluster(st)
+        return 0
+    args.data_dir = args.data_dir or DEFAULT_DATA_DIR
+    args.heap = args.heap or "-Xms512m -Xmx1g"
     if args.tls_client_auth and args.tls_dir is None:
         print("kvstream broker start: error: --tls-client-auth needs --tls-dir", file=sys.stderr)
         return 2
@@ -54,16 +86,53 @@ def _cli_start(args: argparse.Namespace) -> int:
     return 0
 
 
+def _data_dir(args: argparse.Namespace) -> Path:
+    """--data-dir, else the default cluster's directory if it holds a cluster, else the single broker's."""
+    if args.data_dir is not None:
+        return args.data_dir
+    return DEFAULT_CLUSTER_DIR if is_cluster(DEFAULT_CLUSTER_DIR) and not status(DEFAULT_DATA_DIR).running \
+        else DEFAULT_DATA_DIR
+
+
 def _cli_stop(args: argparse.Namespace) -> int:
+    args.data_dir = _data_dir(args)
     stopped = stop(args.data_dir)
     print(f"Stopped the broker of {Path(args.data_dir).resolve()}." if stopped else "No broker was running.")
     return 0
 
 
 def _cli_status(args: argparse.Namespace) -> int:
-    st = status(args.data_dir)
+    data_dir = _data_dir(args)
+    if is_cluster(data_dir):
+        cluster = cluster_status(data_dir)
+        _print_cluster(cluster)
+        return 0 if cluster.running == len(cluster.nodes) else 1
+    st = status(data_dir)
     _print_status(st)
     return 0 if st.running else 1
+
+
+def _cli_kill(args: argparse.Namespace) -> int:
+    data_dir = args.data_dir or DEFAULT_CLUSTER_DIR
+    try:
+        was_running = kill_node(data_dir, args.node, clean=args.clean)
+    except BrokerError as exc:
+        print(f"kvstream broker kill: error: {exc}", file=sys.stderr)
+        return 1
+    how = "stopped (SIGTERM)" if args.clean else "killed (SIGKILL)"
+    print(f"Node {args.node} {how}." if was_running else f"Node {args.node} was not running.")
+    return 0
+
+
+def _cli_restart(args: argparse.Namespace) -> int:
+    data_dir = args.data_dir or DEFAULT_CLUSTER_DIR
+    try:
+        st = restart_node(data_dir, args.node, timeout_s=args.timeout)
+    except BrokerError as exc:
+        print(f"kvstream broker restart: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"Node {args.node} running (pid {st.pid}) on {st.bootstrap_servers}.")
+    return 0
 
 
 def _cli_tool(args: argparse.Namespace) -> int:
@@ -77,7 +146,7 @@ def _cli_tool(args: argparse.Namespace) -> int:
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add the ``broker`` command (``start|stop|status|tool``) to an argparse subparsers object.
+    """Add the ``broker`` command (``start|stop|status|kill|restart|tool``) to an argparse subparsers object.
 
     Every leaf parser sets ``func``: the main CLI should call ``args.func(args)``
     and exit with its return value (0 = success).
@@ -97,10 +166,12 @@ def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
             "Needs java 17+; mvn for the first download."
         ),
     )
-    sub = broker.add_subparsers(dest="broker_command", metavar="{start,stop,status,tool}", required=True)
+    sub = broker.add_subparsers(dest="broker_command", metavar="{start,stop,status,kill,restart,tool}",
+                                required=True)
     _add_start(sub)
     _add_stop(sub)
     _add_status(sub)
+    _add_kill_restart(sub)
     _add_tool(sub)
     return broker
 
@@ -109,9 +180,10 @@ def _add_data_dir(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--data-dir",
         type=Path,
-        default=DEFAULT_DATA_DIR,
+        default=None,
         metavar="DIR",
-        help="broker data directory: config, pid file, topic data, logs/broker.out (default: %(default)s)",
+        help=f"broker data directory: config, pid file, topic data, logs/broker.out (default: {DEFAULT_DATA_DIR}; "
+        f"a cluster's: {DEFAULT_CLUSTER_DIR}, one node-<id> directory per node)",
     )
 
 
@@ -122,10 +194,17 @@ def _add_start(sub: argparse._SubParsersAction) -> None:
         description="Start the broker detached (it keeps running after this command exits) and wait until it "
         "answers metadata requests; the first start downloads the jars. Does nothing if it already runs.",
     )
-    p.add_argument("--port", type=int, default=9092, help="client port on 127.0.0.1 (default: %(default)s)")
+    p.add_argument("--port", type=int, default=9092,
+                   help="client port on 127.0.0.1; with --nodes N, node i's is PORT+i-1 and the controllers' "
+                        "PORT+N..PORT+2N-1 (default: %(default)s)")
+    p.add_argument("--nodes", type=int, default=1, metavar="N",
+                   help="start a KRaft cluster of N combined broker/controller nodes (node ids 1..N) instead of "
+                        "one broker; topics kvstream creates there get min(3, N) replicas (default: 1)")
     _add_data_dir(p)
-    p.add_argument("--timeout", type=float, default=90, metavar="SECONDS", help="start-up timeout (default: 90)")
-    p.add_argument("--heap", default="-Xms512m -Xmx1g", metavar="JVM_OPTS", help="JVM heap (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=90, metavar="SECONDS",
+                   help="start-up timeout (default: 90; 120 at least for a cluster)")
+    p.add_argument("--heap", default=None, metavar="JVM_OPTS",
+                   help=f"JVM heap of each node (default: -Xms512m -Xmx1g; {CLUSTER_HEAP} per node of a cluster)")
     p.add_argument("--tls-dir", type=Path, metavar="DIR",
                    help="serve TLS (security protocol SSL) on --port with the PEM files of DIR: ca.pem, broker.pem, "
                    "broker-key.pem, client.pem, client-key.pem, client-key.password; if DIR has no ca.pem, a "
@@ -156,6 +235,30 @@ def _add_status(sub: argparse._SubParsersAction) -> None:
     )
     _add_data_dir(p)
     p.set_defaults(func=_cli_status)
+
+
+def _add_kill_restart(sub: argparse._SubParsersAction) -> None:
+    kill = sub.add_parser(
+        "kill",
+        help="kill one node of a cluster by id (SIGKILL; --clean: SIGTERM)",
+        description="Fail one node of a cluster started with --nodes on purpose: SIGKILL (a crash), or with "
+        "--clean SIGTERM, Kafka's controlled shutdown (SIGKILL after 30 s). 'restart ID' brings it back.",
+    )
+    kill.add_argument("node", type=int, metavar="ID", help="node id, 1..N")
+    kill.add_argument("--clean", action="store_true", help="clean shutdown (SIGTERM) instead of SIGKILL")
+    _add_data_dir(kill)
+    kill.set_defaults(func=_cli_kill)
+    restart = sub.add_parser(
+        "restart",
+        help="start one node of a cluster again and wait until it is back in the cluster",
+        description="Start node ID of a cluster again (same ports, same data) and wait until the cluster's "
+        "metadata names it. Does nothing to a node that runs.",
+    )
+    restart.add_argument("node", type=int, metavar="ID", help="node id, 1..N")
+    restart.add_argument("--timeout", type=float, default=120, metavar="SECONDS",
+                         help="start-up timeout (default: %(default)s)")
+    _add_data_dir(restart)
+    restart.set_defaults(func=_cli_restart)
 
 
 def _add_tool(sub: argparse._SubParsersAction) -> None:

@@ -53,13 +53,21 @@ def configured_listener(props: Path) -> tuple[str, int] | None:
     return (m.group(1), int(m.group(2))) if m else None
 
 
-def format_storage(libs: Path, props: Path, d: Path, scram_user: tuple[str, str] | None = None) -> None:
-    """Format the KRaft storage of ``d`` once (a new cluster id); no-op if already formatted."""
+def new_cluster_id() -> str:
+    """A fresh KRaft cluster id, in the format of StorageTool's ``random-uuid`` (no leading '-')."""
+    cluster_id = "-"
+    while cluster_id.startswith("-"):
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+    return cluster_id
+
+
+def format_storage(libs: Path, props: Path, d: Path, scram_user: tuple[str, str] | None = None,
+                   cluster_id: str | None = None) -> None:
+    """Format the KRaft storage of ``d`` once, with ``cluster_id`` (the nodes of a cluster share theirs) or a new
+    one; no-op if already formatted."""
     if (d / "data" / "meta.properties").exists():
         return
-    cluster_id = "-"
-    while cluster_id.startswith("-"):  # same format as StorageTool random-uuid, no leading '-'
-        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+    cluster_id = cluster_id or new_cluster_id()
     cmd = java_command("kafka.tools.StorageTool", TOOL_JVM_FLAGS, TOOLS_LOG4J, libs)
     cmd += ["format", "--ignore-formatted", "-t", cluster_id, "-c", str(props)]
     if scram_user is not None:  # KRaft keeps SCRAM users in its metadata: they are created with the cluster

@@ -26,6 +26,8 @@ from kvstream.broker.security import probe_client
 from kvstream.tls import TlsMaterial
 
 DEFAULT_DATA_DIR = Path(".kvstream/broker")
+#: Data directory of ``kvstream broker start --nodes N`` (:mod:`kvstream.broker.cluster`).
+DEFAULT_CLUSTER_DIR = Path(".kvstream/cluster")
 
 
 @dataclass(frozen=True)
@@ -267,12 +269,19 @@ def stop(data_dir: Path = DEFAULT_DATA_DIR) -> bool:
     Args:
         data_dir: The broker data directory.
 
+    A data directory holding a cluster (``kvstream broker start --nodes N``) has every node stopped
+    (:func:`kvstream.broker.cluster.stop_cluster`).
+
     Returns:
-        True if a running broker was stopped, False if none was running.
+        True if a running broker (or any node of a cluster) was stopped, False if none was running.
     """
     d, _, pid_file, _ = broker_paths(data_dir)
     if not d.is_dir():
         return False
+    if (d / "cluster.json").is_file():
+        from kvstream.broker.cluster import stop_cluster
+
+        return stop_cluster(d) > 0
     with file_lock(d / ".lock"):
         pid = running_pid(d)
         if pid is not None:
