@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -11,15 +12,23 @@ from aiokafka import TopicPartition as AioTopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 from confluent_kafka import KafkaException, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec, ResourceType
 
-from kafka_io.config import CONNECT_TIMEOUT_S, aiokafka_security, client_config, unreachable
+from kafka_io.config import CONNECT_TIMEOUT_S, aiokafka_security, client_config, topic_replication, unreachable
+
+log = logging.getLogger(__name__)
 
 
 def ensure_topics(bootstrap_servers: str, topics: dict[str, int], *, timeout_s: float = 30.0,
                   configs: dict[str, dict[str, str]] | None = None,
                   connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
-    """Create the topics that do not exist yet, replicated min(3, brokers) times.
+    """Create the topics that do not exist yet, replicated as the cluster expects
+    (:func:`kafka_io.config.topic_replication`: ``min(3, brokers)`` replicas, ``min.insync.replicas=2`` once
+    that is 3; one replica and the broker's defaults on one broker).
+
+    On a cluster of two or more brokers, each of ``topics`` that exists already with fewer replicas than that, or
+    with ``min.insync.replicas`` below the one kvstream would give it (1 on a 3-replica cluster), is named in a
+    warning; it is used as it is.
 
     Args:
         topics: topic name -> partition count.
@@ -40,8 +49,13 @@ def ensure_topics(bootstrap_servers: str, topics: dict[str, int], *, timeout_s: 
             raise RuntimeError(
                 f"topic {name} exists with {len(existing.partitions)} partitions, expected {partitions}")
     brokers = len(metadata.brokers)
-    missing = [NewTopic(n, p, replication_factor=min(3, brokers), config=(configs or {}).get(n, {}))
+    factor, min_isr = topic_replication(brokers)
+    replication = {"min.insync.replicas": str(min_isr)} if min_isr is not None else {}
+    missing = [NewTopic(n, p, replication_factor=factor, config={**replication, **(configs or {}).get(n, {})})
                for n, p in topics.items() if n not in metadata.topics]
+    existing = [n for n in topics if n in metadata.topics and not metadata.topics[n].error]
+    if brokers > 1 and existing:
+        _warn_under_replicated(admin, metadata, existing, factor, min_isr)
     if not missing:
         return
     for name, future in admin.create_topics(missing, operation_timeout=timeout_s).items():
@@ -50,6 +64,32 @@ def ensure_topics(bootstrap_servers: str, topics: dict[str, int], *, timeout_s: 
         except KafkaException as exc:
             if exc.args[0].name() != "TOPIC_ALREADY_EXISTS":
                 raise RuntimeError(f"could not create topic {name}: {exc}") from None
+
+
+def _warn_under_replicated(admin: AdminClient, metadata, names: list[str], factor: int, min_isr: int | None) -> None:
+    """Log a warning per topic of ``names`` with fewer replicas than ``factor`` in a partition, or a
+    ``min.insync.replicas`` below ``min_isr``."""
+    for name in names:
+        replicas = min((len(p.replicas) for p in metadata.topics[name].partitions.values()), default=factor)
+        if replicas < factor:
+            log.warning("topic %s has %d replica(s) per partition, fewer than the %d this cluster of %d brokers "
+                        "gives the topics kvstream creates: a broker's loss can lose or stop it "
+                        "(kafka-reassign-partitions raises the factor)", name, replicas, factor,
+                        len(metadata.brokers))
+    if min_isr is None:
+        return
+    resources = [ConfigResource(ResourceType.TOPIC, name) for name in names]
+    try:
+        described = admin.describe_configs(resources, request_timeout=10)
+        for resource, future in described.items():
+            entry = future.result().get("min.insync.replicas")
+            if entry is not None and entry.value is not None and int(entry.value) < min_isr:
+                log.warning("topic %s has min.insync.replicas=%s on a replicated cluster (kvstream gives its "
+                            "topics %d): an acknowledged write may then live on one broker only "
+                            "(kafka-configs --alter --add-config min.insync.replicas=%d)",
+                            resource.name, entry.value, min_isr, min_isr)
+    except KafkaException as exc:  # a check, not a precondition
+        log.warning("could not read the configs of the existing topics to check min.insync.replicas: %s", exc)
 
 
 def cluster_metadata(bootstrap_servers: str, wait_s: float = CONNECT_TIMEOUT_S, admin: AdminClient | None = None):

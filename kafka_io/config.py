@@ -27,6 +27,33 @@ DEFAULT_BOOTSTRAP_SERVERS = "127.0.0.1:9092"
 #: tables use the same count (Faust requires co-partitioning).
 DEFAULT_PARTITIONS = 8
 
+#: Environment variables of the replication of every topic kvstream creates (:func:`topic_replication`).
+REPLICATION_FACTOR_ENV = "KVSTREAM_REPLICATION_FACTOR"
+MIN_INSYNC_REPLICAS_ENV = "KVSTREAM_MIN_INSYNC_REPLICAS"
+
+
+def topic_replication(brokers: int) -> tuple[int, int | None]:
+    """(``replication.factor``, ``min.insync.replicas`` or None) of the topics kvstream creates on a cluster of
+    ``brokers`` brokers: ``min(3, brokers)`` replicas, and a min ISR of 2 once that factor is 3 or more (None:
+    the broker's default, as on one broker). ``KVSTREAM_REPLICATION_FACTOR`` and ``KVSTREAM_MIN_INSYNC_REPLICAS``
+    override them; what Kafka then refuses (more replicas than brokers) it refuses with its own error.
+
+    Raises:
+        ValueError: a variable that is not a positive integer.
+    """
+    def positive(name: str) -> int | None:
+        value = os.environ.get(name, "").strip()
+        if not value:
+            return None
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"{name}={value!r} is not a positive integer")
+        return int(value)
+
+    factor = positive(REPLICATION_FACTOR_ENV) or min(3, max(1, brokers))
+    min_isr = positive(MIN_INSYNC_REPLICAS_ENV)
+    return factor, min_isr if min_isr is not None else (2 if factor >= 3 else None)
+
+
 #: Seconds a command waits for the bootstrap servers' first answer (their metadata) before it fails, naming
 #: them: a wrong address or a broker that is down fails in seconds, not after librdkafka's 30 s retries.
 CONNECT_TIMEOUT_S = 5.0

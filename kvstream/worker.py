@@ -15,7 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from kafka_io.admin import GroupProgressReader, ensure_topics
+from kafka_io.admin import GroupProgressReader, cluster_metadata, ensure_topics
+from kafka_io.config import topic_replication
 from kafka_io.logs import configure_logging, logging_config
 from kvstream.broker import port_in_use
 from kvstream.options import settings_to_argv
@@ -45,7 +46,8 @@ def run_worker(settings: WorkerSettings) -> int:
                            "(another worker?); choose --web-port")
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     log_hotpath(log)
-    stream_app = create_app(settings)
+    replication_factor, _ = topic_replication(len(cluster_metadata(settings.bootstrap_servers).brokers))
+    stream_app = create_app(settings, replication_factor)
     topics = stream_app.declared_topics()
     ensure_topics(settings.bootstrap_servers, {name: p for name, (p, _) in topics.items()},
                   configs={name: config for name, (_, config) in topics.items()})

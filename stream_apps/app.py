@@ -146,13 +146,17 @@ class StreamApp:
 AGENT_FETCH_BYTES = 4 << 20
 
 
-def create_app(settings: WorkerSettings) -> StreamApp:
+def create_app(settings: WorkerSettings, replication_factor: int = 1) -> StreamApp:
     """Build the Faust app of one worker: tables, agent, output producer, checkpoint, views, repartition
-    process. Nothing is started; ``StreamApp.app.main()`` runs it."""
+    process. Nothing is started; ``StreamApp.app.main()`` runs it.
+
+    ``replication_factor`` is Faust's ``topic_replication_factor``, for a topic Faust would create itself (it
+    finds every one made already by ``kvstream worker``, with the cluster's replication:
+    :func:`kafka_io.admin.ensure_topics`)."""
     consumer_fixes.install()
     configure_limits(settings.max_body_bytes, settings.max_tokens, settings.max_hashes, settings.max_nesting_depth)
     policy = policy_from_settings(settings)
-    app = _faust_app(settings, policy)
+    app = _faust_app(settings, policy, replication_factor)
     stream_app, agent_progress = _write_path(app, settings)
     stream_app.metrics.access_policy = policy
     _read_path(stream_app, policy)
@@ -162,7 +166,7 @@ def create_app(settings: WorkerSettings) -> StreamApp:
     return stream_app
 
 
-def _faust_app(settings: WorkerSettings, policy: AccessPolicy) -> faust.App:
+def _faust_app(settings: WorkerSettings, policy: AccessPolicy, replication_factor: int = 1) -> faust.App:
     topics = settings.topics
     server_tls = server_ssl_context(settings.web_tls_cert, settings.web_tls_key, settings.web_tls_client_ca)
     web: dict = {"web_application_options": {"middlewares": [access_middleware(policy), body_limit_middleware()]}}
@@ -188,6 +192,10 @@ def _faust_app(settings: WorkerSettings, policy: AccessPolicy) -> faust.App:
         value_serializer="raw",
         broker_credentials=broker_credentials(),
         table_standby_replicas=settings.standby_replicas,
+        topic_replication_factor=replication_factor,
+        # Faust's own producer sends none of the app's records (the outputs and changelogs go through
+        # stream_apps/outputs.py: idempotent, acks=all); acks=all is said here all the same
+        producer_acks=-1,
         consumer_max_fetch_size=AGENT_FETCH_BYTES,
         **web,
     )
