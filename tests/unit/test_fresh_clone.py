@@ -205,8 +205,11 @@ def test_every_worker_view_answers_with_and_without_its_trailing_slash():
 
     views = WorkerViews.__new__(WorkerViews)
     views.app, views.tables = App(), SimpleNamespace(residency=None)
-    views.metrics = SimpleNamespace(http_requests={})
-    views.api = SimpleNamespace(prefix_match=None, query=None, query_by_hash=None, register=None, unregister=None)
+    from stream_apps.index.observe import ReadPathMetrics
+
+    views.metrics = SimpleNamespace(http_requests={}, read_path=ReadPathMetrics())
+    views.api = SimpleNamespace(prefix_match=None, query=None, query_by_hash=None, register=None, unregister=None,
+                                services=None, global_view=None)
     views.register()
     public = [p for p in paths if not p.startswith("/residency-key/")]
     for documented in ("/residency/{block_hash_hex}/", "/occupancy/", "/sources/", "/stats/", "/prefix-match/",
