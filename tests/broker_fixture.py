@@ -17,6 +17,12 @@ the first backend that applies:
 One broker serves the whole session, even if several modules import the
 fixture; it is stopped when pytest exits. Isolate tests with unique
 (uuid-suffixed) topic names and group ids.
+
+``kafka_cluster`` gives a test a three-node embedded KRaft cluster
+(:func:`kvstream.broker.start_cluster`) of the session's own, started at its
+first use on free consecutive ports, for tests that fail a node on purpose
+(:func:`kvstream.broker.kill_node`, :func:`kvstream.broker.restart_node`); it
+is stopped when pytest exits.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstream.broker import free_port, start, stop
+from kvstream.broker import free_port, free_port_range, start, start_cluster, stop
 
 
 @dataclass(frozen=True)
@@ -91,3 +97,27 @@ def kafka_bootstrap(request: pytest.FixtureRequest, tmp_path_factory: pytest.Tem
         backend = _start_backend(request.config, tmp_path_factory)
         request.config.stash[_BACKEND_KEY] = backend
     return backend.bootstrap_servers
+
+
+@dataclass(frozen=True)
+class KafkaCluster:
+    """The three-node embedded cluster of this test session.
+
+    Attributes:
+        data_dir: the cluster's data directory (pass it to kill_node / restart_node).
+        bootstrap_servers: every node's ``127.0.0.1:port``, comma-separated.
+        nodes: how many nodes (ids 1..nodes).
+    """
+
+    data_dir: Path
+    bootstrap_servers: str
+    nodes: int = 3
+
+
+@pytest.fixture(scope="session")
+def kafka_cluster(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> KafkaCluster:
+    """A three-node KRaft cluster (combined nodes) for the session, started at first use and stopped at exit."""
+    data_dir = tmp_path_factory.mktemp("kafka-cluster")
+    request.config.add_cleanup(lambda: stop(data_dir))  # registered first: also runs if the start fails
+    status = start_cluster(nodes=3, port=free_port_range(6), data_dir=data_dir, timeout_s=180)
+    return KafkaCluster(data_dir, status.bootstrap_servers, 3)
