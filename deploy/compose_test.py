@@ -21,6 +21,7 @@ import json
 import os
 import random
 import re
+import secrets
 import shutil
 import socket
 import subprocess
@@ -287,6 +288,35 @@ def check_workers(checks: Checks, stage: str, urls: dict[int, str], truth: dict[
                       + (f"; wrong: {', '.join(wrong[:5])}" if wrong else ""))
 
 
+def _post(url: str, body: dict, token: str | None = None) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def check_unregister_needs_the_token(checks: Checks, url: str, token: str) -> None:
+    """``POST /unregister`` of a live instance: refused (401) without the token and with a wrong one (403), the
+    instance still answered; with the token it is unregistered (docs/security.md, "HTTP views")."""
+    status, answer = http_json(f"{url}/workers")
+    instances = sorted({w["instance_id"] for w in answer.get("workers", []) if w.get("blocks")})
+    if not instances:
+        checks.record("unauthenticated unregistration refused", False, f"no instance to unregister ({status})")
+        return
+    body = {"instance_id": instances[0], "dp_rank": 0}
+    anonymous, wrong = _post(f"{url}/unregister", body), _post(f"{url}/unregister", body, "not-the-token")
+    still = instances[0] in {w["instance_id"] for w in http_json(f"{url}/workers")[1].get("workers", [])}
+    checks.record("unauthenticated unregistration refused", anonymous[0] == 401 and wrong[0] == 403 and still,
+                  f"no token: {anonymous[0]} {anonymous[1].get('reason')}; wrong token: {wrong[0]} "
+                  f"{wrong[1].get('reason')}; {instances[0]} still answered: {still}")
+    allowed = _post(f"{url}/unregister", body, token)
+    checks.record("authenticated unregistration works", allowed[0] == 200,
+                  f"{allowed[0]} {allowed[1].get('status') or allowed[1].get('error')}")
+
+
 def image_note(env: dict[str, str]) -> None:
     """Say which base images are stand-ins built by ``make images-local``."""
     for variable, default in (("PYTHON_IMAGE", "python:3.11-slim"), ("KAFKA_IMAGE", "apache/kafka:4.1.2"),
@@ -312,8 +342,12 @@ def run(args: argparse.Namespace) -> int:
     truth_dir.mkdir()
     truth_dir.chmod(0o777)  # the image's user (uid 10001) writes the ground truth here
     # Host networking for the image build: with dockerd --iptables=false, build containers have no route out.
+    token = secrets.token_urlsafe(32)
+    token_file = work / "api-token"
+    token_file.write_text(f"compose-test {token}\n")
+    token_file.chmod(0o644)  # bind-mounted as the secret: the image's user (uid 10001) reads it
     env = {"BUILD_NETWORK": "host", **os.environ, "KAFKA_HOST_PORT": str(free_port()),
-           "REGISTRY_HOST_PORT": str(free_port())}
+           "REGISTRY_HOST_PORT": str(free_port()), "KVSTREAM_API_TOKEN_HOST_FILE": str(token_file)}
     compose = Compose(env, work)
     checks = Checks()
     volumes: set[str] = set()
@@ -363,6 +397,7 @@ def run(args: argparse.Namespace) -> int:
         urls = wait_ready(compose, args.scale_to, scaled_at, args.timeout, rebalanced_after=before)
         say("workers: " + ", ".join(compose.worker_names()))
         check_workers(checks, f"{args.scale_to} workers", urls, truth, args.sample, args.timeout)
+        check_unregister_needs_the_token(checks, next(iter(urls.values())), token)
     except _Stop:  # a failed check made the rest meaningless; it is reported already
         pass
     except Exception as exc:  # noqa: BLE001 - reported as a failed check, then the stack is taken down
