@@ -15,7 +15,8 @@ def _cmd_chaos(args: argparse.Namespace) -> int:
     interrupt_on_sigterm()
     scenarios = tuple(dict.fromkeys(s.strip() for s in args.scenarios.split(",") if s.strip()))
     return run_chaos(ChaosOptions(scenarios=scenarios, crash_runs=args.runs, rebalance_runs=args.rebalance_runs,
-                                  engine_crash_runs=args.engine_crash_runs, requests=args.requests,
+                                  engine_crash_runs=args.engine_crash_runs,
+                                  broker_bounce_runs=args.broker_bounce_runs, requests=args.requests,
                                   output=args.output, work_dir=args.work_dir, seed=args.seed,
                                   partitions=args.partitions, outage_s=args.outage, timeout_s=args.timeout))
 
@@ -42,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "answer must be free of a killed engine within 1 s (p99), a blip's blocks must "
                                    "answer again within 3 s, the final answers must name exactly what the engines "
                                    "alive at the end hold, and with the bridge killed too no answer may name a dead "
-                                   "engine for more than the lease + 5 s). Prints progress and a summary table; writes "
+                                   "engine for more than the lease + 5 s), broker-bounce (brokers of a three-node "
+                                   "cluster killed, stopped, bounced and restarted in turn under a steady stream). "
+                                   "Prints progress and a summary table; writes "
                                    "the results as JSON. Exit code 1 if any run differs from the truth or fails "
                                    "a scenario check.",
                        epilog='Example: make chaos CHAOS_ARGS="--scenarios crash --runs 3 --output /tmp/crash.json"')
@@ -56,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-crash-runs", type=positive_int, default=chaos.engine_crash_runs,
                    help="runs of the engine-crash scenario, each with other seeded kill moments and engine roles; "
                         "the store alternates: even runs memory://, odd runs rocksdb:// (default: %(default)s)")
+    p.add_argument("--broker-bounce-runs", type=positive_int, default=chaos.broker_bounce_runs,
+                   help="runs of the broker-bounce scenario on a three-node cluster, run i being case i: a "
+                        "kv-events partition leader's hard kill, its clean shutdown, two brokers down, a rolling "
+                        "restart, then the re-keyed and changelog leaders' hard kills, 5 hard and 5 clean bounces "
+                        "(default: %(default)s)")
     p.add_argument("--requests", type=positive_int, default=chaos.requests,
                    help="trace slice: the first N requests of the vendored trace per run (default: %(default)s)")
     p.add_argument("--output", type=Path, default=chaos.output, metavar="FILE",

@@ -49,12 +49,18 @@ class RunEnv:
 
     Use as a context manager: entering starts the broker and creates ``kv-events``; leaving stops every
     worker and child process still running, then the broker.
+
+    Args:
+        nodes: 1 for one broker; more for a local KRaft cluster of that many nodes
+            (:func:`kvstream.broker.start_cluster`, data dir ``<run dir>/broker``, nodes 1..N), whose nodes a run
+            fails with :func:`kvstream.broker.kill_node` and :func:`kvstream.broker.restart_node`.
     """
 
-    def __init__(self, run_dir: Path, partitions: int, log=print) -> None:
+    def __init__(self, run_dir: Path, partitions: int, log=print, nodes: int = 1) -> None:
         self.dir = run_dir
         self.partitions = partitions
         self.log = log
+        self.nodes = nodes
         self.broker_dir = run_dir / "broker"
         self.port = 0
         self.bootstrap = ""
@@ -64,8 +70,12 @@ class RunEnv:
     def __enter__(self) -> RunEnv:
         shutil.rmtree(self.dir, ignore_errors=True)
         self.dir.mkdir(parents=True)
-        self.port = broker.free_port()
-        status = broker.start(port=self.port, data_dir=self.broker_dir)
+        if self.nodes > 1:
+            self.port = broker.free_port_range(2 * self.nodes)
+            status = broker.start_cluster(nodes=self.nodes, port=self.port, data_dir=self.broker_dir, timeout_s=240)
+        else:
+            self.port = broker.free_port()
+            status = broker.start(port=self.port, data_dir=self.broker_dir)
         self.bootstrap = status.bootstrap_servers
         ensure_topics(self.bootstrap, {KV_EVENTS: self.partitions, KV_EVENTS_DEAD_LETTER: 1})
         return self
@@ -76,7 +86,7 @@ class RunEnv:
         for child in self.children:
             if child.poll() is None:
                 _kill_group(child, signal.SIGKILL)
-        broker.stop(self.broker_dir)
+        broker.stop(self.broker_dir)  # every node of a cluster
 
     def worker(self, name: str, app_id: str, *, store: str = "memory://", data_dir: Path | None = None,
                web_port: int | None = None, standby_replicas: int = 0, source_lease_s: float = 86_400.0,

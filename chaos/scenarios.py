@@ -47,6 +47,12 @@ Scenarios (:data:`SCENARIOS`):
     ever stored, ``GET /workers``' ``live``) must name exactly what the engines alive at the end hold, and the
     residency table must keep the dead engine's rows and have retired the restarted engine's old ones. Last the
     bridge is killed, then the third engine: only the lease takes it out, within the lease + 5 s (the backstop).
+``broker-bounce``
+    On a three-node cluster (every topic 3 replicas, min.insync.replicas 2), two workers and a paced producer;
+    per run one case of :data:`chaos.broker_bounce.CASES`: the leader of a kv-events (re-keyed, changelog)
+    partition killed or stopped cleanly and brought back, two brokers down together, a rolling restart, 5 bounces
+    chasing the leader. Reports the seconds from each failure to the first event applied after it and the share
+    of lookups answered while a broker was down.
 
 :func:`run_chaos` runs the chosen scenarios, prints progress and a summary table,
 and writes the results (shape: :data:`DEFINITIONS`) to a JSON file.
@@ -63,6 +69,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from chaos.bridge_restart import BridgeRestart
+from chaos.broker_bounce import BrokerBounce
 from chaos.checks import compare_residency  # noqa: F401 (re-exported: tests/chaos/test_chaos.py)
 from chaos.engine_crash import ENGINE_LEASE_S, EngineCrash  # noqa: F401 (re-exported: named by the docstring)
 from chaos.engines import percentile
@@ -72,7 +79,8 @@ from chaos.workload import CHAOS_FLEET, Workload, naive_residency, simulate_work
 from kvstream import broker
 
 #: Scenario names, in the order they run.
-SCENARIOS = ("crash", "rebalance", "broker-outage", "bridge-restart", "table-recovery", "engine-crash")
+SCENARIOS = ("crash", "rebalance", "broker-outage", "bridge-restart", "table-recovery", "engine-crash",
+             "broker-bounce")
 
 #: What the numbers of the results file mean (written into it as ``definitions``).
 DEFINITIONS = {
@@ -161,6 +169,16 @@ DEFINITIONS = {
     "tail_lost_with_engine": "engine-crash: messages of the batches a killed engine published after the last one "
                              "that reached kv-events: still queued in its PUB socket when it died, they died with it "
                              "(a crashed vLLM loses them too); not counted in events_lost",
+    "case": "broker-bounce: the run's case (chaos/broker_bounce.py, CASES): which partition's leader ('topic', "
+            "partition 0) and which 'fault': hard (SIGKILL), clean (SIGTERM), two-down (the leader and another node "
+            "SIGKILLed together), rolling (each node in turn, SIGTERM), hard-/clean-bounces (5, each of the leader "
+            "then); 'faults' lists each failure's nodes and its seconds (at, back_at) after the first",
+    "first_applied_after_s": "broker-bounce: per failure, seconds from it to the first event the workers applied "
+                             "after it (their /stats/ materialized, sampled every ~0.1 s; null: none before the end)",
+    "answered_during_failure": "broker-bounce: the share of GET /residency/{hex}/ lookups of known blocks (both "
+                               "workers in turn, no retry) answered 200 between the first failure and the last "
+                               "node back (failure_s seconds); lookups_during_failure: how many were asked. "
+                               "scenario entry: its minimum over the runs, and first_applied_after_max_s",
     "queries": "rebalance: GET /residency/{hex}/ lookups of known blocks; 'answered' got 200 (possibly after "
                "retries), 'retried' counts 503 answers (rebalancing: retry) that were retried, 'failed' never got a "
                "200 within 30 s or got another error",
@@ -191,6 +209,8 @@ class ChaosOptions:
     partitions: int = 4
     #: Seconds the broker stays down in the broker-outage scenario.
     outage_s: float = 10.0
+    #: Runs of the broker-bounce scenario: run i is case i of chaos.broker_bounce.CASES (modulo their number).
+    broker_bounce_runs: int = 4
     #: Seconds any single wait (consumption, web server, recovery) may take before the run fails.
     timeout_s: float = 300.0
     #: Seconds over which the live producers spread the records they publish while a worker runs.
@@ -200,7 +220,7 @@ class ChaosOptions:
 # --------------------------------------------------------------------------- scenarios
 # (the scenario families are the mixins': chaos/fleet_faults.py, chaos/bridge_restart.py, chaos/engine_crash.py)
 
-class Chaos(FleetFaults, BridgeRestart, EngineCrash):
+class Chaos(FleetFaults, BridgeRestart, EngineCrash, BrokerBounce):
     """Runs the scenarios with one set of :class:`ChaosOptions`; ``log`` prints progress."""
 
     def __init__(self, options: ChaosOptions, log=print) -> None:
@@ -234,7 +254,8 @@ class Chaos(FleetFaults, BridgeRestart, EngineCrash):
                 "rebalance": (self.rebalance, self.options.rebalance_runs),
                 "broker-outage": (self.broker_outage, 1), "bridge-restart": (self.bridge_restart, 2),
                 "table-recovery": (self.table_recovery, 1),
-                "engine-crash": (self.engine_crash, self.options.engine_crash_runs)}
+                "engine-crash": (self.engine_crash, self.options.engine_crash_runs),
+                "broker-bounce": (self.broker_bounce, self.options.broker_bounce_runs)}
         results: dict = {}
         for number, name in enumerate(self.options.scenarios, 1):
             method, runs = plan[name]
@@ -272,7 +293,17 @@ def summarize(entries: list[dict]) -> dict:
             "duplicates_applied": sum(e["duplicates_applied"] for e in entries),
             "seconds": round(sum(e["seconds"] for e in entries), 1),
             **(_dead_engine_summary(entries) if any("dead_engine_bound_s" in e for e in entries) else {}),
+            **(_bounce_summary(entries) if any("case" in e for e in entries) else {}),
             "run_details": entries}
+
+
+def _bounce_summary(entries: list[dict]) -> dict:
+    """broker-bounce's figures over its runs: the longest wait for the first event applied after a failure, and
+    the smallest share of lookups answered during one."""
+    waits = [s for e in entries for s in e.get("first_applied_after_s", ()) if s is not None]
+    shares = [e["answered_during_failure"] for e in entries if e.get("answered_during_failure") is not None]
+    return {"first_applied_after_max_s": max(waits, default=None),
+            "answered_during_failure_min": min(shares, default=None)}
 
 
 def _dead_engine_summary(entries: list[dict]) -> dict:
@@ -328,6 +359,7 @@ def run_chaos(options: ChaosOptions, log=print) -> int:
                 "generated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "options": {"scenarios": list(options.scenarios), "crash_runs": options.crash_runs,
                             "rebalance_runs": options.rebalance_runs, "engine_crash_runs": options.engine_crash_runs,
+                            "broker_bounce_runs": options.broker_bounce_runs,
                             "requests": options.requests, "partitions": options.partitions, "seed": options.seed,
                             "outage_s": options.outage_s, "live_s": options.live_s,
                             "worker_session_timeout_s": SESSION_TIMEOUT_S},

@@ -1,0 +1,193 @@
+"""The broker-bounce scenario: brokers of a three-node cluster fail under a steady stream, as Kafka Streams' own
+``streams_broker_bounce_test.py`` (apache/kafka, tests/kafkatest/tests/streams) runs them.
+
+Each run is one case of :data:`CASES`: a fresh three-node cluster (:func:`kvstream.broker.start_cluster`), two
+workers, a paced producer of engine events and a thread that asks both workers ``GET /residency/{hex}/`` of known
+blocks throughout; the case's fault is injected once the workers apply events, and the run ends with the residency
+table (read back from its changelog), every worker's ``/occupancy/`` and a lookup sample equal to the ground truth.
+Reported per run: ``first_applied_after_s`` (seconds from the failure to the first event applied after it) and
+``answered_during_failure`` (the share of lookups answered 200 at once while a broker was down).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from confluent_kafka.admin import AdminClient
+
+from chaos.checks import _explain, _fleet_views, _http_sample, _run_result, check_residency, topic_messages
+from chaos.env import PacedProducer, RunEnv, Worker, _consume, _fresh_app_id, _wait_for, http_json, produce_now
+from kvstream import broker
+from producers.kafka_sink import ProduceError
+from schemas.topics import KV_EVENTS, TopicNames
+
+#: The cases, in run order: (name, the topic whose partition 0's leader is failed, the fault). Faults: ``hard``
+#: (SIGKILL, back after the outage), ``clean`` (SIGTERM: Kafka's controlled shutdown), ``two-down`` (the leader
+#: and another node SIGKILLed together: one broker left, below min.insync.replicas, so producers must wait),
+#: ``rolling`` (every node in turn stopped cleanly and restarted), ``hard-bounces`` / ``clean-bounces`` (5
+#: bounces, each of the partition's leader at that moment).
+CASES = (
+    ("kv-events-leader-hard-kill", "kv-events", "hard"),
+    ("kv-events-leader-clean-shutdown", "kv-events", "clean"),
+    ("two-brokers-down", "kv-events", "two-down"),
+    ("rolling-restart", "kv-events", "rolling"),
+    ("rekeyed-leader-hard-kill", "rekeyed", "hard"),
+    ("changelog-leader-hard-kill", "changelog", "hard"),
+    ("kv-events-leader-hard-bounces", "kv-events", "hard-bounces"),
+    ("kv-events-leader-clean-bounces", "kv-events", "clean-bounces"),
+)
+
+#: Nodes of the cluster every broker-bounce run starts.
+NODES = 3
+
+
+def partition_leader(bootstrap: str, topic: str, partition: int = 0) -> int:
+    """The node id leading ``topic``'s ``partition`` now (-1: none)."""
+    metadata = AdminClient({"bootstrap.servers": bootstrap}).list_topics(topic, timeout=10)
+    return metadata.topics[topic].partitions[partition].leader
+
+
+class _Monitor(threading.Thread):
+    """Samples the workers' applied-event counts (``/stats/`` ``materialized``) and asks each worker a lookup in
+    turn, recording every outcome with its time; a 503 or an error counts as not answered (no retry)."""
+
+    def __init__(self, workers: list[Worker], blocks: list[bytes]) -> None:
+        super().__init__(daemon=True)
+        self.workers, self.blocks = workers, blocks
+        #: (monotonic time, total materialized) samples.
+        self.applied: list[tuple[float, int]] = []
+        #: (monotonic time, answered 200) per lookup.
+        self.lookups: list[tuple[float, bool]] = []
+        self._done = threading.Event()
+
+    def stop(self) -> None:
+        """End the loop and wait for it."""
+        self._done.set()
+        self.join(60)
+
+    def run(self) -> None:
+        index = 0
+        while not self._done.is_set():
+            worker = self.workers[index % len(self.workers)]
+            if self.blocks:
+                block = self.blocks[index % len(self.blocks)]
+                try:
+                    status, _ = http_json(f"{worker.url}/residency/{block.hex()}/", timeout_s=5)
+                except (OSError, ValueError):
+                    status = None
+                self.lookups.append((time.monotonic(), status == 200))
+            if index % 2 == 0:
+                total = sum((x.stats() or {}).get("materialized", 0) for x in self.workers)
+                self.applied.append((time.monotonic(), total))
+            index += 1
+            time.sleep(0.05)
+
+    def first_applied_after(self, t0: float) -> float | None:
+        """Seconds from ``t0`` to the first sample whose count exceeds the last one before ``t0``."""
+        before = max((n for t, n in self.applied if t <= t0), default=0)
+        return next((round(t - t0, 2) for t, n in self.applied if t > t0 and n > before), None)
+
+    def answered_share(self, start: float, end: float) -> tuple[float | None, int]:
+        """(share of the lookups between ``start`` and ``end`` answered 200, how many were asked)."""
+        during = [ok for t, ok in self.lookups if start <= t <= end]
+        return (round(sum(during) / len(during), 3) if during else None), len(during)
+
+
+class BrokerBounce:
+    """The broker-bounce scenario. A mixin of :class:`chaos.scenarios.Chaos`: it uses the run's options, workload
+    and ``rng``."""
+
+    def broker_bounce(self, run: int) -> dict:
+        """Run case ``run`` of :data:`CASES` (modulo their number) on a fresh three-node cluster."""
+        o, w = self.options, self.workload
+        rng = self.rng("broker-bounce", run)
+        case, target, fault = CASES[run % len(CASES)]
+        app_id = _fresh_app_id("broker-bounce", run)
+        names = TopicNames(app_id)
+        topic = {"kv-events": KV_EVENTS, "rekeyed": names.by_ownership,
+                 "changelog": f"{names.scoped_app_id}-residency-changelog"}[target]
+        started = time.monotonic()
+        self.log(f"      case {case}: {fault} of the leader of {topic}[0]")
+        with RunEnv(self.work / f"broker-bounce-{run}", o.partitions, self.log, nodes=NODES) as env:
+            split = int(len(w.records) * 0.3)
+            produced = produce_now(env.bootstrap, w.records[:split])
+            first = env.worker("worker-1", app_id)
+            second = env.worker("worker-2", app_id)
+            first.wait_ready(o.timeout_s)
+            second.wait_ready(o.timeout_s)
+            known = sorted({r["block_hash"] for r in w.records[:split] if r["block_hash"] is not None})
+            monitor = _Monitor([first, second], rng.sample(known, min(200, len(known))))
+            monitor.start()
+            live = PacedProducer(env.bootstrap, w.records[split:], (len(w.records) - split) / (4 * o.live_s))
+            live.start()
+
+            def total() -> int:
+                return sum((x.stats() or {}).get("materialized", 0) for x in (first, second))
+
+            base = total()
+            _wait_for(lambda: total() > base, o.timeout_s, "the workers did not apply live events")
+            faults = self._inject(env, topic, fault, o.outage_s)
+            fault_start, fault_end = faults[0]["at"], faults[-1]["back_at"]
+            live.join()
+            if live.error:
+                raise ProduceError(live.error)
+            produced += live.stats.acked
+            _consume(env, first, o.timeout_s)
+            monitor.stop()
+            first_applied = [monitor.first_applied_after(f["at"]) for f in faults]
+            share, asked = monitor.answered_share(fault_start, fault_end)
+            duplicates = sum((x.stats() or {}).get("duplicates", 0) for x in (first, second))
+            http = {x.options.web_port: _http_sample(x.url, w.ground_truth, 100, rng) for x in (first, second)}
+            views = _fleet_views([first, second], w.ground_truth)
+            check = check_residency(env.bootstrap, app_id, w.ground_truth)
+            _explain(first, check)
+            in_topic = topic_messages(env.bootstrap)
+            alive = first.alive() and second.alive()
+        for f in faults:
+            f["at"] = round(f["at"] - fault_start, 2)
+            f["back_at"] = round(f["back_at"] - fault_start, 2)
+        self.log(f"      first event applied {first_applied} s after each failure; {share} of {asked} lookups "
+                 f"answered during the failure")
+        return _run_result(run, check, produced, in_topic, time.monotonic() - started,
+                           checks={"all messages in kv-events": in_topic == produced == w.messages,
+                                   "both workers ran throughout": alive,
+                                   "both workers answer the sample as the truth": all(
+                                       h["wrong"] == 0 for h in http.values()),
+                                   "every worker's occupancy equals the truth": views["occupancy_equal"]},
+                           case=case, fault=fault, topic=topic, app_id=app_id, faults=faults,
+                           first_applied_after_s=first_applied,
+                           answered_during_failure=share, lookups_during_failure=asked,
+                           failure_s=round(fault_end - fault_start, 1), views=views,
+                           http_sample={str(port): h for port, h in http.items()}, duplicates_ignored=duplicates)
+
+    def _inject(self, env: RunEnv, topic: str, fault: str, outage_s: float) -> list[dict]:
+        """Fail brokers as ``fault`` says; returns one entry per failure: nodes, kind, ``at`` and ``back_at``
+        (monotonic times of the failure and of the last node answering again)."""
+        d = env.broker_dir
+
+        def bounce(nodes: list[int], clean: bool, down_s: float) -> dict:
+            at = time.monotonic()
+            for node in nodes:
+                broker.kill_node(d, node, clean=clean)
+            self.log(f"      node(s) {nodes} {'stopped (SIGTERM)' if clean else 'killed (SIGKILL)'}")
+            time.sleep(down_s)
+            for node in nodes:
+                broker.restart_node(d, node, timeout_s=240, wait_registered=node == nodes[-1])
+            back = time.monotonic()
+            self.log(f"      node(s) {nodes} back after {back - at:.1f}s")
+            return {"nodes": nodes, "clean": clean, "at": at, "back_at": back}
+
+        leader = partition_leader(env.bootstrap, topic)
+        if fault in ("hard", "clean"):
+            return [bounce([leader], fault == "clean", outage_s)]
+        if fault == "two-down":
+            other = next(n for n in range(1, NODES + 1) if n != leader)
+            return [bounce([leader, other], False, outage_s)]
+        if fault == "rolling":
+            return [bounce([node], True, 2.0) for node in range(1, NODES + 1)]
+        entries = []  # hard-bounces / clean-bounces: 5 bounces chasing the leader
+        for _ in range(5):
+            entries.append(bounce([partition_leader(env.bootstrap, topic)], fault == "clean-bounces", 2.0))
+            time.sleep(3.0)
+        return entries
