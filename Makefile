@@ -4,7 +4,7 @@
 #                 skipped test's reason)
 #   make lint   - ruff check . (the rules of [tool.ruff] in pyproject.toml)
 #   make bench  - the benchmark (bench/results.json, bench/results.png)
-#   make chaos  - the fault scenarios (worker crash, rebalance, broker outage, bridge restart, table recovery, engine crash)
+#   make chaos  - the fault scenarios (worker crash, rebalance, broker outage, bridge restart, table recovery, engine crash, broker bounces)
 #   make compose-test - docker-compose.yml brought up and checked against the ground truth (needs Docker)
 PYTHON ?= python3.11
 VENV ?= .venv
