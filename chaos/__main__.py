@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--broker-bounce-runs", type=positive_int, default=chaos.broker_bounce_runs,
                    help="runs of the broker-bounce scenario on a three-node cluster, run i being case i: a "
                         "kv-events partition leader's hard kill, its clean shutdown, two brokers down, a rolling "
-                        "restart, then the re-keyed and changelog leaders' hard kills, 5 hard and 5 clean bounces "
+                        "restart, then the re-keyed and changelog leaders' hard kills, the controller's hard kill "
+                        "and clean shutdown, 5 hard and 5 clean bounces (10: every case) "
                         "(default: %(default)s)")
     p.add_argument("--requests", type=positive_int, default=chaos.requests,
                    help="trace slice: the first N requests of the vendored trace per run (default: %(default)s)")

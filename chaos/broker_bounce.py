@@ -22,7 +22,8 @@ from kvstream import broker
 from producers.kafka_sink import ProduceError
 from schemas.topics import KV_EVENTS, TopicNames
 
-#: The cases, in run order: (name, the topic whose partition 0's leader is failed, the fault). Faults: ``hard``
+#: The cases, in run order: (name, the topic whose partition 0's leader is failed, or ``controller`` for the
+#: active KRaft controller, the fault). Faults: ``hard``
 #: (SIGKILL, back after the outage), ``clean`` (SIGTERM: Kafka's controlled shutdown), ``two-down`` (the leader
 #: and another node SIGKILLed together: one broker left, below min.insync.replicas, so producers must wait),
 #: ``rolling`` (every node in turn stopped cleanly and restarted), ``hard-bounces`` / ``clean-bounces`` (5
@@ -34,6 +35,8 @@ CASES = (
     ("rolling-restart", "kv-events", "rolling"),
     ("rekeyed-leader-hard-kill", "rekeyed", "hard"),
     ("changelog-leader-hard-kill", "changelog", "hard"),
+    ("controller-hard-kill", "controller", "hard"),
+    ("controller-clean-shutdown", "controller", "clean"),
     ("kv-events-leader-hard-bounces", "kv-events", "hard-bounces"),
     ("kv-events-leader-clean-bounces", "kv-events", "clean-bounces"),
 )
@@ -106,9 +109,10 @@ class BrokerBounce:
         app_id = _fresh_app_id("broker-bounce", run)
         names = TopicNames(app_id)
         topic = {"kv-events": KV_EVENTS, "rekeyed": names.by_ownership,
-                 "changelog": f"{names.scoped_app_id}-residency-changelog"}[target]
+                 "changelog": f"{names.scoped_app_id}-residency-changelog", "controller": "controller"}[target]
         started = time.monotonic()
-        self.log(f"      case {case}: {fault} of the leader of {topic}[0]")
+        self.log(f"      case {case}: {fault} of " + ("the active controller" if target == "controller"
+                                                    else f"the leader of {topic}[0]"))
         with RunEnv(self.work / f"broker-bounce-{run}", o.partitions, self.log, nodes=NODES) as env:
             split = int(len(w.records) * 0.3)
             produced = produce_now(env.bootstrap, w.records[:split])
@@ -178,7 +182,15 @@ class BrokerBounce:
             self.log(f"      node(s) {nodes} back after {back - at:.1f}s")
             return {"nodes": nodes, "clean": clean, "at": at, "back_at": back}
 
-        leader = partition_leader(env.bootstrap, topic)
+        def leader_now() -> int:
+            if topic == "controller":
+                node = broker.controller_leader(env.bootstrap)
+                if node is None:
+                    raise RuntimeError("kafka-metadata-quorum named no controller leader")
+                return node
+            return partition_leader(env.bootstrap, topic)
+
+        leader = leader_now()
         if fault in ("hard", "clean"):
             return [bounce([leader], fault == "clean", outage_s)]
         if fault == "two-down":
@@ -188,6 +200,6 @@ class BrokerBounce:
             return [bounce([node], True, 2.0) for node in range(1, NODES + 1)]
         entries = []  # hard-bounces / clean-bounces: 5 bounces chasing the leader
         for _ in range(5):
-            entries.append(bounce([partition_leader(env.bootstrap, topic)], fault == "clean-bounces", 2.0))
+            entries.append(bounce([leader_now()], fault == "clean-bounces", 2.0))
             time.sleep(3.0)
         return entries

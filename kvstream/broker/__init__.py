@@ -37,6 +37,7 @@ from __future__ import annotations
 from kvstream.broker.cli import register_cli as register_cli
 from kvstream.broker.cluster import ClusterStatus as ClusterStatus
 from kvstream.broker.cluster import cluster_status as cluster_status
+from kvstream.broker.cluster import controller_leader as controller_leader
 from kvstream.broker.cluster import is_cluster as is_cluster
 from kvstream.broker.cluster import kill_node as kill_node
 from kvstream.broker.cluster import restart_node as restart_node

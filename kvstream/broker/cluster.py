@@ -278,3 +278,19 @@ def stop_cluster(data_dir: Path, grace_s: float = 30.0) -> int:
         terminate_process(pid, grace_s=0.1)  # SIGKILL the ones a lost quorum kept from shutting down
         broker_paths(node_dir(data_dir, i))[2].unlink(missing_ok=True)
     return len(pids)
+
+
+def controller_leader(bootstrap_servers: str, timeout_s: float = 60) -> int | None:
+    """The node id of the active KRaft controller (the quorum's leader), as ``kafka-metadata-quorum describe
+    --status`` reports it through ``bootstrap_servers``; None if it did not answer. Starts a JVM (seconds)."""
+    import re
+
+    from kvstream.broker.tools import run_tool
+
+    try:
+        result = run_tool("metadata-quorum", ["--bootstrap-server", bootstrap_servers, "describe", "--status"],
+                          capture=True, timeout_s=timeout_s)
+    except Exception:  # noqa: BLE001 - a timeout or a tool that cannot start: no answer
+        return None
+    found = re.search(r"^LeaderId:\s+(\d+)", result.stdout, re.M)
+    return int(found.group(1)) if result.returncode == 0 and found else None
