@@ -58,9 +58,10 @@ def _get(url: str) -> dict:
 
 
 def _matched(url: str) -> set[str]:
+    """The instances a query by TOKENS hits (a registered instance that holds none of them is answered with 0)."""
     status, answer = _post(f"{url}/query", {"token_ids": TOKENS, "block_size": 4})
     assert status == 200, answer
-    return set(answer["instances"])
+    return {instance for instance, row in answer["instances"].items() if row["longest_matched"]}
 
 
 def _until(read, expected, timeout_s: float):
@@ -108,9 +109,13 @@ def fleet(kafka_bootstrap, tmp_path_factory):
     try:
         wait_until_consumed(kafka_bootstrap, TopicNames(APP_ID, PREFIX), workers[0], timeout_s=300)
         beater.start()  # after: a steady stream of heartbeats would keep the group from ever being caught up
-        for url in urls:
-            for instance in ("alive", "dying", "leaving"):
-                assert _post(f"{url}/register", {"instance_id": instance, "block_size": 4})[0] == 200
+        profile = {"strategy": "vllm_v1", "algorithm": "sha256_cbor", "python_hash_seed": "0",
+                   "index_projection": "low64_be"}
+        for url in urls:  # Mooncake's conductor body, the same to every process
+            for port, instance in enumerate(("alive", "dying", "leaving"), 5557):
+                body = {"endpoint": f"tcp://10.0.0.2:{port}", "type": "vLLM", "modelname": "m", "instance_id": instance,
+                        "block_size": 4, "dp_rank": 0, "hash_profile": profile}
+                assert _post(f"{url}/register", body)[0] == 200
         yield {"workers": urls, "all": [*urls, f"http://127.0.0.1:{index_port}"], "bootstrap": kafka_bootstrap}
     except Exception:
         for log_file in sorted(work.glob("*.log")):
