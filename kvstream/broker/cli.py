@@ -159,9 +159,10 @@ def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     """
     broker = subparsers.add_parser(
         "broker",
-        help=f"run a local single-node Kafka {KAFKA_VERSION} broker (no Docker needed)",
+        help=f"run a local Kafka {KAFKA_VERSION} broker, or a cluster of several (no Docker needed)",
         description=(
-            f"Run a local single-node Apache Kafka {KAFKA_VERSION} broker (KRaft, 127.0.0.1 only) "
+            f"Run a local single-node Apache Kafka {KAFKA_VERSION} broker (KRaft, 127.0.0.1 only), or with "
+            "'start --nodes N' a cluster of N nodes whose nodes 'kill ID' and 'restart ID' fail on purpose, "
             "from jars downloaded once with Maven, and Kafka's own CLI tools. "
             "Needs java 17+; mvn for the first download."
         ),
