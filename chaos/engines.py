@@ -176,6 +176,12 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
+def _names(answer: dict, engine: str) -> bool:
+    """Whether a ``/query`` or ``/query_by_hash`` answer names ``engine`` as a holder: a registered instance is
+    listed with ``longest_matched`` 0 when it holds nothing (Mooncake's conductor API), which is not a hit."""
+    return (answer["instances"].get(engine) or {}).get("longest_matched", 0) > 0
+
+
 class _DeadEngineWatch(threading.Thread):
     """Asks every answerer (the workers, a ``kvstream index``), in a loop, the lookups a router makes about the
     engines that are dead now: ``GET /workers`` (is it ``live``?), ``POST /prefix-match/`` and ``POST /query_by_hash``
@@ -223,7 +229,7 @@ class _DeadEngineWatch(threading.Thread):
                         break
                 for block in with_tokens[:tries]:
                     answer = self._ask(url, client.query, self.queries[block])
-                    if answer is not None and engine in answer["instances"]:
+                    if answer is not None and _names(answer, engine):
                         found["POST /query"] = True
                         break
         return found
@@ -269,12 +275,12 @@ class _DeadEngineWatch(threading.Thread):
                                   any(m["instance_id"] == kill.engine for m in answer["matches"]))
                     answer = self._ask(url, client.query_by_hash, [kill.next_block(kill.blocks)])
                     if answer is not None:
-                        self._saw(kill, url, "POST /query_by_hash", kill.engine in answer["instances"])
+                        self._saw(kill, url, "POST /query_by_hash", _names(answer, kill.engine))
                     with_tokens = [b for b in kill.blocks if b in self.queries]
                     if with_tokens:
                         answer = self._ask(url, client.query, self.queries[kill.next_block(with_tokens)])
                         if answer is not None:
-                            self._saw(kill, url, "POST /query", kill.engine in answer["instances"])
+                            self._saw(kill, url, "POST /query", _names(answer, kill.engine))
                 for kill in back:
                     block = kill.next_old_block()
                     answer = None if block is None else self._ask(url, client.prefix_match, [block])
