@@ -2,15 +2,19 @@
 ``streams_broker_bounce_test.py`` (apache/kafka, tests/kafkatest/tests/streams) runs them.
 
 Each run is one case of :data:`CASES`: a fresh three-node cluster (:func:`kvstream.broker.start_cluster`), two
-workers, a paced producer of engine events and a thread that asks both workers ``GET /residency/{hex}/`` of known
-blocks throughout; the case's fault is injected once the workers apply events, and the run ends with the residency
-table (read back from its changelog), every worker's ``/occupancy/`` and a lookup sample equal to the ground truth.
+workers, a ``kvstream index``, a paced producer of engine events and a thread that asks both workers
+``GET /residency/{hex}/`` and the index ``POST /prefix-match/`` of known blocks throughout; the case's fault is
+injected once the workers apply events, and the run ends with the residency table (read back from its
+changelog), every worker's ``/occupancy/`` and a lookup sample equal to the ground truth.
 Reported per run: ``first_applied_after_s`` (seconds from the failure to the first event applied after it) and
 ``answered_during_failure`` (the share of lookups answered 200 at once while a broker was down).
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -19,6 +23,7 @@ from confluent_kafka.admin import AdminClient
 from chaos.checks import _explain, _fleet_views, _http_sample, _run_result, check_residency, topic_messages
 from chaos.env import PacedProducer, RunEnv, Worker, _consume, _fresh_app_id, _wait_for, http_json, produce_now
 from kvstream import broker
+from kvstream.client import IndexClient
 from producers.kafka_sink import ProduceError
 from schemas.topics import KV_EVENTS, TopicNames
 
@@ -43,6 +48,9 @@ CASES = (
 
 #: Nodes of the cluster every broker-bounce run starts.
 NODES = 3
+#: Seconds over which the live producer spreads its records; it hurries through the rest once the failures are
+#: over, so the stream only has to outlast them.
+STREAM_S = 300.0
 
 
 def partition_leader(bootstrap: str, topic: str, partition: int = 0) -> int:
@@ -51,17 +59,46 @@ def partition_leader(bootstrap: str, topic: str, partition: int = 0) -> int:
     return metadata.topics[topic].partitions[partition].leader
 
 
-class _Monitor(threading.Thread):
-    """Samples the workers' applied-event counts (``/stats/`` ``materialized``) and asks each worker a lookup in
-    turn, recording every outcome with its time; a 503 or an error counts as not answered (no retry)."""
+def start_index(env: RunEnv, app_id: str, timeout_s: float) -> str:
+    """Start ``kvstream index`` on ``app_id`` (a day's source lease: the workload's sources publish once), a child
+    of ``env`` (log ``<run dir>/index.log``); returns its URL once ``GET /workers`` answers."""
+    port = broker.free_port()
+    log_file = env.dir / "index.log"
+    with open(log_file, "ab") as out:
+        child = subprocess.Popen([sys.executable, "-m", "kvstream.cli", "index", "--bootstrap-servers", env.bootstrap,
+                                  "--app-id", app_id, "--web-port", str(port), "--source-lease-s", "86400"],
+                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    env.children.append(child)
+    url = f"http://127.0.0.1:{port}"
 
-    def __init__(self, workers: list[Worker], blocks: list[bytes]) -> None:
+    def ready() -> bool:
+        if child.poll() is not None:
+            raise RuntimeError(f"kvstream index exited with code {child.returncode}:\n"
+                               + log_file.read_text(errors="replace")[-2000:])
+        try:
+            status, _ = http_json(f"{url}/workers", timeout_s=5)
+        except OSError:
+            return False
+        return status == 200
+
+    _wait_for(ready, timeout_s, "kvstream index did not answer")
+    return url
+
+
+class _Monitor(threading.Thread):
+    """Samples the workers' applied-event counts (``/stats/`` ``materialized``) and asks each worker
+    (``GET /residency/{hex}/``) and the index (``POST /prefix-match/``) a lookup in turn, recording every outcome
+    with its time; a 503 or an error counts as not answered (no retry)."""
+
+    def __init__(self, workers: list[Worker], blocks: list[bytes], index_url: str | None = None) -> None:
         super().__init__(daemon=True)
         self.workers, self.blocks = workers, blocks
+        self.index = IndexClient(index_url, timeout_s=5) if index_url else None
         #: (monotonic time, total materialized) samples.
         self.applied: list[tuple[float, int]] = []
-        #: (monotonic time, answered 200) per lookup.
-        self.lookups: list[tuple[float, bool]] = []
+        #: (monotonic time, answered 200, answerer) per lookup.
+        self.lookups: list[tuple[float, bool, str]] = []
         self._done = threading.Event()
 
     def stop(self) -> None:
@@ -71,15 +108,24 @@ class _Monitor(threading.Thread):
 
     def run(self) -> None:
         index = 0
+        answerers = len(self.workers) + (self.index is not None)
         while not self._done.is_set():
-            worker = self.workers[index % len(self.workers)]
             if self.blocks:
                 block = self.blocks[index % len(self.blocks)]
-                try:
-                    status, _ = http_json(f"{worker.url}/residency/{block.hex()}/", timeout_s=5)
-                except (OSError, ValueError):
-                    status = None
-                self.lookups.append((time.monotonic(), status == 200))
+                turn = index % answerers
+                if turn < len(self.workers):
+                    try:
+                        status, _ = http_json(f"{self.workers[turn].url}/residency/{block.hex()}/", timeout_s=5)
+                    except (OSError, ValueError):
+                        status = None
+                    self.lookups.append((time.monotonic(), status == 200, f"worker-{turn + 1}"))
+                else:
+                    try:
+                        self.index.prefix_match([block])
+                        ok = True
+                    except Exception:  # noqa: BLE001 - any failure is a lookup not answered
+                        ok = False
+                    self.lookups.append((time.monotonic(), ok, "index"))
             if index % 2 == 0:
                 total = sum((x.stats() or {}).get("materialized", 0) for x in self.workers)
                 self.applied.append((time.monotonic(), total))
@@ -91,9 +137,10 @@ class _Monitor(threading.Thread):
         before = max((n for t, n in self.applied if t <= t0), default=0)
         return next((round(t - t0, 2) for t, n in self.applied if t > t0 and n > before), None)
 
-    def answered_share(self, start: float, end: float) -> tuple[float | None, int]:
-        """(share of the lookups between ``start`` and ``end`` answered 200, how many were asked)."""
-        during = [ok for t, ok in self.lookups if start <= t <= end]
+    def answered_share(self, start: float, end: float, answerer: str | None = None) -> tuple[float | None, int]:
+        """(share of the lookups between ``start`` and ``end`` answered 200, how many were asked), of every
+        answerer or of ``answerer`` (``worker-1``, ``worker-2``, ``index``)."""
+        during = [ok for t, ok, who in self.lookups if start <= t <= end and answerer in (None, who)]
         return (round(sum(during) / len(during), 3) if during else None), len(during)
 
 
@@ -121,9 +168,12 @@ class BrokerBounce:
             first.wait_ready(o.timeout_s)
             second.wait_ready(o.timeout_s)
             known = sorted({r["block_hash"] for r in w.records[:split] if r["block_hash"] is not None})
-            monitor = _Monitor([first, second], rng.sample(known, min(200, len(known))))
+            index_url = start_index(env, app_id, o.timeout_s)
+            monitor = _Monitor([first, second], rng.sample(known, min(200, len(known))), index_url)
             monitor.start()
-            live = PacedProducer(env.bootstrap, w.records[split:], (len(w.records) - split) / (4 * o.live_s))
+            # a steady stream that outlasts the failures (a node's restart takes up to a minute and more on a busy
+            # host), then the rest at full speed once the last node is back
+            live = PacedProducer(env.bootstrap, w.records[split:], (len(w.records) - split) / STREAM_S)
             live.start()
 
             def total() -> int:
@@ -133,6 +183,8 @@ class BrokerBounce:
             _wait_for(lambda: total() > base, o.timeout_s, "the workers did not apply live events")
             faults = self._inject(env, topic, fault, o.outage_s)
             fault_start, fault_end = faults[0]["at"], faults[-1]["back_at"]
+            streamed_through = live.is_alive()
+            live.rate = None
             live.join()
             if live.error:
                 raise ProduceError(live.error)
@@ -141,6 +193,8 @@ class BrokerBounce:
             monitor.stop()
             first_applied = [monitor.first_applied_after(f["at"]) for f in faults]
             share, asked = monitor.answered_share(fault_start, fault_end)
+            by_answerer = {who: monitor.answered_share(fault_start, fault_end, who)[0]
+                           for who in ("worker-1", "worker-2", "index")}
             duplicates = sum((x.stats() or {}).get("duplicates", 0) for x in (first, second))
             http = {x.options.web_port: _http_sample(x.url, w.ground_truth, 100, rng) for x in (first, second)}
             views = _fleet_views([first, second], w.ground_truth)
@@ -156,12 +210,14 @@ class BrokerBounce:
         return _run_result(run, check, produced, in_topic, time.monotonic() - started,
                            checks={"all messages in kv-events": in_topic == produced == w.messages,
                                    "both workers ran throughout": alive,
+                                   "events were produced throughout the failures": streamed_through,
                                    "both workers answer the sample as the truth": all(
                                        h["wrong"] == 0 for h in http.values()),
                                    "every worker's occupancy equals the truth": views["occupancy_equal"]},
                            case=case, fault=fault, topic=topic, app_id=app_id, faults=faults,
                            first_applied_after_s=first_applied,
                            answered_during_failure=share, lookups_during_failure=asked,
+                           answered_during_failure_by=by_answerer,
                            failure_s=round(fault_end - fault_start, 1), views=views,
                            http_sample={str(port): h for port, h in http.items()}, duplicates_ignored=duplicates)
 

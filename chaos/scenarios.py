@@ -48,7 +48,8 @@ Scenarios (:data:`SCENARIOS`):
     residency table must keep the dead engine's rows and have retired the restarted engine's old ones. Last the
     bridge is killed, then the third engine: only the lease takes it out, within the lease + 5 s (the backstop).
 ``broker-bounce``
-    On a three-node cluster (every topic 3 replicas, min.insync.replicas 2), two workers and a paced producer;
+    On a three-node cluster (every topic 3 replicas, min.insync.replicas 2), two workers, a ``kvstream index``
+    and a producer whose steady stream outlasts the failures;
     per run one case of :data:`chaos.broker_bounce.CASES`: the leader of a kv-events (re-keyed, changelog)
     partition killed or stopped cleanly and brought back, two brokers down together, a rolling restart, 5 bounces
     chasing the leader. Reports the seconds from each failure to the first event applied after it and the share
@@ -175,10 +176,13 @@ DEFINITIONS = {
             "then); 'faults' lists each failure's nodes and its seconds (at, back_at) after the first",
     "first_applied_after_s": "broker-bounce: per failure, seconds from it to the first event the workers applied "
                              "after it (their /stats/ materialized, sampled every ~0.1 s; null: none before the end)",
-    "answered_during_failure": "broker-bounce: the share of GET /residency/{hex}/ lookups of known blocks (both "
-                               "workers in turn, no retry) answered 200 between the first failure and the last "
-                               "node back (failure_s seconds); lookups_during_failure: how many were asked. "
-                               "scenario entry: its minimum over the runs, and first_applied_after_max_s",
+    "answered_during_failure": "broker-bounce: the share of lookups of known blocks (GET /residency/{hex}/ of both "
+                               "workers, POST /prefix-match/ of the index, in turn, no retry) answered 200 between "
+                               "the first failure and the last node back (failure_s seconds); lookups_during_failure: "
+                               "how many were asked. "
+                               "scenario entry: its minimum over the runs, and first_applied_after_max_s. "
+                               "answered_during_failure_by: the same per answerer (worker-1, worker-2, and the "
+                               "kvstream index's POST /prefix-match/)",
     "queries": "rebalance: GET /residency/{hex}/ lookups of known blocks; 'answered' got 200 (possibly after "
                "retries), 'retried' counts 503 answers (rebalancing: retry) that were retried, 'failed' never got a "
                "200 within 30 s or got another error",
