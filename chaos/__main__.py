@@ -16,7 +16,9 @@ def _cmd_chaos(args: argparse.Namespace) -> int:
     scenarios = tuple(dict.fromkeys(s.strip() for s in args.scenarios.split(",") if s.strip()))
     return run_chaos(ChaosOptions(scenarios=scenarios, crash_runs=args.runs, rebalance_runs=args.rebalance_runs,
                                   engine_crash_runs=args.engine_crash_runs,
-                                  broker_bounce_runs=args.broker_bounce_runs, requests=args.requests,
+                                  broker_bounce_runs=args.broker_bounce_runs,
+                                  broker_bounce_cases=tuple(c.strip() for c in args.broker_bounce_cases.split(",")
+                                                            if c.strip()), requests=args.requests,
                                   output=args.output, work_dir=args.work_dir, seed=args.seed,
                                   partitions=args.partitions, outage_s=args.outage, timeout_s=args.timeout))
 
@@ -63,8 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="runs of the broker-bounce scenario on a three-node cluster, run i being case i: a "
                         "kv-events partition leader's hard kill, its clean shutdown, two brokers down, a rolling "
                         "restart, then the re-keyed and changelog leaders' hard kills, the controller's hard kill "
-                        "and clean shutdown, 5 hard and 5 clean bounces (10: every case) "
+                        "and clean shutdown, 5 hard and 5 clean bounces, a worker's SIGTERM and SIGKILL "
+                        "(12: every case) "
                         "(default: %(default)s)")
+    p.add_argument("--broker-bounce-cases", default="", metavar="NAME[,NAME...]",
+                   help="the broker-bounce cases its runs take in turn (chaos/broker_bounce.py, CASES), e.g. "
+                        "worker-sigterm,worker-sigkill; default: all, in order")
     p.add_argument("--requests", type=positive_int, default=chaos.requests,
                    help="trace slice: the first N requests of the vendored trace per run (default: %(default)s)")
     p.add_argument("--output", type=Path, default=chaos.output, metavar="FILE",

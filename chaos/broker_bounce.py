@@ -32,7 +32,9 @@ from schemas.topics import KV_EVENTS, TopicNames
 #: (SIGKILL, back after the outage), ``clean`` (SIGTERM: Kafka's controlled shutdown), ``two-down`` (the leader
 #: and another node SIGKILLed together: one broker left, below min.insync.replicas, so producers must wait),
 #: ``rolling`` (every node in turn stopped cleanly and restarted), ``hard-bounces`` / ``clean-bounces`` (5
-#: bounces, each of the partition's leader at that moment).
+#: bounces, each of the partition's leader at that moment); ``worker-term`` / ``worker-kill``: no broker fails,
+#: worker-2 is stopped with SIGTERM or SIGKILL and restarted after the outage, and worker-1, the survivor, must
+#: answer every lookup it is asked meanwhile (a router must never get a 503 from it because another worker left).
 CASES = (
     ("kv-events-leader-hard-kill", "kv-events", "hard"),
     ("kv-events-leader-clean-shutdown", "kv-events", "clean"),
@@ -44,6 +46,8 @@ CASES = (
     ("controller-clean-shutdown", "controller", "clean"),
     ("kv-events-leader-hard-bounces", "kv-events", "hard-bounces"),
     ("kv-events-leader-clean-bounces", "kv-events", "clean-bounces"),
+    ("worker-sigterm", "worker", "worker-term"),
+    ("worker-sigkill", "worker", "worker-kill"),
 )
 
 #: Nodes of the cluster every broker-bounce run starts.
@@ -149,17 +153,20 @@ class BrokerBounce:
     and ``rng``."""
 
     def broker_bounce(self, run: int) -> dict:
-        """Run case ``run`` of :data:`CASES` (modulo their number) on a fresh three-node cluster."""
+        """Run case ``run`` of :data:`CASES` (of those named by ``broker_bounce_cases`` if any; modulo their
+        number) on a fresh three-node cluster."""
         o, w = self.options, self.workload
         rng = self.rng("broker-bounce", run)
-        case, target, fault = CASES[run % len(CASES)]
+        chosen = [c for c in CASES if c[0] in o.broker_bounce_cases] if o.broker_bounce_cases else list(CASES)
+        case, target, fault = chosen[run % len(chosen)]
         app_id = _fresh_app_id("broker-bounce", run)
         names = TopicNames(app_id)
         topic = {"kv-events": KV_EVENTS, "rekeyed": names.by_ownership,
-                 "changelog": f"{names.scoped_app_id}-residency-changelog", "controller": "controller"}[target]
+                 "changelog": f"{names.scoped_app_id}-residency-changelog", "controller": "controller",
+                 "worker": "worker-2"}[target]
         started = time.monotonic()
-        self.log(f"      case {case}: {fault} of " + ("the active controller" if target == "controller"
-                                                    else f"the leader of {topic}[0]"))
+        self.log(f"      case {case}: {fault} of " + {"controller": "the active controller", "worker": "worker-2"}.get(
+            target, f"the leader of {topic}[0]"))
         with RunEnv(self.work / f"broker-bounce-{run}", o.partitions, self.log, nodes=NODES) as env:
             split = int(len(w.records) * 0.3)
             produced = produce_now(env.bootstrap, w.records[:split])
@@ -181,7 +188,10 @@ class BrokerBounce:
 
             base = total()
             _wait_for(lambda: total() > base, o.timeout_s, "the workers did not apply live events")
-            faults = self._inject(env, topic, fault, o.outage_s)
+            if target == "worker":
+                faults = [self._fail_worker(second, fault == "worker-kill", o.outage_s, o.timeout_s)]
+            else:
+                faults = self._inject(env, topic, fault, o.outage_s)
             fault_start, fault_end = faults[0]["at"], faults[-1]["back_at"]
             streamed_through = live.is_alive()
             live.rate = None
@@ -207,8 +217,10 @@ class BrokerBounce:
             f["back_at"] = round(f["back_at"] - fault_start, 2)
         self.log(f"      first event applied {first_applied} s after each failure; {share} of {asked} lookups "
                  f"answered during the failure")
+        survivor = {"the surviving worker answered every lookup": by_answerer["worker-1"] == 1.0} \
+            if target == "worker" else {}
         return _run_result(run, check, produced, in_topic, time.monotonic() - started,
-                           checks={"all messages in kv-events": in_topic == produced == w.messages,
+                           checks={**survivor, "all messages in kv-events": in_topic == produced == w.messages,
                                    "both workers ran throughout": alive,
                                    "events were produced throughout the failures": streamed_through,
                                    "both workers answer the sample as the truth": all(
@@ -220,6 +232,22 @@ class BrokerBounce:
                            answered_during_failure_by=by_answerer,
                            failure_s=round(fault_end - fault_start, 1), views=views,
                            http_sample={str(port): h for port, h in http.items()}, duplicates_ignored=duplicates)
+
+    def _fail_worker(self, worker: Worker, kill: bool, outage_s: float, timeout_s: float) -> dict:
+        """Stop ``worker`` (SIGKILL with ``kill``, else SIGTERM), start it again after ``outage_s`` (more than the
+        session timeout, so a killed worker's partitions move), and wait until it is ready."""
+        at = time.monotonic()
+        if kill:
+            worker.kill()
+        else:
+            worker.stop()
+        self.log(f"      worker-2 {'killed (SIGKILL)' if kill else 'stopped (SIGTERM)'}")
+        time.sleep(outage_s)
+        worker.start()
+        worker.wait_ready(timeout_s)
+        back = time.monotonic()
+        self.log(f"      worker-2 back after {back - at:.1f}s")
+        return {"nodes": [], "worker": "worker-2", "clean": not kill, "at": at, "back_at": back}
 
     def _inject(self, env: RunEnv, topic: str, fault: str, outage_s: float) -> list[dict]:
         """Fail brokers as ``fault`` says; returns one entry per failure: nodes, kind, ``at`` and ``back_at``

@@ -215,6 +215,8 @@ class ChaosOptions:
     outage_s: float = 10.0
     #: Runs of the broker-bounce scenario: run i is case i of chaos.broker_bounce.CASES (modulo their number).
     broker_bounce_runs: int = 4
+    #: Names of chaos.broker_bounce.CASES that the broker-bounce runs take in turn; empty: all, in their order.
+    broker_bounce_cases: tuple[str, ...] = ()
     #: Seconds any single wait (consumption, web server, recovery) may take before the run fails.
     timeout_s: float = 300.0
     #: Seconds over which the live producers spread the records they publish while a worker runs.
@@ -349,6 +351,12 @@ def run_chaos(options: ChaosOptions, log=print) -> int:
         ValueError: an unknown scenario name.
         kvstream.broker.BrokerError: Java or the Kafka jars are missing.
     """
+    from chaos.broker_bounce import CASES
+
+    unknown_cases = [c for c in options.broker_bounce_cases if c not in {case[0] for case in CASES}]
+    if unknown_cases:
+        raise ValueError(f"unknown broker-bounce case(s) {unknown_cases}; choose from "
+                         f"{', '.join(case[0] for case in CASES)}")
     unknown = [s for s in options.scenarios if s not in SCENARIOS]
     if unknown:
         raise ValueError(f"unknown scenario(s) {unknown}; choose from {', '.join(SCENARIOS)}")
@@ -364,6 +372,7 @@ def run_chaos(options: ChaosOptions, log=print) -> int:
                 "options": {"scenarios": list(options.scenarios), "crash_runs": options.crash_runs,
                             "rebalance_runs": options.rebalance_runs, "engine_crash_runs": options.engine_crash_runs,
                             "broker_bounce_runs": options.broker_bounce_runs,
+                            "broker_bounce_cases": list(options.broker_bounce_cases),
                             "requests": options.requests, "partitions": options.partitions, "seed": options.seed,
                             "outage_s": options.outage_s, "live_s": options.live_s,
                             "worker_session_timeout_s": SESSION_TIMEOUT_S},
