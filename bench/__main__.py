@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", default=None, metavar="STEP[,STEP...]",
                    help="run only these steps (stream-1w is needed for latency)")
     p.add_argument("--index-parts", default=None, metavar="PART[,PART...]",
-                   help="run only these parts of the index step: http, embedded, memory, catch-up, "
+                   help="run only these parts of the index step: http, malformed, embedded, memory, catch-up, "
                         "changelog-freshness, freshness (default: all)")
     p.add_argument("--peer-rounds", type=positive_int, default=3, metavar="N",
                    help="runs of each contestant of the peers step, medians reported (default: %(default)s; "

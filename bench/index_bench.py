@@ -8,7 +8,9 @@ a ratio to a baseline measured in the same run (:data:`INDEX_DEFINITIONS`; bench
    index filled in its own process from the Mooncake trace, and a minimal aiohttp server answering a constant body
    of the same size, each loaded by a third process over loopback keep-alive connections: unloaded p50/p99 of
    ``POST /query`` (a 4,096-token prompt) and ``POST /prefix-match/`` (a request's chain), and queries/s with 16
-   clients; then the same against the worker of part 6, if it ran;
+   clients; then the same against the worker of part 6, if it ran; and (part ``malformed``) a well-behaved client's
+   ``/query`` p99 alone and while a second client process sends 200 malformed bodies a second to the POST endpoints,
+   in interleaved rounds, every malformed body's answer checked to be a 4xx;
 2. **embedded lookups**: ``prefix_match`` and ``query_hashes`` of 27-block chains of the trace, in process;
 3. **a mixed run**: residency entries (stores and tombstones of the trace through a small LRU per instance)
    applied in a thread in batches under the index's lock, as the feed applies them, while the main thread queries;
@@ -105,6 +107,30 @@ INDEX_DEFINITIONS: dict[str, dict] = {
     "index_http_vs_minimal": {
         "unit": "ratio", "target": 0.5, "better": "higher", "baseline": None,
         "definition": "index_http_queries_per_s / index_http_minimal_queries_per_s."},
+    "index_http_query_p99_ms_alone_same_run": {
+        "unit": "ms", "target": None, "better": "lower", "baseline": None,
+        "definition": "Part malformed: a well-behaved client (its own process, one keep-alive connection) sends POST "
+                      "/query of index_http_query_p50_ms's 4,096-token prompts one at a time for a bounded time "
+                      "to a fresh kvstream index application over the same trace, with no other client: median "
+                      "over its rounds of each round's 99th percentile. The rounds alternate with those of "
+                      "index_http_query_p99_ms_under_malformed (alone, loaded, alone, ...), so the machine's drift "
+                      "falls on both."},
+    "index_http_query_p99_ms_under_malformed": {
+        "unit": "ms", "target": None, "better": "lower", "baseline": "index_http_query_p99_ms_alone_same_run",
+        "definition": "As index_http_query_p99_ms_alone_same_run while a second client process sends 200 malformed "
+                      "bodies a second (paced, at most 32 in flight) to the POST endpoints (/query, /query_by_hash, "
+                      "/prefix-match/, /register, /unregister): malformed JSON bytes, msgpack garbage, a JSON "
+                      "object nested 5,000 deep, fields of the wrong types, a /query token array just under the "
+                      "8 MiB body limit (too many tokens), a /query body cut half-way (its Content-Length "
+                      "announced, half sent, the connection's write side closed) and a Content-Length over the "
+                      "limit; every one must be answered 4xx (the part fails on a 5xx, on any other answer, or if "
+                      "the server dies). Median over the loaded rounds of each round's p99. details: the malformed "
+                      "client's achieved rate, its answers' statuses per kind of body, and every round."},
+    "index_http_malformed_p99_ratio": {
+        "unit": "ratio", "target": None, "better": "lower", "baseline": None,
+        "definition": "index_http_query_p99_ms_under_malformed / index_http_query_p99_ms_alone_same_run: what 200 "
+                      "malformed bodies a second cost a well-behaved client's /query p99. details: each loaded "
+                      "round's p99 over the alone round before it."},
     "index_worker_query_p99_ms": {
         "unit": "ms", "target": 2, "better": "lower", "baseline": "index_http_query_p99_ms",
         "definition": "As index_http_query_p99_ms against the kvstream worker of the freshness part (Faust's web "
@@ -356,12 +382,19 @@ def serve_minimal(port: int, query_bytes: int, prefix_bytes: int) -> None:
 
 # --------------------------------------------------------------------------- the load client (a process of its own)
 
-async def _sequential(session, url: str, bodies: list[bytes], count: int, warmup: int) -> dict:
-    """``count`` requests one at a time after ``warmup``: latencies, answer sizes, failures."""
+async def _sequential(session, url: str, bodies: list[bytes], count: int, warmup: int,
+                      max_s: float | None = None) -> dict:
+    """``count`` requests one at a time after ``warmup`` (and, with ``max_s``, no more than that many seconds
+    after the warm-up): latencies, answer sizes, failures."""
     from time import perf_counter_ns
 
     ns, sizes, failed, hits = [], [], 0, 0
+    deadline = None
     for i in range(warmup + count):
+        if i == warmup and max_s is not None:
+            deadline = perf_counter_ns() + int(max_s * 1e9)
+        if deadline is not None and perf_counter_ns() >= deadline:
+            break
         body = bodies[i % len(bodies)]
         t0 = perf_counter_ns()
         async with session.post(url, data=body, headers=_JSON) as response:
@@ -459,6 +492,224 @@ async def _load(spec: dict) -> dict:
 def run_load(spec: dict) -> dict:
     """The load client's measurements against every target of ``spec`` (see :func:`_http_part`)."""
     return asyncio.run(_load(spec))
+
+
+# --------------------------------------------------------------------------- the malformed part's two clients
+
+#: Malformed bodies a second the malformed part's second client sends, and the most it has in flight (past that it
+#: falls behind the rate, which its achieved rate shows).
+MALFORMED_RATE = 200
+MALFORMED_IN_FLIGHT = 32
+#: The mix, per 200 bodies (a second at the rate): kind -> bodies. The body just under the 8 MiB limit is one a
+#: second: the API reads and refuses it in about 150 ms of the server's one event loop, so five a second (one in 40)
+#: would saturate the server by itself.
+MALFORMED_MIX = {"bad_json": 34, "msgpack_garbage": 34, "deep_json": 34, "wrong_types": 40, "cut_half": 34,
+                 "stops_half_way": 10, "over_limit": 13, "huge_tokens": 1}
+#: The kinds of body whose right answer may also be none: the client closed its side of the connection half-way
+#: through the body, and aiohttp closes a connection whose client sent its end (``eof_received``) before the
+#: handler's 400 can be written.
+MAY_GO_UNANSWERED = ("stops_half_way",)
+#: The POST endpoints of the router APIs (stream_apps.index.server.POST_PATHS).
+POST_ENDPOINTS = ("/query", "/query_by_hash", "/prefix-match/", "/register", "/unregister")
+#: A field of the wrong type per endpoint (each sent as JSON and as msgpack).
+_WRONG_TYPES = {
+    "/query": ({"token_ids": "1 2 3"}, {"token_ids": [1, "2", 3]}, {"token_ids": [1.5, 2.5]},
+               {"token_ids": [1, 2], "block_size": "512"}, {"token_ids": {"0": 1}},
+               {"token_ids": [1, 2], "instance_id": 7}),
+    "/query_by_hash": ({"seq_hashes": "abc"}, {"seq_hashes": [[1, 2]]}, {"seq_hashes": [1.5]},
+                       {"seq_hashes": [1], "model_name": 3}),
+    "/prefix-match/": ({"block_hashes": {"x": 1}}, {"block_hashes": [{"h": 1}]}, {"block_hashes": ["not hex"]},
+                       {"block_hashes": None}),
+    "/register": ({"instance_id": 42, "block_size": "big", "type": "vLLM"},
+                  {"instance_id": "bench-malformed", "block_size": [512], "type": "vLLM"},
+                  {"instance_id": "bench-malformed", "block_size": 512, "dp_rank": "zero", "type": "vLLM"}),
+    "/unregister": ({"instance_id": ["bench-malformed"]}, {"instance_id": "bench-malformed", "dp_rank": "zero"},
+                    {"instance_id": None}),
+}
+_JSON_TYPE, _MSGPACK_TYPE = "application/json", "application/msgpack"
+
+
+def malformed_bodies(cut: dict[str, bytes], body_limit: int) -> dict[str, list[tuple[str, str, bytes, int]]]:
+    """Per kind of :data:`MALFORMED_MIX`, its variants ``(path, content type, bytes sent, Content-Length)``.
+
+    ``cut`` holds a valid JSON body per path (``/query``: a prompt, ``/prefix-match/``: a chain): ``cut_half`` is its
+    first half (JSON and msgpack) with the half's length; ``stops_half_way`` announces the whole and sends half (the
+    caller then closes its write side); ``over_limit`` announces twice ``body_limit`` and sends 64 KiB;
+    ``huge_tokens`` is a ``/query`` token array just under ``body_limit`` (twice the tokens the API takes)."""
+    import msgspec
+
+    rng = random.Random(50)
+    bad_json = (b'{"token_ids": [1, 2,, 3]}', b'{"token_ids": [1, 2, 3]', b"\x00\xff\xfe not JSON at all",
+                b'{"block_hashes": ["00ff"],}', b"{'instance_id': 'single quotes'}", b'{"a" 1}', b"", b"[1, 2, 3")
+    garbage = [bytes([0xC1]) + rng.randbytes(rng.randrange(300)) for _ in range(16)] + \
+        [rng.randbytes(rng.randrange(1, 300)) for _ in range(16)]
+    deep = (b'{"a":' * 5000 + b"1" + b"}" * 5000, b'{"token_ids":' + b"[" * 5000 + b"1" + b"]" * 5000 + b"}")
+    tokens = (body_limit - 64) // 2
+    huge = b'{"token_ids":[' + b"1," * (tokens - 1) + b'1],"block_size":512}'
+
+    def sent(path: str, content_type: str, body: bytes) -> tuple[str, str, bytes, int]:
+        return path, content_type, body, len(body)
+
+    return {
+        "bad_json": [sent(path, _JSON_TYPE, body) for body in bad_json for path in POST_ENDPOINTS],
+        "msgpack_garbage": [sent(POST_ENDPOINTS[i % len(POST_ENDPOINTS)], _MSGPACK_TYPE, body)
+                            for i, body in enumerate(garbage)],
+        "deep_json": [sent(path, _JSON_TYPE, body) for body in deep for path in POST_ENDPOINTS],
+        "wrong_types": [sent(path, content_type, encode(value)) for path, values in _WRONG_TYPES.items()
+                        for value in values for content_type, encode in ((_JSON_TYPE, lambda v: json.dumps(v).encode()),
+                                                                         (_MSGPACK_TYPE, msgspec.msgpack.encode))],
+        "cut_half": [sent(path, content_type, body[: len(body) // 2]) for path, whole in cut.items()
+                     for content_type, body in ((_JSON_TYPE, whole),
+                                                (_MSGPACK_TYPE, msgspec.msgpack.encode(json.loads(whole))))],
+        "stops_half_way": [(path, _JSON_TYPE, body[: len(body) // 2], len(body)) for path, body in cut.items()],
+        "over_limit": [(path, _JSON_TYPE, b"[" * 65536, 2 * body_limit) for path in POST_ENDPOINTS],
+        "huge_tokens": [sent("/query", _JSON_TYPE, huge)],
+    }
+
+
+async def _raw_post(host: str, port: int, path: str, content_type: str, body: bytes, length: int,
+                    close_write: bool) -> int | str:
+    """A POST on a connection of its own announcing ``length`` bytes and sending ``body`` (then, with
+    ``close_write``, closing the connection's write side): the answer's status, or ``no answer``."""
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: {content_type}\r\n"
+                     f"Content-Length: {length}\r\n\r\n".encode() + body)
+        try:
+            await writer.drain()
+            if close_write:
+                writer.write_eof()
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the server answered and closed before the body's end: the answer is what counts
+        line = await asyncio.wait_for(reader.readline(), 30)
+    finally:
+        writer.close()
+    parts = line.split()
+    return int(parts[1]) if len(parts) >= 2 and parts[1].isdigit() else "no answer"
+
+
+async def _send_malformed(session, base: str, kind: str, path: str, content_type: str, body: bytes,
+                          length: int) -> tuple[int | str, float]:
+    """One malformed body: its answer's status (or the client's error) and the seconds it took."""
+    import aiohttp
+
+    host, port = base.rsplit("/", 1)[1].rsplit(":", 1)
+    started = time.perf_counter()
+    try:
+        if kind in ("stops_half_way", "over_limit"):
+            status = await _raw_post(host, int(port), path, content_type, body, length, kind == "stops_half_way")
+        else:
+            async with session.post(base + path, data=body, headers={"Content-Type": content_type}) as response:
+                await response.read()
+                status = response.status
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+        status = f"client error {type(exc).__name__}"
+    return status, time.perf_counter() - started
+
+
+async def _malformed_round(send, variants: dict, rate: float, stop: asyncio.Event) -> dict:
+    """Bodies of :data:`MALFORMED_MIX` at ``rate`` a second until ``stop``, at most :data:`MALFORMED_IN_FLIGHT` at a
+    time; more than 20 bodies behind, it skips ahead instead of bursting to catch up. Returns the counts, statuses
+    per kind, and per kind every body's milliseconds from sending to its answer."""
+    schedule = [kind for kind, n in MALFORMED_MIX.items() for _ in range(n)]
+    random.Random(4).shuffle(schedule)
+    cursors = dict.fromkeys(variants, 0)
+    statuses: dict[str, dict[str, int]] = {}
+    ms: dict[str, list[float]] = {}
+    slots = asyncio.Semaphore(MALFORMED_IN_FLIGHT)
+    tasks: set = set()
+
+    async def one(kind: str, variant: tuple) -> None:
+        try:
+            status, seconds = await send(kind, *variant)
+            counts = statuses.setdefault(kind, {})
+            counts[str(status)] = counts.get(str(status), 0) + 1
+            ms.setdefault(kind, []).append(seconds * 1000)
+        finally:
+            slots.release()
+
+    sent = skips = 0
+    started = due = time.perf_counter()
+    while not stop.is_set():
+        pause = due - time.perf_counter()
+        if pause > 0:
+            try:
+                await asyncio.wait_for(stop.wait(), pause)
+                break
+            except asyncio.TimeoutError:
+                pass
+        elif pause < -20 / rate:
+            due, skips = time.perf_counter(), skips + 1
+        await slots.acquire()
+        kind = schedule[sent % len(schedule)]
+        variant = variants[kind][cursors[kind] % len(variants[kind])]
+        cursors[kind] += 1
+        task = asyncio.create_task(one(kind, variant))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        sent += 1
+        due += 1 / rate
+    seconds = time.perf_counter() - started
+    await asyncio.gather(*tasks)
+    return {"sent": sent, "seconds": round(seconds, 3), "sent_per_s": round(sent / seconds, 1),
+            "skipped_ahead": skips, "statuses": statuses,
+            "ms": {kind: [round(x, 2) for x in v] for kind, v in ms.items()}}
+
+
+async def _malformed_client(base: str, rate: float, cut: dict[str, bytes], connection) -> None:
+    import aiohttp
+
+    from stream_apps.index.api import MAX_BODY_BYTES
+
+    variants = malformed_bodies(cut, MAX_BODY_BYTES)
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=MALFORMED_IN_FLIGHT),
+                                     timeout=timeout) as session:
+        async def send(kind: str, *variant) -> tuple[int | str, float]:
+            return await _send_malformed(session, base, kind, *variant)
+
+        probe: dict[str, dict[str, int]] = {}
+        for kind, items in variants.items():  # every variant once, one at a time: each kind's own answers
+            for variant in items:
+                status, _ = await send(kind, *variant)
+                counts = probe.setdefault(kind, {})
+                counts[str(status)] = counts.get(str(status), 0) + 1
+        connection.send(("ready", {"probe": probe, "variants": {kind: len(v) for kind, v in variants.items()},
+                                   "bytes": {kind: round(statistics.fmean(len(v[2]) for v in items))
+                                             for kind, items in variants.items()}}))
+        while await asyncio.to_thread(connection.recv) == "start":
+            connection.send("sending")
+            stop = asyncio.Event()
+            waiter = asyncio.create_task(asyncio.to_thread(connection.recv))  # the round's "stop"
+            waiter.add_done_callback(lambda _: stop.set())
+            result = await _malformed_round(send, variants, rate, stop)
+            await waiter
+            connection.send(result)
+
+
+def malformed_client(base: str, rate: float, cut: dict[str, bytes], connection) -> None:
+    """The malformed part's second client, a process of its own: sends every variant of every kind once and says
+    ``("ready", its statuses)``; then, per ``"start"``, says ``"sending"`` and sends the mix at ``rate`` bodies a
+    second until ``"stop"``, answering with the round's counts; anything else ends it."""
+    asyncio.run(_malformed_client(base, rate, cut, connection))
+
+
+async def _well_behaved(base: str, bodies: list[bytes], connection) -> None:
+    import aiohttp
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
+        url = base + "/query"
+        await _sequential(session, url, bodies, 300, 0)
+        connection.send("ready")
+        while (seconds := connection.recv()) is not None:  # blocks the loop: nothing else runs here meanwhile
+            connection.send(await _sequential(session, url, bodies, 10**9, 0, max_s=seconds))
+
+
+def well_behaved_client(base: str, bodies: list[bytes], connection) -> None:
+    """The malformed part's well-behaved client, a process of its own: 300 ``/query`` to warm up, says
+    ``"ready"``; then per number of seconds received, ``/query`` one at a time for that long (:func:`_sequential`),
+    answering with its latencies; None ends it."""
+    asyncio.run(_well_behaved(base, bodies, connection))
 
 
 # --------------------------------------------------------------------------- the parts that run in a fresh process
@@ -920,6 +1171,165 @@ def _http_part(bench, say) -> None:
         f"(minimal / index {cpu_ratio:.2f})")
 
 
+def _receive(connection, timeout_s: float, who: str):
+    """The next message of a client process, or why there is none."""
+    if not connection.poll(timeout_s):
+        raise TimeoutError(f"{who} said nothing within {timeout_s:.0f}s")
+    try:
+        return connection.recv()
+    except EOFError:
+        raise RuntimeError(f"{who} exited") from None
+
+
+def _not_4xx(statuses: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """The answers of ``statuses`` (kind -> status -> count) that break the rule: anything but a 4xx (or, for a
+    kind of :data:`MAY_GO_UNANSWERED`, no answer)."""
+    wrong = {}
+    for kind, counts in statuses.items():
+        bad = {status: n for status, n in counts.items() if not ((status.isdigit() and 400 <= int(status) < 500)
+                                                                  or (status == "no answer"
+                                                                      and kind in MAY_GO_UNANSWERED))}
+        if bad:
+            wrong[kind] = bad
+    return wrong
+
+
+def _add_counts(total: dict[str, dict[str, int]], more: dict[str, dict[str, int]]) -> None:
+    for kind, counts in more.items():
+        into = total.setdefault(kind, {})
+        for status, n in counts.items():
+            into[status] = into.get(status, 0) + n
+
+
+def _malformed_sizes(quick: bool) -> dict:
+    return {"rounds": 3, "round_s": 3.0} if quick else {"rounds": 5, "round_s": 8.0}
+
+
+def _malformed_part(bench, say) -> None:
+    """Part malformed: a well-behaved client's /query p99 alone and while a second client sends 200 malformed bodies
+    a second, in interleaved rounds, against a fresh ``serve`` process (the http part's application and trace)."""
+    import multiprocessing
+
+    import psutil
+
+    from kvstream.broker import free_port
+    from producers.simulator import load_trace
+
+    limit = bench.o.requests
+    requests = load_trace(limit=limit)
+    bodies = query_bodies(requests)
+    chain = prefix_bodies(requests)[0]
+    cut = {"/query": bodies[0], "/query_by_hash": chain.replace(b'"block_hashes"', b'"seq_hashes"'),
+           "/prefix-match/": chain}
+    sizes = _malformed_sizes(bench.o.quick)
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = bench.work / "index-malformed-server.log"
+    context = multiprocessing.get_context("spawn")
+    well_end, well_theirs = context.Pipe()
+    bad_end, bad_theirs = context.Pipe()
+    server = None
+    well = context.Process(target=well_behaved_client, args=(base, bodies, well_theirs), daemon=True)
+    bad = context.Process(target=malformed_client, args=(base, MALFORMED_RATE, cut, bad_theirs), daemon=True)
+
+    def check_alive(during: str) -> None:
+        if server.poll() is not None:
+            raise RuntimeError(f"the index server died {during} (exit code {server.returncode}): "
+                               f"{log.read_text(errors='replace')[-800:]}")
+
+    rounds: list[dict] = []
+    malformed_ms: dict[str, list[float]] = {}
+    try:
+        server = _spawn(["serve", "--port", str(port)] + ([] if limit is None else ["--requests", str(limit)]), log)
+        _wait_http(base + "/health", server, log, bench.o.timeout_s)
+        well.start()
+        bad.start()
+        _receive(well_end, 300, "the well-behaved client")
+        _, ready = _receive(bad_end, 300, "the malformed client")
+        check_alive("while the malformed client sent every body once")
+        server_process, bad_process = psutil.Process(server.pid), psutil.Process(bad.pid)
+
+        def cpu(process) -> float:
+            times = process.cpu_times()
+            return times.user + times.system
+
+        for n in range(sizes["rounds"]):
+            for loaded in (False, True):  # interleaved: a slow minute of the machine falls on both
+                try:
+                    if loaded:
+                        bad_end.send("start")
+                        _receive(bad_end, 30, "the malformed client")
+                        time.sleep(0.5)  # its rate settled before the measured round starts
+                    cpu0, bad0, t0 = cpu(server_process), cpu(bad_process), time.perf_counter()
+                    well_end.send(sizes["round_s"])
+                    found = _receive(well_end, sizes["round_s"] + 120, "the well-behaved client")
+                    seconds = time.perf_counter() - t0
+                    cpu1, bad1 = cpu(server_process), cpu(bad_process)
+                    sent = None
+                    if loaded:
+                        bad_end.send("stop")
+                        sent = _receive(bad_end, 120, "the malformed client")
+                except (RuntimeError, TimeoutError, psutil.Error):
+                    check_alive(f"in round {n + 1} ({'loaded' if loaded else 'alone'})")
+                    raise
+                check_alive(f"in round {n + 1} ({'loaded' if loaded else 'alone'})")
+                if sent is not None:
+                    for kind, values in sent.pop("ms").items():
+                        malformed_ms.setdefault(kind, []).extend(values)
+                rounds.append({"round": n + 1, "malformed": loaded, "p50_ms": found["ms"]["p50"],
+                               "p99_ms": found["ms"]["p99"], "max_ms": found["ms"]["max"],
+                               "queries": found["ms"]["samples"], "failed": found["failed"],
+                               "server_cores": round((cpu1 - cpu0) / seconds, 2),
+                               "malformed_client_cores": round((bad1 - bad0) / seconds, 2), "sent": sent})
+        well_end.send(None)
+        bad_end.send("exit")
+        _wait_http(base + "/health", server, log, 10)  # still answering after every round
+        check_alive("after the rounds")
+    finally:
+        for process in (well, bad):
+            if process.is_alive():
+                process.join(5)
+            if process.is_alive():
+                process.terminate()
+        _stop(server)
+    alone = [r["p99_ms"] for r in rounds if not r["malformed"]]
+    loaded_ = [r["p99_ms"] for r in rounds if r["malformed"]]
+    alone_p99, loaded_p99 = statistics.median(alone), statistics.median(loaded_)
+    sent_rounds = [r["sent"] for r in rounds if r["malformed"]]
+    statuses: dict[str, dict[str, int]] = {}
+    for sent in sent_rounds:
+        _add_counts(statuses, sent["statuses"])
+    rate = statistics.median(s["sent_per_s"] for s in sent_rounds)
+    by_round = [round(loaded_[i] / alone[i], 2) for i in range(len(loaded_))]
+    strays = {**_not_4xx(ready["probe"]), **{f"{k} (rounds)": v for k, v in _not_4xx(statuses).items()}}
+    failed = sum(r["failed"] for r in rounds)
+    bench._set("index_http_query_p99_ms_alone_same_run", alone_p99, p99_ms_by_round=alone,
+               round_s=sizes["round_s"], trace_requests=len(requests))
+    bench._set("index_http_query_p99_ms_under_malformed", loaded_p99, p99_ms_by_round=loaded_,
+               malformed_rate_wanted=MALFORMED_RATE, malformed_achieved_per_s=rate,
+               malformed_achieved_per_s_by_round=[s["sent_per_s"] for s in sent_rounds],
+               malformed_statuses=statuses,
+               # from sending to the answer: what refusing each kind costs the server's one event loop
+               malformed_ms_by_kind={kind: _summary(v, 1) for kind, v in malformed_ms.items()},
+               probe_statuses=ready["probe"], mix_per_200=MALFORMED_MIX, variants=ready["variants"],
+               mean_body_bytes=ready["bytes"], in_flight_limit=MALFORMED_IN_FLIGHT, not_4xx=strays,
+               well_behaved_failed=failed, rounds=rounds, round_s=sizes["round_s"], load_average=_load_average())
+    bench._set("index_http_malformed_p99_ratio", loaded_p99 / alone_p99 if alone_p99 else None,
+               by_round=by_round)
+    answered = sum(sum(c.values()) for c in statuses.values())
+    say(f"      POST /query one at a time, {sizes['rounds']} rounds of {sizes['round_s']:.0f}s each way: p99 alone "
+        f"{alone} ms, under malformed bodies {loaded_} ms; medians {alone_p99:.2f} / {loaded_p99:.2f} ms: ratio "
+        f"{loaded_p99 / alone_p99:.2f} (by round {by_round})")
+    say(f"      malformed client: {rate:,.0f} bodies/s (wanted {MALFORMED_RATE}; by round "
+        f"{[s['sent_per_s'] for s in sent_rounds]}), {answered:,} answers: "
+        + ", ".join(f"{kind} {counts}" for kind, counts in statuses.items())
+        + f"; server cores alone / loaded {[r['server_cores'] for r in rounds if not r['malformed']]} / "
+          f"{[r['server_cores'] for r in rounds if r['malformed']]}")
+    if strays or failed:
+        raise RuntimeError(f"answers other than a 4xx: {strays}" if strays else
+                           f"{failed} of the well-behaved client's queries were not answered 200")
+
+
 def _embedded_and_mixed(bench, say) -> None:
     """Parts 2 and 3, each in a fresh process."""
     calls = 5000 if bench.o.quick else 20_000
@@ -1155,8 +1565,8 @@ def _worker_http(bench, say, base: str, pid: int, request_ids: list[int], instan
 
 
 #: The step's parts in run order: (name, function). The last two need the broker.
-PARTS = (("http", _http_part), ("embedded", _embedded_and_mixed), ("memory", _memory), ("catch-up", _catch_up),
-         ("changelog-freshness", _freshness), ("freshness", freshness_part))
+PARTS = (("http", _http_part), ("malformed", _malformed_part), ("embedded", _embedded_and_mixed), ("memory", _memory),
+         ("catch-up", _catch_up), ("changelog-freshness", _freshness), ("freshness", freshness_part))
 
 
 def run_step(bench, say) -> None:
