@@ -1319,7 +1319,8 @@ def _malformed_part(bench, say) -> None:
     answered = sum(sum(c.values()) for c in statuses.values())
     say(f"      POST /query one at a time, {sizes['rounds']} rounds of {sizes['round_s']:.0f}s each way: p99 alone "
         f"{alone} ms, under malformed bodies {loaded_} ms; medians {alone_p99:.2f} / {loaded_p99:.2f} ms: ratio "
-        f"{loaded_p99 / alone_p99:.2f} (by round {by_round})")
+        f"{loaded_p99 / alone_p99:.2f} (by round {by_round}); queries per round "
+        f"{[r['queries'] for r in rounds if not r['malformed']]} / {[r['queries'] for r in rounds if r['malformed']]}")
     say(f"      malformed client: {rate:,.0f} bodies/s (wanted {MALFORMED_RATE}; by round "
         f"{[s['sent_per_s'] for s in sent_rounds]}), {answered:,} answers: "
         + ", ".join(f"{kind} {counts}" for kind, counts in statuses.items())
