@@ -124,6 +124,8 @@ class Bridge(BridgeSequencing, BridgeLiveness):
         self._state_file = state_file
         self._saved: dict[str, dict] = read_state_file(state_file)
         self._saved_at = 0.0
+        #: A state save is flushing the sink (it serves the socket monitors meanwhile, and saves nothing nested).
+        self._saving = False
         # epochs only grow: a new one is later than every saved one, whatever the clock says
         self._last_epoch = max((s["epoch"] for s in self._saved.values()), default=0)
         self._closed = False

@@ -50,6 +50,7 @@ import zmq
 from producers.bridge_endpoints import END_SEQ, PublisherEndpoint, replay_frames, state_key
 from producers.bridge_liveness import Link
 from producers.bridge_sink import BatchSink, BridgeMetrics
+from producers.kafka_sink import ProduceError
 from schemas import PUBLISHER_RESTARTED, SOURCE_STALE
 
 # every part of the bridge logs as ``producers.bridge``, the name its lines (the text format's name, the JSON's
@@ -107,6 +108,8 @@ class BridgeSequencing:
     _state_file: Path | None
     _saved: dict[str, dict]
     _saved_at: float
+    _saving: bool
+    _monitors: dict[zmq.Socket, PublisherEndpoint]
 
     # ------------------------------------------------------------------ live batches
 
@@ -161,7 +164,7 @@ class BridgeSequencing:
         return state
 
     def _maybe_save(self) -> None:
-        if self._state_file is not None and time.monotonic() - self._saved_at > 1.0:
+        if self._state_file is not None and not self._saving and time.monotonic() - self._saved_at > 1.0:
             self.save_state()
 
     def save_state(self) -> None:
@@ -169,10 +172,11 @@ class BridgeSequencing:
 
         The sink is flushed first, so a saved seq is always acknowledged: a bridge killed right after a save
         replays from there and loses nothing (saving first could skip batches still in the producer's queue).
+        The flush watches the connections meanwhile (:meth:`_flush_watching`).
         """
         if self._state_file is None:
             return
-        self.sink.flush()
+        self._flush_watching()
         for endpoint, state in self.state.items():
             if state.last_seq is not None:
                 self._saved[state_key(endpoint)] = {"epoch": state.epoch, "last_seq": state.last_seq}
@@ -182,6 +186,33 @@ class BridgeSequencing:
         temporary.write_text(json.dumps(self._saved, indent=1, sort_keys=True))
         os.replace(temporary, path)
         self._saved_at = time.monotonic()
+
+    def _flush_watching(self, timeout_s: float = 120.0) -> None:
+        """Flush the sink, a short wait at a time, and between them handle the socket monitors' events: a flush
+        waits for the broker's acknowledgements, a second or more on a loaded broker, and an engine that dies
+        meanwhile must be said down at once (``SourceDisconnected``), not after it. What that produces (the
+        engine's last batches, the disconnect) is flushed too before the state is written. A sink without
+        ``flush_some`` (a capture file) is flushed whole.
+
+        Raises:
+            producers.kafka_sink.ProduceError: messages failed, or were still unacknowledged after ``timeout_s``.
+        """
+        flush_some = getattr(self.sink, "flush_some", None)
+        if flush_some is None:
+            self.sink.flush()
+            return
+        deadline = time.monotonic() + timeout_s
+        self._saving = True
+        try:
+            while not flush_some(min(0.05, max(0.0, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline:
+                    raise ProduceError(f"messages were still unacknowledged after {timeout_s:g}s: the state file "
+                                       "is not written")
+                for monitor in list(self._monitors):
+                    if monitor in self._monitors:  # (an endpoint removed meanwhile)
+                        self._on_monitor(monitor)
+        finally:
+            self._saving = False
 
     def _deliver(self, endpoint: PublisherEndpoint, state: SourceState, seq: int, payload: bytes) -> None:
         self.sink.batch(endpoint, self._publisher(endpoint, state), seq, payload)

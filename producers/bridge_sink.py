@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from producers.bridge_endpoints import PublisherEndpoint
 from producers.engine_decode import BatchDecodeError, decode_batch
+from producers.kafka_sink import ProduceError
 from producers.split import InvalidEvent, Publisher, source_event
 
 
@@ -81,6 +82,21 @@ class KafkaBatchSink:
     def flush(self) -> None:
         """Wait for the broker's acknowledgements (raises :class:`producers.kafka_sink.ProduceError`)."""
         self.producer.flush()
+
+    def flush_some(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the broker's acknowledgements: True once every message is acknowledged,
+        False while some are still on their way (the bridge then serves its sockets and asks again).
+
+        Raises:
+            producers.kafka_sink.ProduceError: messages failed.
+        """
+        try:
+            self.producer.flush(timeout_s)
+        except ProduceError:
+            if self.producer.stats.failed:
+                raise
+            return False
+        return True
 
     def poll(self) -> None:
         """Serve librdkafka's delivery reports without waiting (the bridge calls it once an interval: an idle

@@ -5,6 +5,7 @@ is ended by the test, not by waiting."""
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -23,6 +24,8 @@ from producers.bridge import (
     PublisherEndpoint,
     heartbeat_evidence,
 )
+from producers.bridge_endpoints import state_key
+from producers.bridge_sequence import read_state_file
 
 
 class Clock:
@@ -387,6 +390,54 @@ def test_a_killed_engine_is_said_down_at_once_and_gets_no_heartbeat_after(engine
         _end_interval(bridge, clock)
     assert len(bridge.sink.heartbeats()) == 1 and len(bridge.sink.others()) == 1  # said once, nothing since
     assert bridge.metrics.heartbeats_skipped.labels("engine-a", "0")._value.get() == 4
+
+
+class SlowBrokerSink(RecordingSink):
+    """A sink whose broker acknowledges slowly once ``slow`` is set: ``flush_some`` says "not yet", each call
+    waiting its timeout as librdkafka's flush does, until the sink has had a ``SourceDisconnected`` and two more
+    calls (or 100 calls: a test that fails does not hang)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.slow = False
+        self.pending_calls = 0
+
+    def flush_some(self, timeout_s: float) -> bool:
+        if not self.slow:
+            return True
+        said = [kind for kind, _ in self.order].count("SourceDisconnected")
+        if self.pending_calls >= 100 or (said and self.order[-2:] == [("flush pending", -1)] * 2):
+            self.slow = False
+            return True
+        self.pending_calls += 1
+        time.sleep(timeout_s)
+        self.order.append(("flush pending", -1))
+        return False
+
+
+def test_an_engine_that_dies_while_the_state_file_waits_for_the_broker_is_said_down_at_once(engines, tmp_path):
+    """Saving the state file waits for the broker's acknowledgements (a second or more on a loaded broker): the
+    bridge keeps serving its socket monitors meanwhile, so the disconnect is not held up by the flush."""
+    publisher, endpoint = engines.make()
+    bridge = engines.bridge(endpoint, state_file=tmp_path / "state.json")
+    bridge.sink = sink = SlowBrokerSink()
+    publisher.publish([_stored(0)])
+    _pump(bridge, lambda: sink.seqs() == [0])
+    time.sleep(1.1)  # the next batch saves the state file
+    sink.slow = True
+    killer = threading.Timer(0.3, publisher.kill)  # dies while the save's flush waits
+    publisher.publish([_stored(1)])
+    killer.start()
+    _pump(bridge, lambda: sink.others() != [], timeout_s=10.0)
+    killer.join()
+    kinds = [kind for kind, _ in sink.order]
+    said = kinds.index("SourceDisconnected")
+    # said while the flush was still waiting, after the engine's last batch, within a few of its waits
+    assert sink.order[said] == ("SourceDisconnected", 1) and kinds[:said].count("batch") == 2
+    assert 0 < kinds[:said].count("flush pending") <= 0.3 / 0.05 + 4, kinds
+    assert sink.pending_calls < 100 and not bridge._saving  # the save completed once the broker caught up
+    assert read_state_file(tmp_path / "state.json") == {state_key(endpoint): {"epoch": bridge.state[endpoint].epoch,
+                                                                              "last_seq": 1}}
 
 
 def test_batches_received_before_the_disconnect_precede_it(engines):
