@@ -11,16 +11,18 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from chaos.checks import _explain, _run_result, check_residency, read_topic
+from chaos.checks import _explain, _run_result, check_residency
 from chaos.engines import _DeadEngineWatch, _Engine, percentile
 from chaos.env import RunEnv, Worker, _fresh_app_id, _start_bridge, _wait_for, http_json
 from chaos.workload import message_count, naive_residency
+from kafka_io.reader import messages_to_end
 from kvstream import broker
 from kvstream.client import IndexClient, IndexQueryError
 from producers.simulator import Batch, ClusterSimulator, FleetConfig, load_trace
 from producers.split import split_event
 from producers.trace import TRACE_BLOCK_SIZE, Request, block_hash_of, trace_request_tokens
-from schemas import AvroCodec
+from schemas import SOURCE_DISCONNECTED, AvroCodec
+from schemas.topics import KV_EVENTS
 
 #: engine-crash: the workers' ``--source-lease-s``, seconds. Short, so that a run sees leases lapse; the other
 #: scenarios keep a day's lease on purpose (their sources publish once and are checked long after).
@@ -133,7 +135,10 @@ class EngineCrash:
                 published = {name: e.incarnations for name, e in engines.items()}
                 live_truth = naive_residency([b for name in (restarting, surviving)
                                               for b in published[name][-1]])
-                delivery = _engine_delivery(read_topic(env.bootstrap), published, {dying}, o.partitions)
+                messages = [(m.value(), m.timestamp()[1]) for m in messages_to_end(env.bootstrap, KV_EVENTS, 120.0)]
+                delivery = _engine_delivery([value for value, _ in messages], published, {dying}, o.partitions)
+                said_down = _said_down(messages, [(k.engine, k.killed_wall) for k in watch.kills]
+                                       + [(surviving, blip["dropped_wall"])])
                 stored = {h.to_bytes(8, "big") for processes in published.values() for batches in processes
                           for b in batches for e in b.events if e["type"] == "BlockStored" for h in e["block_hashes"]}
                 final = _final_answers(workers, live_truth, delivery["table_truth"],
@@ -146,7 +151,8 @@ class EngineCrash:
                 for engine in engines.values():
                     engine.close()
             duplicates = sum((w.stats() or {}).get("duplicates", 0) for w in workers)
-        kills = [k.summary(FAST_DOWN_BOUND_S) for k in watch.kills]
+        kills = [{**k.summary(FAST_DOWN_BOUND_S), "said_down_after_s": s} for k, s in zip(watch.kills, said_down)]
+        blip["said_down_after_s"] = said_down[-1]
         free = [s for k in watch.kills for s in k.free_after_s()]
         free_p99, free_max = percentile(free, 0.99), max(free, default=None)
         named_s = max((k["named_for_s"] for k in kills), default=None)
@@ -225,6 +231,23 @@ def token_queries(requests: list[Request], max_blocks: int = QUERY_BLOCKS) -> di
     return queries
 
 
+def _said_down(messages: list[tuple[bytes, int]], outages: list[tuple[str, float]]) -> list[float | None]:
+    """Per outage (engine, wall-clock time of its kill or blip), the seconds from it to the bridge's first
+    ``SourceDisconnected`` of the engine produced after it (the record's CreateTime, the bridge's clock: the same
+    host): the bridge's part of the time the answers took; None: none found."""
+    codec = AvroCodec("kv_event")
+    said: dict[str, list[float]] = {}
+    for value, created_ms in messages:
+        record = codec.decode(value)
+        if record["event"][0] == SOURCE_DISCONNECTED:
+            said.setdefault(record["instance_id"], []).append(created_ms / 1000)
+    found = []
+    for engine, at in outages:
+        later = [t for t in said.get(engine, ()) if t >= at - 0.01]
+        found.append(round(min(later) - at, 3) if later else None)
+    return found
+
+
 def _start_index(env: RunEnv, app_id: str, timeout_s: float) -> str:
     """Start ``kvstream index`` on the workers' app id with their lease, a child of ``env`` (log
     ``<run dir>/index.log``); returns its URL once it answers (it has read the changelog's end)."""
@@ -266,7 +289,7 @@ def _blip(engine: _Engine, answerers: list[str]) -> dict:
     step = max(1, len(held) // BLIP_BLOCKS)
     blocks = held[::step][:BLIP_BLOCKS]
     clients = {url: IndexClient(url, timeout_s=10) for url in answerers}
-    dropped_at = time.monotonic()
+    dropped_at, dropped_wall = time.monotonic(), time.time()
     engine.publisher.drop_connections()
     asked = errors = 0
     out_first = last_out = None
@@ -295,7 +318,7 @@ def _blip(engine: _Engine, answerers: list[str]) -> dict:
     return {"engine": engine.engine, "blocks_asked": len(blocks), "asked": asked, "left_answers": last_out is not None,
             "out_first_s": None if out_first is None else round(out_first, 3),
             "back_s": None if last_out is not None and BLIP_WATCH_S - last_out < 1.0 else round(back, 3),
-            "errors": errors}
+            "errors": errors, "dropped_wall": dropped_wall}
 
 
 def _backstop(bridge: subprocess.Popen, engine: _Engine, answerers: list[str], queries: dict[bytes, list[int]],

@@ -116,6 +116,8 @@ class _Kill:
     killed_at: float
     #: Blocks the engine held when it was killed (what the watch asks about while it is dead).
     blocks: list[bytes]
+    #: The kill's wall-clock time (``time.time()``), to compare with records' timestamps.
+    killed_wall: float = 0.0
     restarted_at: float | None = None
     #: After the restart: the blocks the dead process held, and what the new process has stored so far (its
     #: :attr:`_Engine.stored`); a block of the first not yet in the second is asked about.
@@ -211,8 +213,9 @@ class _DeadEngineWatch(threading.Thread):
 
     def killed(self, engine: str, at: float, blocks: list[bytes]) -> None:
         """``engine`` was killed at ``at`` (monotonic), holding ``blocks``."""
+        wall = time.time() - (time.monotonic() - at)
         with self._lock:
-            self.kills.append(_Kill(engine, at, blocks))
+            self.kills.append(_Kill(engine, at, blocks, killed_wall=wall))
 
     def named_now(self, engine: str, blocks: list[bytes], tries: int = 10) -> dict[str, bool]:
         """Whether ``engine`` is named now, per API: ``POST /prefix-match/`` of up to ``tries`` of ``blocks`` and

@@ -146,6 +146,9 @@ DEFINITIONS = {
             "/workers and POST /prefix-match/ of blocks it holds are asked for 6 s: left_answers (an answer left it "
             "out), out_first_s, back_s (seconds after the drop from which every answer named it again; must be "
             "at most 3 s; null: not back by the end)",
+    "said_down_after_s": "engine-crash: in each kill (and the blip): seconds from the kill to the CreateTime of the "
+                         "bridge's first SourceDisconnected of the engine after it, the bridge's part of "
+                         "dead_engine_free_after_s (the rest: the broker, the indexes' read, the watch's turn)",
     "named_before_kill": "engine-crash: per killed engine and API (POST /prefix-match/, POST /query), whether an "
                          "answer named it just before its kill: the watch's questions can see it",
     "kills": "engine-crash: per kill: engine, restarted_after_s (null: killed for good), named_for_s and named_by "
