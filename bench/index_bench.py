@@ -1244,6 +1244,8 @@ def _malformed_part(bench, say) -> None:
         _wait_http(base + "/health", server, log, bench.o.timeout_s)
         well.start()
         bad.start()
+        well_theirs.close()  # only the clients hold their ends: a client that dies is an EOF here, not a wait
+        bad_theirs.close()
         _receive(well_end, 300, "the well-behaved client")
         _, ready = _receive(bad_end, 300, "the malformed client")
         check_alive("while the malformed client sent every body once")
@@ -1270,6 +1272,10 @@ def _malformed_part(bench, say) -> None:
                         bad_end.send("stop")
                         sent = _receive(bad_end, 120, "the malformed client")
                 except (RuntimeError, TimeoutError, psutil.Error):
+                    try:
+                        server.wait(5)  # a client failed: the server's exit, if it is exiting, names the cause
+                    except subprocess.TimeoutExpired:
+                        pass
                     check_alive(f"in round {n + 1} ({'loaded' if loaded else 'alone'})")
                     raise
                 check_alive(f"in round {n + 1} ({'loaded' if loaded else 'alone'})")
