@@ -27,7 +27,7 @@ import faust
 from confluent_kafka import KafkaException
 
 from kafka_io.config import aiokafka_security
-from kafka_io.schema_registry import reader_codec
+from kafka_io.schema_registry import SCHEMAS_TOPIC_CONFIG, reader_codec
 from schemas import AvroCodec
 from schemas.topics import DEAD_LETTER_TOPIC_CONFIG
 from stream_apps import consumer_fixes
@@ -131,7 +131,11 @@ class StreamApp:
                   names.source_clears: (partitions, compacted),
                   names.dead_letter: (1, DEAD_LETTER_TOPIC_CONFIG),
                   names.residency_changes: (partitions, {}), names.tier_occupancy: (partitions, compacted),
-                  f"{names.scoped_app_id}-__assignor-__leader": (1, {})}
+                  f"{names.scoped_app_id}-__assignor-__leader": (1, {}),
+                  # made here rather than by the output producer's first use (kafka_io.schema_registry.publish_schema),
+                  # which could fall into a broker outage: on a cluster with a node down, a topic of 3 replicas
+                  # cannot be created, and the worker stopped (make chaos, broker-bounce)
+                  names.schemas: (1, SCHEMAS_TOPIC_CONFIG)}
         for table in self.tables.all():
             topics[table.changelog_topic.get_topic_name()] = (table.partitions or partitions, compacted)
         return topics
