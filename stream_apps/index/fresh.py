@@ -11,12 +11,14 @@ holder sets is clear from the event alone (docs/architecture.md, "The index's fr
 * a source-wide event (clear, publisher restart, unregistration) removes the source's holders in its scope at
   once, and keeps the overrides of the source's events that came after it.
 
-Every such change is kept as an **override** of (block, ownership, holder) for ``window_s`` seconds. A changelog
-record of the block applied later replaces the block's holders with what the table said when the record was
-written, which may be older than the event; the overrides are then laid over it again. An override goes as soon
-as a changelog record agrees with it (the table has caught up), or after ``window_s`` (the backstop for what the
-event alone cannot tell: a second physical copy, another KV cache group, an event the table's rules ignored), so
-the index equals the table once the pipeline has caught up, at most ``window_s`` later.
+Every such change is kept as an **override** of (block, ownership, holder), laid over the holders the changelog
+last gave the block (its base). A changelog record of the block applied later replaces the base with what the
+table said when the record was written, which may be older than the event; the overrides are then laid over it
+again. An override goes as soon as a changelog record agrees with it (the table has caught up), or after
+``window_s``, and the block then gets its base back: the backstop for what the event alone cannot tell (a second
+physical copy, another KV cache group, an event the table's rules ignored). So the index equals the table once
+the pipeline has caught up, at most ``window_s`` later. A source's events at or before its last clear (on the
+cleared tiers) or restart, read late from another partition, are ignored, as the workers ignore them.
 
 All methods are called with the index's lock held (:class:`~stream_apps.index.fleet_index.FleetIndex`).
 """
@@ -40,6 +42,8 @@ DEFAULT_WINDOW_S = 2.0
 #: Position of an event among its source's events: ``(publisher_epoch, seq, batch_index)`` (docs/contract.md,
 #: "Source identity, epochs and order").
 Position = tuple[int, int, int]
+#: Below every position.
+_BOTTOM: Position = (-(1 << 63), -(1 << 63), -(1 << 31))
 
 
 class Override(NamedTuple):
@@ -70,6 +74,8 @@ class FreshCounters:
     expired: int = 0
     #: Source-wide events applied (clears, restarts, unregistrations; each once, not once per partition).
     retirements: int = 0
+    #: Block events ignored: at or before their source's last clear (on its tiers) or restart, read late.
+    retired_late: int = 0
 
 
 class FreshLayer:
@@ -99,6 +105,12 @@ class FreshLayer:
         #: copy (one copy per partition of kv-events).
         self._retired: deque[tuple] = deque(maxlen=4096)
         self._retired_set: set[tuple] = set()
+        #: (block key, scope) with overrides -> the holders the changelog gave it (the base the overrides lie on):
+        #: what the block gets back when its last override expires.
+        self._base: dict[tuple[int, int], frozenset[int]] = {}
+        #: (instance, data-parallel rank) -> tier (None: every tier) -> the position of its last clear or restart:
+        #: its events at or before it, read late from another partition, are ignored.
+        self._floors: dict[tuple[str, int], dict[str | None, Position]] = {}
 
     def __len__(self) -> int:
         """Blocks (per scope) with at least one override."""
@@ -108,8 +120,10 @@ class FreshLayer:
 
     def block_event(self, stored: bool, ownership: str | None, block_hash: bytes, instance_id: str,
                     data_parallel_rank: int, tier: str, position: Position, parent_hash: bytes | None = None,
-                    content_hash: int | None = None, now: float | None = None) -> None:
-        """Apply one ``BlockStored`` (``stored``) or ``BlockRemoved`` of a source with one publisher.
+                    content_hash: int | None = None, now: float | None = None) -> bool:
+        """Apply one ``BlockStored`` (``stored``) or ``BlockRemoved`` of a source with one publisher; False for
+        one the source's last clear or restart already retired (read late, from another partition: the workers
+        ignore it too, as ``cleared_late`` or ``retired_late``).
 
         Args:
             ownership: the event's ownership (vLLM PR #52067), None for the framework's tiers.
@@ -120,37 +134,49 @@ class FreshLayer:
                 bytes, and ``BlockStored.content_hash``, signed 64-bit); None: keep the block's.
             now: ``time.monotonic()`` (tests pass their own).
         """
+        floors = self._floors.get((instance_id, data_parallel_rank))
+        if floors is not None:
+            floor = max(floors.get(tier, _BOTTOM), floors.get(None, _BOTTOM))
+            if position <= floor:
+                self.counters.retired_late += 1
+                return False
         now = time.monotonic() if now is None else now
         block, scope = block_key(block_hash), self._scope_of(ownership)
         holder = self._holder_of(HolderInfo(instance_id, data_parallel_rank, tier, ownership))
         parent = None if parent_hash is None else block_key(parent_hash)
         content = None if content_hash is None else content_hash & _U64
         override = Override(stored, now + self.window_s, position, parent, content)
-        self._overrides.setdefault((block, scope), {})[holder] = override
+        key = (block, scope)
+        pending = self._overrides.get(key)
+        if pending is None:
+            pending = self._overrides[key] = {}
+            self._base[key] = self._in_scope(block, scope)  # what the changelog said, before any override
+        pending[holder] = override
         self._expiry.append((override.expires, block, scope))
         self.counters.applied += 1
-        held = self._table.holders_at((block,))
-        if held and holder in held[0]:
-            if stored and content is None:
-                return  # a store of what the table has: nothing to change
-        elif not stored:
-            return  # a removal of what the table does not have
-        self._lay(block, scope, {holder: override})
+        self._lay(block, scope, pending)
+        return True
 
-    def _lay(self, block: int, scope: int, overrides: dict[int, Override]) -> None:
-        """Make the table's holders of (block, scope) say what ``overrides`` say."""
-        held, ownership = self._table.holders_at([block]), self._owner_of(scope)
-        current = {h for h in held[0] if self._holders[h].ownership == ownership} if held else set()
-        wanted = set(current)
+    def _in_scope(self, block: int, scope: int) -> frozenset[int]:
+        """The table's holders of (block, scope) now."""
+        held = self._table.holders_at((block,))
+        if not held:
+            return frozenset()
+        ownership, holders = self._owner_of(scope), self._holders
+        return frozenset(h for h in held[0] if holders[h].ownership == ownership)
+
+    def _lay(self, block: int, scope: int, pending: dict[int, Override]) -> None:
+        """Make the table's holders of (block, scope) the changelog's (the base) with ``pending`` laid over."""
+        wanted = set(self._base.get((block, scope), ()))
         parent = content = None
-        for holder, override in overrides.items():
+        for holder, override in pending.items():
             if override.present:
                 wanted.add(holder)
                 if override.content is not None:
                     parent, content = override.parent, override.content
             else:
                 wanted.discard(holder)
-        if wanted != current or content is not None:
+        if content is not None or wanted != self._in_scope(block, scope):
             self._table.replace(block, scope, sorted(wanted), parent, content)
 
     # -- changelog records ---------------------------------------------------------------------------------
@@ -174,23 +200,22 @@ class FreshLayer:
             pending = overrides.get((block, scope))
             if pending is None:
                 continue
-            held = self._table.holders_at([block])
-            current = set(held[0]) if held else set()
+            base = self._base[(block, scope)] = self._in_scope(block, scope)  # the record just applied
             for holder, override in list(pending.items()):
                 if override.expires <= now:
                     del pending[holder]
                     self.counters.expired += 1
-                elif (holder in current) == override.present:
+                elif (holder in base) == override.present:
                     del pending[holder]  # the table has caught up with the event
                     self.counters.confirmed += 1
             if pending:
                 self._lay(block, scope, pending)
             else:
-                del overrides[(block, scope)]
+                del overrides[(block, scope)], self._base[(block, scope)]
 
     def expire(self, now: float | None = None) -> None:
-        """Drop the overrides past their window (a changelog record that agrees may never come: an event the
-        table's rules ignored)."""
+        """Drop the overrides past their window, and give their blocks back what the changelog said (a record
+        that agrees may never come: an event the table's rules ignored, a second physical copy)."""
         now = time.monotonic() if now is None else now
         expiry, overrides = self._expiry, self._overrides
         while expiry and expiry[0][0] <= now:
@@ -198,12 +223,15 @@ class FreshLayer:
             pending = overrides.get((block, scope))
             if pending is None:
                 continue
-            for holder, override in list(pending.items()):
-                if override.expires <= now:
-                    del pending[holder]
-                    self.counters.expired += 1
+            expired = [holder for holder, override in pending.items() if override.expires <= now]
+            if not expired:
+                continue
+            for holder in expired:
+                del pending[holder]
+            self.counters.expired += len(expired)
+            self._lay(block, scope, pending)
             if not pending:
-                del overrides[(block, scope)]
+                del overrides[(block, scope)], self._base[(block, scope)]
 
     # -- source-wide events --------------------------------------------------------------------------------
 
@@ -212,9 +240,11 @@ class FreshLayer:
         """A source's holders leave the index at once: a clear (``tiers``: the tiers in its scope), a publisher
         restart or an unregistration (``tiers`` None: every tier and ownership). ``data_parallel_rank`` None: every
         rank of the instance. The overrides of the source's events after ``position`` stay (and are laid again):
-        on another partition of kv-events they may have been read before this copy. ``written_at`` is the
-        record's ``ts``, the same in every copy, so a later unregistration of the same instance (whose position is
-        None) is not taken for a copy of an earlier one. Returns False for a copy already applied."""
+        on another partition of kv-events they may have been read before this copy; its events at or before
+        ``position`` read later are ignored (a clear's or a restart's; an unregistration has no position, and
+        the events after it apply again). ``written_at`` is the record's ``ts``, the same in every copy, so a later
+        unregistration of the same instance is not taken for a copy of an earlier one. Returns False for a copy
+        already applied."""
         mark = (kind, instance_id, data_parallel_rank, position, written_at)
         if mark in self._retired_set:
             return False
@@ -223,28 +253,33 @@ class FreshLayer:
         self._retired.append(mark)
         self._retired_set.add(mark)
         self.counters.retirements += 1
-        for holder, info in enumerate(self._holders):
-            if info.instance_id != instance_id or (data_parallel_rank is not None
-                                                   and info.data_parallel_rank != data_parallel_rank):
-                continue
-            if tiers is None or info.tier in tiers:
-                self._table.remove_holder(holder)
+        if position is not None and data_parallel_rank is not None:
+            floors = self._floors.setdefault((instance_id, data_parallel_rank), {})
+            for tier in (None,) if tiers is None else tiers:
+                floors[tier] = max(floors.get(tier, _BOTTOM), position)
+
+        def retired(info: HolderInfo) -> bool:
+            return info.instance_id == instance_id and (
+                data_parallel_rank is None or info.data_parallel_rank == data_parallel_rank) and (
+                tiers is None or info.tier in tiers)
+
+        gone = {holder for holder, info in enumerate(self._holders) if retired(info)}
+        for holder in gone:
+            self._table.remove_holder(holder)
         # the overrides live one window at most, so a scan of them all is bounded (and retirements are rare)
-        for (block, scope), pending in list(self._overrides.items()):
+        for key, pending in list(self._overrides.items()):
+            self._base[key] = self._base[key] - gone
             kept = False
             for holder, override in list(pending.items()):
-                info = self._holders[holder]
-                if info.instance_id == instance_id and (
-                        data_parallel_rank is None or info.data_parallel_rank == data_parallel_rank) and (
-                        tiers is None or info.tier in tiers):
+                if holder in gone:
                     if position is None or override.position <= position:
                         del pending[holder]  # the event came before the retirement: it goes with it
                     else:
                         kept = True  # after it, read first on another partition: laid again below
             if not pending:
-                del self._overrides[(block, scope)]
+                del self._overrides[key], self._base[key]
             elif kept:
-                self._lay(block, scope, pending)
+                self._lay(*key, pending)
         return True
 
 

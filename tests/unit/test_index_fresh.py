@@ -108,9 +108,30 @@ def test_a_removal_answers_at_once_and_an_override_the_table_never_agrees_with_e
     with index.lock:
         index.fresh.expire(now=float("inf"))
     assert len(index.fresh) == 0 and index.fresh.counters.expired == 1
-    # past the window the table's word stands (a second physical copy the removal did not end, say)
-    index.apply_entry(f"primary/{H1.hex()}", _entry([("e1", "GPU"), ("e1", "CPU")]))
+    # past the window the table's word stands, with no record needed (a second physical copy the removal did not
+    # end, say)
     assert _holders(index, H1) == {("e1", "GPU"), ("e1", "CPU")}
+
+
+def test_with_no_record_to_confirm_it_a_store_lapses_after_the_window(index):
+    feed = _feed(index)
+    _apply(feed, _event(BLOCK_STORED, block_hash=H1))
+    assert _holders(index, H1) == {("e1", "GPU")}
+    with index.lock:
+        index.fresh.expire(now=float("inf"))
+    assert _holders(index, H1) == set()  # the changelog is the authority: no worker wrote the block
+
+
+def test_an_old_epochs_event_read_after_the_restart_and_a_cleared_event_after_the_clear_are_ignored(index):
+    feed = _feed(index)
+    _apply(feed, _event(PUBLISHER_RESTARTED, epoch=2, seq=-1, body={"previous_epoch": 1}))
+    _apply(feed, _event(BLOCK_STORED, block_hash=H1, epoch=1, seq=9))  # the dead run's, from another partition
+    assert _holders(index, H1) == set() and index.fresh.counters.retired_late == 1
+    _apply(feed, _event(ALL_BLOCKS_CLEARED, epoch=2, seq=5))
+    _apply(feed, _event(BLOCK_STORED, block_hash=H2, epoch=2, seq=4),  # before the clear, read after it
+           _event(BLOCK_STORED, block_hash=H2, epoch=2, seq=4, tier="CPU"),  # a tier the clear kept
+           _event(BLOCK_STORED, block_hash=H3, epoch=2, seq=6))  # after it
+    assert _holders(index, H2) == {("e1", "CPU")} and _holders(index, H3) == {("e1", "GPU")}
 
 
 def test_a_store_carries_its_content_keys_to_token_queries(index):
