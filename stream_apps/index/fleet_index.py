@@ -192,7 +192,7 @@ class FleetIndex:
                 applied, failures, errors = compiled(messages, positions, read, self._scopes, self._row_holders,
                                                      self._scope, self._new_row_holder)
             self.counters.entries_applied += applied
-            if len(self.fresh):
+            if self.fresh.wants_changelog:
                 self.fresh.after_changelog([m.key() for m in messages if m.error() is None], self._scopes)
         return failures, errors
 
@@ -237,7 +237,7 @@ class FleetIndex:
         with self.lock:
             applied, failures = self._apply_records(records, read)
             self.counters.entries_applied += applied
-            if len(self.fresh):
+            if self.fresh.wants_changelog:
                 self.fresh.after_changelog([key for key, _ in records], self._scopes)
         return failures
 

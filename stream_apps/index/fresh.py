@@ -42,6 +42,9 @@ DEFAULT_WINDOW_S = 2.0
 #: Position of an event among its source's events: ``(publisher_epoch, seq, batch_index)`` (docs/contract.md,
 #: "Source identity, epochs and order").
 Position = tuple[int, int, int]
+#: Seconds after a clear, restart or unregistration during which changelog records are taken without the holders
+#: it retired (unless stored again since): the workers apply it, and write its removals, within the pipeline's lag.
+RETIRING_S = 5.0
 #: Below every position.
 _BOTTOM: Position = (-(1 << 63), -(1 << 63), -(1 << 31))
 
@@ -76,6 +79,8 @@ class FreshCounters:
     retirements: int = 0
     #: Block events ignored: at or before their source's last clear (on its tiers) or restart, read late.
     retired_late: int = 0
+    #: Retired holders kept out of changelog records written before the workers applied the retirement.
+    held_out: int = 0
 
 
 class FreshLayer:
@@ -111,10 +116,20 @@ class FreshLayer:
         #: (instance, data-parallel rank) -> tier (None: every tier) -> the position of its last clear or restart:
         #: its events at or before it, read late from another partition, are ignored.
         self._floors: dict[tuple[str, int], dict[str | None, Position]] = {}
+        #: holder id -> ``time.monotonic()`` until which changelog records are taken without it: the holders a
+        #: clear, restart or unregistration retired, which records the workers wrote before they applied it
+        #: still carry. (block key, scope, holder) in ``_renewed``: stored again since, so kept.
+        self._retiring: dict[int, float] = {}
+        self._renewed: set[tuple[int, int, int]] = set()
 
     def __len__(self) -> int:
         """Blocks (per scope) with at least one override."""
         return len(self._overrides)
+
+    @property
+    def wants_changelog(self) -> bool:
+        """Whether :meth:`after_changelog` has anything to do: overrides to lay, or retired holders to keep out."""
+        return bool(self._overrides or self._retiring)
 
     # -- block events ----------------------------------------------------------------------------------------
 
@@ -154,6 +169,11 @@ class FreshLayer:
         pending[holder] = override
         self._expiry.append((override.expires, block, scope))
         self.counters.applied += 1
+        if holder in self._retiring:
+            if stored:
+                self._renewed.add((block, scope, holder))
+            else:
+                self._renewed.discard((block, scope, holder))
         self._lay(block, scope, pending)
         return True
 
@@ -185,10 +205,15 @@ class FreshLayer:
                         now: float | None = None) -> None:
         """Lay the overrides over the blocks of changelog records just applied (their keys, ``<ownership or
         primary>/<hex>`` bytes; None for a record without a key), dropping those the records agree with."""
-        if not self._overrides:
+        if not self.wants_changelog:
             return
         now = time.monotonic() if now is None else now
-        overrides = self._overrides
+        overrides, retiring, renewed = self._overrides, self._retiring, self._renewed
+        if retiring:
+            for holder in [h for h, until in retiring.items() if until <= now]:
+                del retiring[holder]
+            if not retiring:
+                renewed.clear()
         for key in keys:
             if key is None:
                 continue
@@ -198,9 +223,20 @@ class FreshLayer:
                 continue
             scope = scopes.get(ownership)
             pending = overrides.get((block, scope))
-            if pending is None:
+            if pending is None and not retiring:
                 continue
-            base = self._base[(block, scope)] = self._in_scope(block, scope)  # the record just applied
+            base = self._in_scope(block, scope)  # the record just applied
+            if retiring:
+                stale = {h for h in base if h in retiring and (block, scope, h) not in renewed}
+                if stale:  # written before the workers applied the retirement
+                    base -= stale
+                    self.counters.held_out += len(stale)
+                    if pending is None:
+                        self._table.replace(block, scope, sorted(base), None, None)
+                        continue
+                if pending is None:
+                    continue
+            self._base[(block, scope)] = base
             for holder, override in list(pending.items()):
                 if override.expires <= now:
                     del pending[holder]
@@ -264,8 +300,11 @@ class FreshLayer:
                 tiers is None or info.tier in tiers)
 
         gone = {holder for holder, info in enumerate(self._holders) if retired(info)}
+        until = time.monotonic() + RETIRING_S
         for holder in gone:
             self._table.remove_holder(holder)
+            self._retiring[holder] = until
+        self._renewed = {(b, sc, h) for b, sc, h in self._renewed if h not in gone}
         # the overrides live one window at most, so a scan of them all is bounded (and retirements are rare)
         for key, pending in list(self._overrides.items()):
             self._base[key] = self._base[key] - gone

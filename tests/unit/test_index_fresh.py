@@ -220,3 +220,20 @@ def test_the_compiled_projection_and_the_decoded_record_apply_alike(index):
     if feed._project is None:
         pytest.skip("the compiled module is not built")
     assert feed._project(_CODEC.encode(record)) == _item(record)
+
+
+def test_records_written_before_the_workers_applied_a_restart_do_not_bring_the_old_blocks_back(index):
+    feed = _feed(index)
+    index.apply_entry(f"primary/{H1.hex()}", _entry([("e1", "GPU")]))  # the old run's block, from the changelog
+    _apply(feed, _event(PUBLISHER_RESTARTED, epoch=2, seq=-1, body={"previous_epoch": 1}))
+    assert _holders(index, H1) == set()
+    index.apply_entry(f"primary/{H1.hex()}", _entry([("e1", "GPU")]))  # flushed before the worker applied it
+    assert _holders(index, H1) == set() and index.fresh.counters.held_out == 1
+    # the new run stores H2; the changelog confirms it, and a later record of H2 keeps it
+    _apply(feed, _event(BLOCK_STORED, block_hash=H2, epoch=2, seq=0))
+    entry = {**_entry([("e1", "GPU")]), "block_hash": H2}
+    index.apply_entry(f"primary/{H2.hex()}", entry)
+    assert len(index.fresh) == 0
+    index.apply_entry(f"primary/{H2.hex()}", {**entry, "rows": entry["rows"] + [
+        {"instance_id": "e2", "data_parallel_rank": 0, "tier": "GPU", "copies": 1}]})
+    assert _holders(index, H2) == {("e1", "GPU"), ("e2", "GPU")}
