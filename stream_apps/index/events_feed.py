@@ -68,6 +68,10 @@ POLL_BATCH = 1000
 #: Seconds one consume waits for a message: the feed wakes at once when one arrives, so this only bounds how
 #: long a stop waits.
 POLL_WAIT_S = 0.1
+#: Most seconds of kv-events read back at start for liveness: the demo, the tests and the bench run with a lease
+#: of a day, and a day of events decoded at every start would cost a worker minutes of CPU for marks that matter
+#: only while a source's lease has not lapsed; a disconnect older than this is the lease's to settle.
+HISTORY_MAX_S = 120.0
 #: Seconds between looks for a kv-events topic that does not exist yet.
 TOPIC_RETRY_S = 1.0
 
@@ -91,7 +95,8 @@ class EventsFeed:
         topic: the ``kv-events`` topic (with the topic prefix).
         codec: reads ``kv_event`` values in either framing
             (``kafka_io.schema_registry.reader_codec("kv_event", ...)``).
-        history_s: seconds of kv-events read back at start for liveness only (the lease); 0: none.
+        history_s: seconds of kv-events read back at start for liveness only (the lease), at most
+            :data:`HISTORY_MAX_S`; 0: none.
         clear_tiers: the tiers an ``AllBlocksCleared`` removes (the workers' ``--clear-scope``; default GPU);
             None: every tier.
         consumer_factory: builds the consumer from its librdkafka settings (tests may pass their own).
@@ -100,7 +105,8 @@ class EventsFeed:
     def __init__(self, index: FleetIndex, bootstrap_servers: str, topic: str, codec: AvroCodec, *,
                  history_s: float = 0.0, clear_tiers: frozenset[str] | None = CLEAR_TIERS,
                  consumer_factory: Callable[[dict], Consumer] = Consumer) -> None:
-        self.index, self.topic, self.history_s, self.clear_tiers = index, topic, history_s, clear_tiers
+        self.index, self.topic, self.clear_tiers = index, topic, clear_tiers
+        self.history_s = min(history_s, HISTORY_MAX_S)
         self._decode = codec.decode
         self._project = codec.own_version_projection(ROUTE_SLOTS)
         self._consumer: Consumer | None = None
