@@ -251,6 +251,11 @@ class EventsFeed:
                 leases.heard(instance, rank, at)
             if not live:
                 continue
+            if (item["world_size"] or 1) > 1 and kind in (ALL_BLOCKS_CLEARED, PUBLISHER_RESTARTED):
+                # its stores are the changelog's to apply (the agent's agreement rules), so are its retirements:
+                # held out here, the rows it stores again after them would be missing until the hold-out ends
+                fresh.counters.left_to_changelog += 1
+                continue
             position = (item["publisher_epoch"], item["seq"], item["batch_index"])
             if kind == ALL_BLOCKS_CLEARED:
                 fresh.retire(kind, instance, rank, clear_tiers, position, item["ts"])

@@ -237,3 +237,13 @@ def test_records_written_before_the_workers_applied_a_restart_do_not_bring_the_o
     index.apply_entry(f"primary/{H2.hex()}", {**entry, "rows": entry["rows"] + [
         {"instance_id": "e2", "data_parallel_rank": 0, "tier": "GPU", "copies": 1}]})
     assert _holders(index, H2) == {("e1", "GPU"), ("e2", "GPU")}
+
+
+def test_a_clear_of_a_source_with_several_publishers_is_left_to_the_changelog(index):
+    feed = _feed(index)
+    index.apply_entry(f"primary/{H1.hex()}", _entry([("e1", "GPU")]))
+    _apply(feed, _event(ALL_BLOCKS_CLEARED, seq=3, world_size=2))
+    # its rows stay until the changelog removes them, and the rows its workers store again are not held out
+    assert _holders(index, H1) == {("e1", "GPU")} and index.fresh.counters.left_to_changelog == 1
+    index.apply_entry(f"primary/{H1.hex()}", _entry([("e1", "GPU")]))
+    assert _holders(index, H1) == {("e1", "GPU")} and index.fresh.counters.held_out == 0
