@@ -114,10 +114,12 @@ class KafkaCluster:
     nodes: int = 3
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def kafka_cluster(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> KafkaCluster:
-    """A three-node KRaft cluster (combined nodes) for the session, started at first use and stopped at exit."""
+    """A three-node KRaft cluster (combined nodes) for one test module, stopped when the module ends: three idle
+    JVMs left running for the rest of the session slowed every later test on 2 cores (a worker's global table
+    then missed a 20 s deadline in test_fleet)."""
     data_dir = tmp_path_factory.mktemp("kafka-cluster")
-    request.config.add_cleanup(lambda: stop(data_dir))  # registered first: also runs if the start fails
+    request.addfinalizer(lambda: stop(data_dir))  # registered first: also runs if the start fails
     status = start_cluster(nodes=3, port=free_port_range(6), data_dir=data_dir, timeout_s=180)
     return KafkaCluster(data_dir, status.bootstrap_servers, 3)
