@@ -28,13 +28,12 @@ from stream_apps.index.liveness import SourceLeases
 from stream_apps.index.scoring import HolderInfo, PrefixRun, instances_answer, prefix_match_rows, table_prefix_runs
 from stream_apps.index.sources import DEFAULT_BLOCK_SIZE, DEFAULT_TENANT, SourceInfo, SourceRegistry
 from stream_apps.index.table import BlockTable, block_key, block_keys, residency_key_block
+from stream_apps.index.table_keys import PRIMARY
 
 #: Re-exported: the registry's names were defined here before :mod:`stream_apps.index.sources`.
 __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_TENANT", "FleetIndex", "IndexCounters", "SourceInfo", "SourceRegistry"]
 
 _U64 = (1 << 64) - 1
-#: Residency-table key prefix of ownership null (``stream_apps.residency.PRIMARY``).
-_PRIMARY = "primary"
 @dataclass
 class IndexCounters:
     """What the index has applied and seen (``GET /workers``, ``GET /metrics``)."""
@@ -50,7 +49,7 @@ class IndexCounters:
 
 def _parse_key(key: str) -> tuple[str | None, bytes]:
     ownership, _, hex_hash = key.rpartition("/")
-    return (None if ownership == _PRIMARY else ownership), bytes.fromhex(hex_hash)
+    return (None if ownership == PRIMARY else ownership), bytes.fromhex(hex_hash)
 
 
 class FleetIndex:
