@@ -22,6 +22,17 @@ TOPIC_LOOK_S = 1.0
 POLL_BATCH = 500
 
 
+def close_reader(look: "TopicLook", consumer: Consumer | None) -> None:
+    """Close a feed's looking consumer and its reading one (None: not opened); a consumer already closed is
+    left alone. The feeds call it from the thread that polled the consumer."""
+    look.close()
+    if consumer is not None:
+        try:
+            consumer.close()
+        except RuntimeError:
+            pass
+
+
 class TopicLook:
     """Looks for ``topic`` at most every ``every_s`` seconds with one consumer, kept from look to look until the
     topic exists and :meth:`take` hands it on to read it. A new client for each look started threads and

@@ -57,7 +57,7 @@ from schemas.block_event import (
     ROUTE_SLOTS,
     block_route,
 )
-from stream_apps.index.compacted_feed import TopicLook
+from stream_apps.index.compacted_feed import TopicLook, close_reader
 from stream_apps.index.fleet_index import FleetIndex
 from stream_apps.index.fresh import CLEAR_TIERS
 
@@ -280,13 +280,8 @@ class EventsFeed:
                     self._stop.wait(TOPIC_RETRY_S)
                 if self._consumer is None:
                     self._stop.wait(0.05)
-            self._look.close()
-            if self._consumer is not None:
-                try:
-                    self._consumer.close()
-                except RuntimeError:
-                    pass
-                self._consumer = None
+            close_reader(self._look, self._consumer)
+            self._consumer = None
         self._thread = threading.Thread(target=loop, name="kvstream-index-events", daemon=True)
         self._thread.start()
         return self._thread

@@ -25,7 +25,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 from kafka_io.config import client_config
 from kafka_io.reader import take_available
 from schemas import AvroCodec, DecodeError
-from stream_apps.index.compacted_feed import TopicLook
+from stream_apps.index.compacted_feed import TopicLook, close_reader
 from stream_apps.index.entry_reader import IndexEntryReader
 from stream_apps.index.fleet_index import FleetIndex
 
@@ -244,10 +244,5 @@ class ChangelogFeed:
             self._close_consumer()
 
     def _close_consumer(self) -> None:
-        self._look.close()
-        if self._consumer is not None:
-            try:
-                self._consumer.close()
-            except RuntimeError:
-                pass
-            self._consumer = None
+        close_reader(self._look, self._consumer)
+        self._consumer = None
